@@ -1,0 +1,1 @@
+"""Thin DVC stage shells: read inputs, call the tpgrpo library, write outputs atomically."""

@@ -1,0 +1,67 @@
+"""Stage credit: a pure function of ``probe.parquet`` and the ``credit`` params (spec sections 5-6).
+
+Needs no model and no trajectories, so every credit mode can be recomputed offline in seconds.
+Writes ``credit.parquet``: one row per (trajectory, window step).
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+import pandas as pd
+import torch
+
+from tpgrpo.advantages import group_advantages
+from tpgrpo.artifacts import IterationPaths, write_json
+from tpgrpo.config import Config
+from tpgrpo.credit import compute_credit
+from tpgrpo.pipeline import check_finite, provenance, read_parquet, stopwatch, write_parquet
+
+
+def credit_table(probe: pd.DataFrame, cfg: Config) -> pd.DataFrame:
+    """From the long probe table (rows (trajectory, step 0..K)) to the credit table (steps 0..K-1)."""
+    probe = probe.sort_values(["trajectory", "step"], kind="stable")
+    N = probe["trajectory"].nunique()
+    K1 = len(probe) // N
+    rewards = torch.tensor(probe["reward"].to_numpy().reshape(N, K1), dtype=torch.float64)
+    heads = probe[probe.step == 0].reset_index(drop=True)
+    group_ids = torch.tensor(pd.factorize(heads["prompt_id"])[0], dtype=torch.int64)
+    c = compute_credit(rewards, group_ids, mode=cfg.credit.mode, balance=cfg.credit.balance)
+    adv = group_advantages(c.step_reward, group_ids, global_std=cfg.credit.global_std, clip=cfg.credit.adv_clip)
+    K = K1 - 1
+    rep = lambda col: np.repeat(heads[col].to_numpy(), K)  # noqa: E731 - one value per trajectory
+    return pd.DataFrame({
+        "trajectory": rep("trajectory"), "prompt_id": rep("prompt_id"), "sample": rep("sample"),
+        "step": np.tile(np.arange(K), N),
+        "incremental": c.incremental.reshape(-1).numpy().astype(np.float64),
+        "aggregated": c.aggregated.reshape(-1).numpy().astype(np.float64),
+        "trend": np.repeat(c.trend.numpy().astype(np.float64), K),
+        "turning_point": c.turning_point.reshape(-1).numpy().astype(bool),
+        "step_reward": c.step_reward.reshape(-1).numpy().astype(np.float64),
+        "advantage": adv.reshape(-1).numpy().astype(np.float64),
+    })
+
+
+def run(cfg: Config, iteration: int, root: Path) -> dict:
+    paths = IterationPaths(root, iteration)
+    metrics: dict = {"iteration": iteration}
+    with stopwatch(metrics):
+        probe = read_parquet(paths.probe, "probe.parquet: run the probe stage first")
+        check_finite("probe reward", probe["reward"], str(paths.probe))
+        table = credit_table(probe, cfg)
+        check_finite("advantage", table["advantage"], f"credit of iteration {iteration}")
+        write_parquet(paths.credit, table, provenance(cfg, iteration, "credit", ("credit",)))
+    tp_by_step = table.groupby("step")["turning_point"].mean()
+    metrics.update({
+        "mode": cfg.credit.mode, "turning_point_rate": float(table["turning_point"].mean()),
+        "turning_point_rate_per_step": [float(x) for x in tp_by_step],
+        "zero_increment_fraction": float((table["incremental"] == 0).mean()),
+        "tp_positive_trend": int((table["turning_point"] & (table["trend"] > 0)).sum()),
+        "tp_negative_trend": int((table["turning_point"] & (table["trend"] < 0)).sum()),
+        "trend_mean": float(table.groupby("trajectory")["trend"].first().mean()),
+        "incremental_abs_mean": float(table["incremental"].abs().mean()),
+        "forward_passes": 0,
+    })
+    write_json(paths.credit_metrics, metrics)
+    return metrics

@@ -1,0 +1,99 @@
+"""Stage rollout: sample prompts_per_iter x group_size trajectories with the current policy.
+
+Writes ``trajectories.zarr`` (states around the SDE window, old log-probs, sigmas, seeds, final
+rewards; dimensions and units in the attributes) and ``rollout.json`` (metrics).
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+import torch
+from tqdm import tqdm
+
+from tpgrpo.artifacts import IterationPaths, atomic_path, write_json
+from tpgrpo.config import Config
+from tpgrpo.pipeline import check_finite, load_policy, provenance, sampler_spec, select_prompts, stopwatch
+from tpgrpo.seeds import sample_seed
+from tpgrpo.trajectory import rollout
+
+ARRAY_DOCS = {
+    "states": ("trajectory, state, channel, height, width", "latent z_k before window step k; z_K after the last"),
+    "log_probs": ("trajectory, window_step", "old log-prob of each window step (sampler's convention)"),
+    "sigmas": ("trajectory, state", "noise level of each stored state, unitless in [0, 1]"),
+    "seeds": ("trajectory",), "prompt_index": ("trajectory", "row of attrs['prompts']"),
+    "sample": ("trajectory", "index within its prompt group"),
+    "final_reward": ("trajectory", "reward of the final image, R_fin"),
+    "final_strict": ("trajectory", "all clauses right"),
+}
+
+
+def run(cfg: Config, iteration: int, root: Path) -> dict:
+    paths = IterationPaths(root, iteration)
+    metrics: dict = {"iteration": iteration}
+    with stopwatch(metrics):
+        metas = select_prompts(cfg, root, iteration)
+        backend = load_policy(cfg, root, iteration)
+        spec = sampler_spec(cfg)
+        G = cfg.rollout.group_size
+        prompt_index = np.repeat(np.arange(len(metas)), G)
+        sample = np.tile(np.arange(G), len(metas))
+        seeds = [sample_seed(cfg.train.seed, iteration, metas[p]["id"], int(g))
+                 for p, g in zip(prompt_index, sample)]
+        embeds = backend.encode_prompts([m["prompt"] for m in metas])
+        parts = []
+        for chunk in tqdm(np.array_split(np.arange(len(seeds)), max(1, -(-len(seeds) // cfg.rollout.batch_size))),
+                          desc=f"rollout {iteration}", unit="batch"):
+            rows = torch.as_tensor(prompt_index[chunk])
+            parts.append(rollout(backend, embeds.select(rows), [seeds[i] for i in chunk], spec))
+        states = torch.cat([p.states for p in parts]).numpy()
+        log_probs = torch.cat([p.log_probs for p in parts]).numpy()
+        images = backend.decode(torch.cat([p.final for p in parts]))
+        scored = _score(cfg.task.reward, images, [metas[p] for p in prompt_index])
+        check_finite("old log-probs", log_probs, f"rollout of iteration {iteration}")
+        arrays = {
+            "states": states, "log_probs": log_probs,
+            "sigmas": np.tile(spec.window_sigmas().numpy(), (len(seeds), 1)),
+            "seeds": np.asarray(seeds, dtype=np.int64), "prompt_index": prompt_index.astype(np.int32),
+            "sample": sample.astype(np.int32), "final_reward": scored.reward.astype(np.float64),
+            "final_strict": scored.strict.astype(bool),
+        }
+        attrs = {"prompts": metas, "schedule_sigmas": spec.sigmas.tolist(), "group_size": G,
+                 "window_start": spec.window_start, "window_size": spec.window_size,
+                 "step_kind": spec.step_kind, "noise_level": spec.noise_level,
+                 "guidance_scale": spec.guidance_scale, "reward": cfg.task.reward,
+                 **provenance(cfg, iteration, "rollout", ("model", "task", "sampling", "rollout", "train"))}
+        write_zarr(paths.trajectories, arrays, attrs)
+    metrics.update(_metrics(arrays, spec, len(seeds)))
+    write_json(paths.rollout_metrics, metrics)
+    return metrics
+
+
+def _score(reward_name: str, images: np.ndarray, metas: list[dict]):
+    from tpgrpo.tasks.rewards import get_reward
+
+    scored = get_reward(reward_name)(images, metas)
+    check_finite(f"reward {reward_name}", scored.reward, "rollout final images")
+    return scored
+
+
+def _metrics(arrays: dict, spec, n: int) -> dict:
+    T = spec.num_steps
+    return {"mean_reward": float(arrays["final_reward"].mean()),
+            "strict_accuracy": float(arrays["final_strict"].mean()),
+            "trajectories": n, "forward_passes": n * T, "cfg_doubled": spec.guidance_scale != 1.0}
+
+
+def write_zarr(path: Path, arrays: dict[str, np.ndarray], attrs: dict) -> None:
+    """Write the trajectory store atomically; each array gets its dimension names and meaning."""
+    import zarr
+
+    with atomic_path(path) as tmp:
+        group = zarr.open_group(str(tmp), mode="w")
+        for name, data in arrays.items():
+            chunks = (min(64, data.shape[0]),) + data.shape[1:]
+            arr = group.create_array(name, data=data, chunks=chunks)
+            doc = ARRAY_DOCS[name]
+            arr.attrs.update({"dims": doc[0].split(", "), "meaning": doc[-1]})
+        group.attrs.update(attrs)

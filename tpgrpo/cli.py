@@ -1,0 +1,129 @@
+"""The ``tpgrpo`` command line (typer). Heavy imports (torch, diffusers) happen inside commands."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Annotated, Optional
+
+import typer
+
+app = typer.Typer(help="TP-GRPO post-training of flow-matching text-to-image models.",
+                  no_args_is_help=True, pretty_exceptions_enable=False)
+stage_app = typer.Typer(help="Run one pipeline stage of one iteration (what dvc.yaml calls).",
+                        no_args_is_help=True)
+app.add_typer(stage_app, name="stage")
+
+STAGES = ("rollout", "probe", "credit", "update", "eval")
+
+ParamsOpt = Annotated[Path, typer.Option("--params", help="params.yaml to read")]
+IterOpt = Annotated[int, typer.Option("--iter", min=0, help="iteration number (0-based)")]
+
+
+def _fail(message: str) -> None:
+    """Print a one-line error and exit non-zero (no traceback for expected errors)."""
+    typer.echo(f"error: {message}", err=True)
+    raise typer.Exit(code=2)
+
+
+def _run_stage(name: str, iteration: int | None, params: Path) -> None:
+    from tpgrpo.config import ConfigError, load_config
+    from tpgrpo.errors import PipelineError
+
+    try:
+        cfg = load_config(params)
+        import importlib
+
+        module = importlib.import_module(f"stages.{name}")
+        module.run(cfg, iteration, root=Path(params).resolve().parent)
+    except (ConfigError, PipelineError, FileNotFoundError) as exc:
+        _fail(str(exc))
+
+
+def _make_stage_command(name: str):
+    def command(iteration: IterOpt, params: ParamsOpt = Path("params.yaml")) -> None:
+        _run_stage(name, iteration, params)
+
+    command.__doc__ = f"Run the {name} stage of iteration --iter."
+    return command
+
+
+for _name in STAGES:
+    stage_app.command(_name)(_make_stage_command(_name))
+
+
+@stage_app.command("baseline")
+def baseline_stage(params: ParamsOpt = Path("params.yaml")) -> None:
+    """Evaluate the base model (the curves' starting point)."""
+    _run_stage("baseline", None, params)
+
+
+@stage_app.command("summary")
+def summary_stage(params: ParamsOpt = Path("params.yaml")) -> None:
+    """Collect every iteration's metrics into data/metrics/history.csv and summary.json."""
+    _run_stage("summary", None, params)
+
+
+@app.command("dvc-yaml")
+def dvc_yaml_command(params: ParamsOpt = Path("params.yaml")) -> None:
+    """Render dvc.yaml from params.yaml (one set of stages per iteration)."""
+    from tpgrpo.config import ConfigError, load_config
+    from tpgrpo.dvcfile import write_dvc_yaml
+
+    try:
+        cfg = load_config(params)
+    except ConfigError as exc:
+        _fail(str(exc))
+    changed = write_dvc_yaml(cfg, Path(params).resolve().parent)
+    typer.echo("dvc.yaml updated" if changed else "dvc.yaml up to date")
+
+
+@app.command("run")
+def run_command(params: ParamsOpt = Path("params.yaml")) -> None:
+    """The main job: render dvc.yaml, then `dvc repro` (trains train.iterations iterations)."""
+    import os
+    import subprocess
+    import sys
+
+    dvc_yaml_command(params)
+    root = Path(params).resolve().parent
+    env = dict(os.environ, DVC_NO_ANALYTICS="1")
+    # Stage commands call `tpgrpo`: make this interpreter's scripts folder come first on PATH.
+    env["PATH"] = str(Path(sys.executable).parent) + os.pathsep + env.get("PATH", "")
+    if not (root / ".dvc").is_dir():
+        subprocess.run([sys.executable, "-m", "dvc", "init", "-q"], cwd=root, env=env, check=True)
+        for key in ("core.analytics", "core.check_update"):
+            subprocess.run([sys.executable, "-m", "dvc", "config", key, "false"], cwd=root, env=env, check=True)
+    code = subprocess.run([sys.executable, "-m", "dvc", "repro"], cwd=root, env=env).returncode
+    if code != 0:
+        _fail(f"dvc repro failed with exit code {code}")
+
+
+@app.command("prompts")
+def prompts_command(
+    out_dir: Annotated[Path, typer.Option(help="folder for the prompt JSONL files")] = Path("data/prompts"),
+) -> None:
+    """Generate the task prompt files (deterministic)."""
+    from tpgrpo.tasks.prompts import write_prompt_files
+
+    for path in write_prompt_files(out_dir):
+        typer.echo(str(path))
+
+
+@app.command("pretrain")
+def pretrain_cli(
+    out_dir: Annotated[Path, typer.Option(help="where to save the base model")] = Path("data/base"),
+    seed: Annotated[int, typer.Option(help="training seed")] = 0,
+    minutes: Annotated[Optional[float], typer.Option(help="wall-clock budget, minutes")] = None,
+    steps: Annotated[Optional[int], typer.Option(help="optimizer steps (instead of minutes)")] = None,
+    batch_size: Annotated[int, typer.Option(help="images per step")] = 64,
+) -> None:
+    """Pretrain the embedded tiny text-to-image model on rendered task images."""
+    from tpgrpo.pretrain import pretrain
+
+    if minutes is None and steps is None:
+        _fail("pretrain: give --minutes or --steps")
+    pretrain(str(out_dir), seed=seed, minutes=minutes, steps=steps, batch_size=batch_size)
+
+
+def main() -> None:  # pragma: no cover - console entry point
+    app()

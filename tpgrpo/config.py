@@ -1,0 +1,226 @@
+"""The typed, validated configuration loaded from ``params.yaml``.
+
+``params.yaml`` is the one place values live, one section per concern. Every field below has a
+docstring-style comment with its unit. Loading is strict: an unknown key, a missing key, a value of the
+wrong type or out of range raises :class:`ConfigError` with one line naming the key and what is expected.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import json
+import math
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, get_type_hints
+
+import yaml
+
+
+class ConfigError(ValueError):
+    """A bad ``params.yaml``: the message names the key and what is expected."""
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    kind: str = "tiny"  # backend: tiny | sd3 | flux
+    path: str = "data/base"  # local folder in the diffusers save_pretrained layout
+    device: str = "cpu"  # torch device for every model stage
+    dtype: str = "fp32"  # fp32 | bf16 | fp16 (the step maths always runs in fp32)
+
+
+@dataclass(frozen=True)
+class TaskConfig:
+    train_prompts: str = "data/prompts/compositional_train.jsonl"  # JSONL of prompt metadata
+    eval_prompts: str = "data/prompts/compositional_eval.jsonl"  # held-out JSONL
+    reward: str = "geneval_soft"  # reward name from tpgrpo.tasks.rewards (training signal)
+    eval_reward: str = "geneval"  # reward reported at eval (strict accuracy comes with it)
+
+
+@dataclass(frozen=True)
+class SamplingConfig:
+    num_steps: int = 10  # T, denoising steps per rollout
+    shift: float = 1.0  # FlowMatchEulerDiscreteScheduler shift (SD3.5-M: 3)
+    guidance_scale: float = 4.5  # classifier-free guidance g
+    step_kind: str = "sde"  # stochastic step: sde (Flow-GRPO) | cps (coefficients-preserving)
+    noise_level: float = 0.7  # eta (the paper's alpha)
+    window_start: int = 0  # first stochastic step
+    window_size: int = 9  # w, number of stochastic (stored, trained) steps
+
+
+@dataclass(frozen=True)
+class RolloutConfig:
+    prompts_per_iter: int = 8  # prompt groups per iteration
+    group_size: int = 8  # G, samples per prompt
+    batch_size: int = 64  # images per forward pass (memory knob, no effect on results)
+
+
+@dataclass(frozen=True)
+class ProbeConfig:
+    batch_size: int = 128  # states per forward pass during ODE completion
+
+
+@dataclass(frozen=True)
+class CreditConfig:
+    mode: str = "tp"  # tp | tp_unconstrained | incremental | flow_grpo
+    balance: str = "group"  # turning-point sign balancing: group | none
+    global_std: bool = False  # normalise by the std over the whole iteration (per step)
+    adv_clip: float = 5.0  # advantages clipped to [-adv_clip, adv_clip]
+
+
+@dataclass(frozen=True)
+class UpdateConfig:
+    lora_rank: int = 16  # LoRA rank r on the attention projections
+    lora_alpha: int = 32  # LoRA alpha (scale alpha / r)
+    lr: float = 3e-4  # AdamW learning rate
+    weight_decay: float = 1e-4  # AdamW weight decay
+    clip_range: float = 1e-4  # PPO ratio clip eps
+    kl_beta: float = 0.0  # weight of the KL to the adapter-disabled reference
+    optimizer_steps_per_iter: int = 2  # optimizer steps per iteration (gradient accumulation)
+    micro_batch: int = 32  # transitions per backward pass (memory knob)
+    max_grad_norm: float = 1.0  # gradient-norm clip
+    ema: bool = False  # keep an EMA of the LoRA weights for eval/export
+
+
+@dataclass(frozen=True)
+class EvalConfig:
+    every: int = 1  # evaluate after every N iterations (0 = never)
+    num_steps: int = 40  # ODE steps at eval
+    num_prompts: int = 32  # held-out prompts evaluated (first N of the eval file)
+    samples_per_prompt: int = 2  # seeds per prompt
+
+
+@dataclass(frozen=True)
+class TrainConfig:
+    iterations: int = 4  # RL iterations that `dvc repro` runs
+    seed: int = 0  # run seed: every sample's seed derives from (seed, iteration, prompt, sample)
+
+
+@dataclass(frozen=True)
+class Config:
+    model: ModelConfig = field(default_factory=ModelConfig)
+    task: TaskConfig = field(default_factory=TaskConfig)
+    sampling: SamplingConfig = field(default_factory=SamplingConfig)
+    rollout: RolloutConfig = field(default_factory=RolloutConfig)
+    probe: ProbeConfig = field(default_factory=ProbeConfig)
+    credit: CreditConfig = field(default_factory=CreditConfig)
+    update: UpdateConfig = field(default_factory=UpdateConfig)
+    eval: EvalConfig = field(default_factory=EvalConfig)
+    train: TrainConfig = field(default_factory=TrainConfig)
+
+    def section_hash(self, *sections: str) -> str:
+        """Short sha256 of the named sections, recorded in artifacts to tie them to their params."""
+        payload = {name: dataclasses.asdict(getattr(self, name)) for name in sections}
+        return hashlib.sha256(json.dumps(payload, sort_keys=True).encode()).hexdigest()[:16]
+
+
+CHOICES = {
+    "model.kind": ("tiny", "sd3", "flux"),
+    "model.dtype": ("fp32", "bf16", "fp16"),
+    "sampling.step_kind": ("sde", "cps"),
+    "credit.mode": ("tp", "tp_unconstrained", "incremental", "flow_grpo"),
+    "credit.balance": ("group", "none"),
+}
+POSITIVE = {
+    "sampling.num_steps", "sampling.shift", "rollout.prompts_per_iter", "rollout.group_size",
+    "rollout.batch_size", "probe.batch_size", "update.lora_rank", "update.lora_alpha", "update.lr",
+    "update.clip_range", "update.optimizer_steps_per_iter", "update.micro_batch",
+    "update.max_grad_norm", "credit.adv_clip", "eval.num_steps", "eval.num_prompts",
+    "eval.samples_per_prompt", "train.iterations",
+}
+NON_NEGATIVE = {
+    "sampling.guidance_scale", "sampling.noise_level", "sampling.window_start",
+    "sampling.window_size", "update.weight_decay", "update.kl_beta", "eval.every", "train.seed",
+}
+
+
+def _coerce(key: str, value: Any, kind: type) -> Any:
+    """Check ``value`` against the annotated type; ints are accepted where floats are expected."""
+    if kind is bool:
+        ok = isinstance(value, bool)
+    elif kind is int:
+        ok = isinstance(value, int) and not isinstance(value, bool)
+    elif kind is float:
+        ok = isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
+        value = float(value) if ok else value
+    else:
+        ok = isinstance(value, kind)
+    if not ok:
+        raise ConfigError(f"params: {key} = {value!r}: expected {kind.__name__}")
+    return value
+
+
+def _check_range(key: str, value: Any) -> None:
+    if key in CHOICES and value not in CHOICES[key]:
+        raise ConfigError(f"params: {key} = {value!r}: expected one of {', '.join(CHOICES[key])}")
+    if key in POSITIVE and value <= 0:
+        raise ConfigError(f"params: {key} = {value!r}: expected a value > 0")
+    if key in NON_NEGATIVE and value < 0:
+        raise ConfigError(f"params: {key} = {value!r}: expected a value >= 0")
+
+
+def _build_section(name: str, cls: type, raw: Any) -> Any:
+    if not isinstance(raw, dict):
+        raise ConfigError(f"params: {name}: expected a mapping of keys, got {type(raw).__name__}")
+    hints = get_type_hints(cls)
+    names = [f.name for f in dataclasses.fields(cls)]
+    for key in raw:
+        if key not in hints:
+            raise ConfigError(f"params: unknown key {name}.{key} (known: {', '.join(names)})")
+    values = {}
+    for key in names:
+        if key not in raw:
+            raise ConfigError(f"params: missing key {name}.{key}")
+        values[key] = _coerce(f"{name}.{key}", raw[key], hints[key])
+        _check_range(f"{name}.{key}", values[key])
+    return cls(**values)
+
+
+def _check_consistency(cfg: Config) -> None:
+    s = cfg.sampling
+    if s.window_start + s.window_size > s.num_steps:
+        raise ConfigError(
+            f"params: sampling.window_start + sampling.window_size = {s.window_start + s.window_size}: "
+            f"expected <= sampling.num_steps ({s.num_steps})")
+    if s.window_size < 1:
+        raise ConfigError("params: sampling.window_size = 0: expected at least one stochastic step")
+    if cfg.rollout.group_size < 2:
+        raise ConfigError(
+            f"params: rollout.group_size = {cfg.rollout.group_size}: expected >= 2 (GRPO needs a group)")
+
+
+def config_from_dict(raw: Any) -> Config:
+    """Build a validated :class:`Config` from a parsed ``params.yaml`` mapping."""
+    if not isinstance(raw, dict):
+        raise ConfigError("params: expected a mapping of sections at the top level")
+    hints = get_type_hints(Config)
+    for name in raw:
+        if name not in hints:
+            raise ConfigError(f"params: unknown section {name!r} (known: {', '.join(hints)})")
+    sections = {}
+    for name, cls in hints.items():
+        if name not in raw:
+            raise ConfigError(f"params: missing section {name}")
+        sections[name] = _build_section(name, cls, raw[name])
+    cfg = Config(**sections)
+    _check_consistency(cfg)
+    return cfg
+
+
+def load_config(path: str | Path = "params.yaml", overrides: dict[str, Any] | None = None) -> Config:
+    """Load and validate ``params.yaml``; ``overrides`` maps dotted keys (``"credit.mode"``) to values."""
+    path = Path(path)
+    if not path.is_file():
+        raise ConfigError(f"params: file {path} not found (expected the project's params.yaml)")
+    try:
+        raw = yaml.safe_load(path.read_text())
+    except yaml.YAMLError as exc:
+        first = str(exc).splitlines()[0] if str(exc) else "invalid YAML"
+        raise ConfigError(f"params: {path} is not valid YAML: {first}") from None
+    for dotted, value in (overrides or {}).items():
+        section, _, key = dotted.partition(".")
+        if not isinstance(raw, dict) or not isinstance(raw.get(section), dict) or not key:
+            raise ConfigError(f"params: override {dotted!r}: expected section.key of params.yaml")
+        raw[section][key] = value
+    return config_from_dict(raw)

@@ -1,0 +1,5 @@
+"""Errors a user can act on; the CLI prints them as one line and exits non-zero."""
+
+
+class PipelineError(RuntimeError):
+    """A stage cannot run: missing input artifact, out-of-order stage, non-finite values, ..."""

@@ -1,0 +1,123 @@
+"""What the stages share: prompts of an iteration, the policy of an iteration, tables with provenance.
+
+Stages (``stages/*.py``) stay thin: they read inputs, call these helpers and the maths, and write outputs
+with :mod:`tpgrpo.artifacts`.
+"""
+
+from __future__ import annotations
+
+import platform
+import time
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Any, Iterator
+
+import numpy as np
+
+from tpgrpo import __version__
+from tpgrpo.artifacts import IterationPaths, atomic_path, require
+from tpgrpo.config import Config
+from tpgrpo.errors import PipelineError
+from tpgrpo.seeds import sample_seed
+
+
+def resolve(root: Path, path: str) -> Path:
+    """A params path relative to the project root (absolute paths pass through)."""
+    p = Path(path)
+    return p if p.is_absolute() else root / p
+
+
+def select_prompts(cfg: Config, root: Path, iteration: int) -> list[dict]:
+    """The ``rollout.prompts_per_iter`` training prompts of an iteration, drawn by a stable seed."""
+    from tpgrpo.tasks.prompts import load_prompts
+
+    metas = load_prompts(require(resolve(root, cfg.task.train_prompts), "task.train_prompts"))
+    n = cfg.rollout.prompts_per_iter
+    if n > len(metas):
+        raise PipelineError(f"rollout.prompts_per_iter = {n} but {cfg.task.train_prompts} has {len(metas)}")
+    rng = np.random.default_rng(sample_seed(cfg.train.seed, iteration, "prompt-choice", 0))
+    return [metas[i] for i in sorted(rng.choice(len(metas), size=n, replace=False))]
+
+
+def sampler_spec(cfg: Config, num_steps: int | None = None, stochastic: bool = True):
+    """The rollout's :class:`SamplerSpec`; ``stochastic=False`` gives a pure ODE sampler (eval)."""
+    from tpgrpo.schedule import flow_sigmas
+    from tpgrpo.trajectory import SamplerSpec
+
+    s = cfg.sampling
+    return SamplerSpec(
+        sigmas=flow_sigmas(num_steps or s.num_steps, s.shift),
+        window_start=s.window_start, window_size=s.window_size if stochastic else 0,
+        step_kind=s.step_kind, noise_level=s.noise_level, guidance_scale=s.guidance_scale)
+
+
+def load_policy(cfg: Config, root: Path, iteration: int, trainable: bool = False):
+    """The backend with the LoRA policy that iteration ``iteration`` samples from.
+
+    Iteration 0 samples from the base model (a fresh LoRA is zero at init, so attaching it changes
+    nothing); iteration i > 0 loads the adapter that iteration i - 1's update wrote.
+    """
+    import torch
+
+    from tpgrpo.models import load_backend
+    from tpgrpo.policy import attach_lora
+
+    backend = load_backend(cfg.model.kind, resolve(root, cfg.model.path), cfg.model.device, cfg.model.dtype)
+    previous = IterationPaths(root, iteration).previous()
+    adapter = None
+    if previous is not None:
+        adapter = require(previous.policy, f"policy of iteration {iteration - 1}: run its update first")
+    if adapter is not None or trainable:
+        # LoRA A is drawn at random: seed it so an interrupted run re-creates the same start.
+        torch.manual_seed(sample_seed(cfg.train.seed, 0, "lora-init", 0))
+        attach_lora(backend, cfg.update.lora_rank, cfg.update.lora_alpha, adapter_dir=adapter)
+    return backend
+
+
+def provenance(cfg: Config, iteration: int, stage: str, sections: tuple[str, ...]) -> dict[str, str]:
+    """Metadata every artifact carries: what made it, from which params, with which versions."""
+    import torch
+
+    return {
+        "tpgrpo_version": __version__, "stage": stage, "iteration": str(iteration),
+        "config_hash": cfg.section_hash(*sections), "torch_version": torch.__version__,
+        "python_version": platform.python_version(),
+    }
+
+
+def write_parquet(path: Path, frame, metadata: dict[str, str]) -> None:
+    """Write a pandas DataFrame to Parquet atomically, with ``metadata`` in the schema.
+
+    Nothing time-dependent goes in, so two runs with the same params give byte-identical files.
+    """
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    table = pa.Table.from_pandas(frame, preserve_index=False)
+    meta = dict(table.schema.metadata or {})
+    meta.update({f"tpgrpo.{k}".encode(): str(v).encode() for k, v in metadata.items()})
+    with atomic_path(path) as tmp:
+        pq.write_table(table.replace_schema_metadata(meta), tmp)
+
+
+def read_parquet(path: Path, what: str):
+    import pandas as pd
+
+    return pd.read_parquet(require(path, what))
+
+
+def check_finite(name: str, values: Any, where: str) -> None:
+    """Refuse NaN or infinite values with one line naming the quantity and where it came from."""
+    arr = np.asarray(values, dtype=np.float64)
+    bad = ~np.isfinite(arr)
+    if bad.any():
+        first = np.argwhere(bad)[0].tolist()
+        raise PipelineError(f"{name} has {int(bad.sum())} non-finite values in {where} (first at {first})")
+
+
+@contextmanager
+def stopwatch(metrics: dict[str, Any], key: str = "wall_seconds") -> Iterator[None]:
+    """Record the wall time of the block into ``metrics[key]`` (seconds)."""
+    start = time.perf_counter()
+    yield
+    metrics[key] = round(time.perf_counter() - start, 3)

@@ -1,0 +1,122 @@
+"""Rollout and probe loops over a model backend (spec sections 3-4). No file I/O here.
+
+Notation: T denoising steps with sigmas ``s_0 = 1 > ... > s_T = 0`` (shape ``(T + 1,)``); a window of K
+stochastic steps ``[start, start + K)``. For each trajectory the rollout keeps the K + 1 states around the
+window, ``z_k`` = the latent before window step k (``z_K`` = after the last one), and the K old log-probs.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Callable, Sequence
+
+import torch
+
+from tpgrpo.sampling import ode_step, stochastic_step
+
+
+@dataclass(frozen=True)
+class SamplerSpec:
+    """What a rollout needs to know about the sampler.
+
+    sigmas: (T + 1,) float32 schedule; window_start/window_size: the stochastic steps; step_kind: sde | cps;
+    noise_level: eta; guidance_scale: CFG scale g.
+    """
+
+    sigmas: torch.Tensor
+    window_start: int
+    window_size: int
+    step_kind: str
+    noise_level: float
+    guidance_scale: float
+
+    @property
+    def num_steps(self) -> int:
+        return self.sigmas.numel() - 1
+
+    def is_stochastic(self, step: int) -> bool:
+        return self.window_start <= step < self.window_start + self.window_size
+
+    def window_sigmas(self) -> torch.Tensor:
+        """(K + 1,) sigmas of the states z_0..z_K kept around the window."""
+        return self.sigmas[self.window_start:self.window_start + self.window_size + 1].clone()
+
+
+@dataclass(frozen=True)
+class Trajectories:
+    """A batch of N rollouts: ``states`` (N, K+1, C, H, W) float32, ``log_probs`` (N, K) float32 (old
+    log-probs of the window steps), ``final`` (N, C, H, W) the latent at sigma 0."""
+
+    states: torch.Tensor
+    log_probs: torch.Tensor
+    final: torch.Tensor
+
+
+def step_noise_generators(seeds: Sequence[int]) -> list[torch.Generator]:
+    """One CPU generator per sample for the SDE noise, independent of the initial-noise stream."""
+    return [torch.Generator().manual_seed((seed * 2654435761 + 97) % (1 << 63)) for seed in seeds]
+
+
+def _draw_noise(generators: list[torch.Generator], shape: tuple[int, ...]) -> torch.Tensor:
+    # Per-sample generators: a sample's noise depends only on its own seed, not on its batch.
+    return torch.stack([torch.randn(shape, generator=g) for g in generators])
+
+
+@torch.no_grad()
+def rollout(backend, embeds, seeds: Sequence[int], spec: SamplerSpec) -> Trajectories:
+    """Sample one batch of trajectories: SDE inside the window, ODE outside, CFG throughout.
+
+    ``embeds`` holds one prompt embedding per sample (already selected to the batch's rows);
+    ``seeds`` (N ints) give the initial noise and the per-step noise of each sample.
+    """
+    x = backend.initial_noise(list(seeds)).to(torch.float32)
+    generators = step_noise_generators(seeds)
+    sigmas, last_window_step = spec.sigmas, spec.window_start + spec.window_size - 1
+    states, log_probs = [], []
+    for step in range(spec.num_steps):
+        s, s_next = float(sigmas[step]), float(sigmas[step + 1])
+        v = velocity_at(backend, x, s, embeds, spec.guidance_scale)
+        if not spec.is_stochastic(step):
+            x = ode_step(x, v, s, s_next)
+            continue
+        states.append(x)
+        noise = _draw_noise(generators, tuple(x.shape[1:]))
+        out = stochastic_step(spec.step_kind, x, v, s, s_next, spec.noise_level,
+                              sigma_at_one=float(sigmas[1]), noise=noise)
+        x = out.prev_sample
+        log_probs.append(out.log_prob)
+        if step == last_window_step:
+            states.append(x)  # z_K: its ODE completion is this rollout's own final image
+    return Trajectories(torch.stack(states, 1), torch.stack(log_probs, 1), x)
+
+
+def velocity_at(backend, x: torch.Tensor, sigma, embeds, guidance_scale: float) -> torch.Tensor:
+    """Guided velocity (B, C, H, W) float32 on the CPU for states ``x`` at scalar or (B,) ``sigma``."""
+    sigma = torch.as_tensor(sigma, dtype=torch.float32).expand(x.shape[0]).contiguous()
+    v = backend.velocity(x.to(backend.device), sigma.to(backend.device), embeds, guidance_scale)
+    return v.float().cpu()
+
+
+@torch.no_grad()
+def ode_complete(backend, states: torch.Tensor, start_steps: torch.Tensor, sigmas: torch.Tensor,
+                 embeds, guidance_scale: float, batch_size: int,
+                 on_step: Callable[[int], None] | None = None) -> tuple[torch.Tensor, int]:
+    """ODE-complete M states to sigma 0 (spec section 4), batching all states at the same sigma.
+
+    states: (M, C, H, W) float32, state m sits at sigma ``sigmas[start_steps[m]]``; embeds: one row per
+    state. The states advance in lockstep: at step j every state with ``start <= j`` is at ``s_j``, so
+    one batched pass serves them all. Returns the (M, C, H, W) final latents and the number of model
+    forward passes (one per state per step, not counting the CFG doubling).
+    """
+    x = states.to(torch.float32).clone()
+    num_steps = sigmas.numel() - 1
+    passes = 0
+    for j in range(int(start_steps.min()), num_steps):
+        active = torch.nonzero(start_steps <= j).flatten()
+        for chunk in active.split(batch_size):
+            v = velocity_at(backend, x[chunk], float(sigmas[j]), embeds.select(chunk), guidance_scale)
+            x[chunk] = ode_step(x[chunk], v, float(sigmas[j]), float(sigmas[j + 1]))
+            passes += chunk.numel()
+        if on_step is not None:
+            on_step(j)
+    return x, passes
