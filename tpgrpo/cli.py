@@ -90,7 +90,8 @@ def run_command(params: ParamsOpt = Path("params.yaml")) -> None:
     # Stage commands call `tpgrpo`: make this interpreter's scripts folder come first on PATH.
     env["PATH"] = str(Path(sys.executable).parent) + os.pathsep + env.get("PATH", "")
     if not (root / ".dvc").is_dir():
-        subprocess.run([sys.executable, "-m", "dvc", "init", "-q"], cwd=root, env=env, check=True)
+        scm = [] if (root / ".git").exists() else ["--no-scm"]
+        subprocess.run([sys.executable, "-m", "dvc", "init", "-q", *scm], cwd=root, env=env, check=True)
         for key in ("core.analytics", "core.check_update"):
             subprocess.run([sys.executable, "-m", "dvc", "config", key, "false"], cwd=root, env=env, check=True)
     code = subprocess.run([sys.executable, "-m", "dvc", "repro"], cwd=root, env=env).returncode
