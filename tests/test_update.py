@@ -1,0 +1,163 @@
+"""The policy update: first-pass ratio, direction of the update, NaN guards, exact resume."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+import torch
+
+from tpgrpo import policy
+from tpgrpo.config import SamplingConfig, UpdateConfig
+from tpgrpo.errors import PipelineError
+from tpgrpo.models.tiny import TinyConfig, build_tiny
+from tpgrpo.sampling import ode_step, stochastic_step
+from tpgrpo.schedule import flow_sigmas
+from tpgrpo.update import (TransitionBatch, load_training_state, make_optimizer, save_policy,
+                           update_policy)
+
+TINY = TinyConfig(image_size=16, patch_size=4, num_layers=2, num_heads=2, head_dim=8, text_layers=1,
+                  text_hidden=16, text_heads=2, text_intermediate=32, max_length=8)
+PROMPTS = ["red circle", "blue square"]
+T, K = 4, 3  # steps 0..2 stochastic (the window), step 3 (-> sigma 0) ODE
+UPD = UpdateConfig(lora_rank=4, lora_alpha=8, lr=1e-2, weight_decay=0.0, clip_range=0.2, kl_beta=0.0,
+                   optimizer_steps_per_iter=2, micro_batch=4, max_grad_norm=1.0, ema=False)
+
+
+def sampling(kind: str = "sde") -> SamplingConfig:
+    return SamplingConfig(num_steps=T, shift=1.0, guidance_scale=3.0, step_kind=kind, noise_level=0.7,
+                          window_start=0, window_size=K)
+
+
+def make_policy(seed_lora: int | None = 1):
+    """Tiny backend + LoRA (random nonzero adapter weights, so 'the same policy' is not the base)."""
+    backend = build_tiny(TINY, seed=0, words=["red", "blue", "circle", "square"], charset="ab")
+    policy.attach_lora(backend, UPD.lora_rank, UPD.lora_alpha)
+    if seed_lora is not None:
+        gen = torch.Generator().manual_seed(seed_lora)
+        with torch.no_grad():
+            for _, p in policy.lora_parameters(backend):
+                p.copy_(torch.randn(p.shape, generator=gen) * 0.1)
+    return backend, backend.encode_prompts(PROMPTS)
+
+
+@torch.no_grad()
+def rollout(backend, embeds, kind: str, n: int = 8, seed: int = 0) -> TransitionBatch:
+    """n samples (prompts alternating) over the window with the current policy, as the rollout stores them."""
+    sig = flow_sigmas(T)
+    gen = torch.Generator().manual_seed(seed)
+    prompt_index = torch.arange(n) % len(PROMPTS)
+    emb = embeds.select(prompt_index)
+    x = torch.randn(n, *backend.latent_shape, generator=gen)
+    states, logps = [x], []
+    for k in range(K):
+        v = backend.velocity(x, sig[k].expand(n), emb, sampling(kind).guidance_scale)
+        out = stochastic_step(kind, x, v, sig[k], sig[k + 1], 0.7, sigma_at_one=float(sig[1]), generator=gen)
+        x = out.prev_sample
+        states.append(x)
+        logps.append(out.log_prob)
+    assert not torch.equal(states[-1], ode_step(states[-2], v, sig[K - 1], sig[K]))  # really stochastic
+    return TransitionBatch(latents=torch.stack(states, 1), old_log_probs=torch.stack(logps, 1),
+                           sigmas=sig[:K + 1].expand(n, K + 1).clone(), prompt_index=prompt_index,
+                           sigma_at_one=float(sig[1]))
+
+
+@torch.no_grad()
+def log_probs(backend, embeds, batch: TransitionBatch, kind: str) -> torch.Tensor:
+    """(N, K) log-probs of the stored transitions under the current policy."""
+    out = []
+    for k in range(K):
+        x, s = batch.latents[:, k], batch.sigmas[:, k]
+        v = backend.velocity(x, s, embeds.select(batch.prompt_index), sampling(kind).guidance_scale)
+        step = stochastic_step(kind, x, v, s, batch.sigmas[:, k + 1], 0.7, sigma_at_one=batch.sigma_at_one,
+                               prev_sample=batch.latents[:, k + 1])
+        out.append(step.log_prob)
+    return torch.stack(out, 1)
+
+
+@pytest.mark.parametrize("kind,kl_beta", [("sde", 0.0), ("cps", 0.0), ("sde", 1e-2)])
+def test_first_pass_ratio_is_one_on_fresh_data(kind, kl_beta):
+    backend, embeds = make_policy()
+    batch = rollout(backend, embeds, kind)
+    adv = torch.randn(8, K, generator=torch.Generator().manual_seed(3))
+    cfg = dataclasses.replace(UPD, kl_beta=kl_beta, lr=1e-3)
+    metrics = update_policy(backend, embeds, batch, adv, sampling(kind), cfg, make_optimizer(backend, cfg),
+                            seed=0)
+    assert metrics["first_pass_ratio_max_dev"] < 1e-5
+    assert metrics["num_transitions"] == 8 * K and metrics["optimizer_steps"] == 2
+    assert metrics["approx_kl_after"] > 0  # the policy moved
+    assert all(v is not None and v < 1e-5 for v in metrics["first_pass_ratio_dev_per_step"])
+    assert (metrics["kl"] > 0) == (kl_beta > 0)
+    assert metrics["forward_passes"] == 8 * K * (2 if kl_beta else 1) + min(64, 8 * K)
+
+
+@pytest.mark.parametrize("kind", ["sde", "cps"])
+def test_update_raises_positive_and_lowers_negative_log_probs(kind):
+    backend, embeds = make_policy()
+    batch = rollout(backend, embeds, kind)
+    sign = torch.tensor([1.0, 1.0, -1.0, -1.0, 1.0, -1.0, -1.0, 1.0])  # both prompts get both signs
+    adv = sign[:, None].expand(8, K).clone()
+    before = log_probs(backend, embeds, batch, kind)
+    torch.testing.assert_close(before, batch.old_log_probs, rtol=0, atol=1e-5)
+    update_policy(backend, embeds, batch, adv, sampling(kind), UPD, make_optimizer(backend, UPD), seed=0)
+    delta = (log_probs(backend, embeds, batch, kind) - before).mean(dim=1)  # (N,)
+    # Per sign group (robust to the shuffle seed; single samples can move against their sign).
+    assert delta[sign > 0].mean() > 0 > delta[sign < 0].mean(), delta
+
+
+def test_zero_advantage_samples_are_dropped():
+    backend, embeds = make_policy()
+    batch = rollout(backend, embeds, "sde")
+    adv = torch.zeros(8, K)
+    adv[0, 1], adv[3] = 1.0, -1.0
+    opt = make_optimizer(backend, UPD)
+    metrics = update_policy(backend, embeds, batch, adv, sampling(), UPD, opt, seed=0)
+    assert metrics["num_transitions"] == 1 + K and metrics["num_samples"] == 2
+
+
+@pytest.mark.parametrize("where", ["advantages", "latents", "velocity"])
+def test_non_finite_values_raise_and_leave_weights_untouched(where, monkeypatch):
+    backend, embeds = make_policy()
+    batch = rollout(backend, embeds, "sde")
+    adv = torch.ones(8, K)
+    if where == "advantages":
+        adv[2, 1] = float("nan")
+    elif where == "latents":
+        batch.latents[5, 2, 0, 3, 3] = float("inf")
+    else:  # the model itself produces NaN during the update
+        monkeypatch.setattr(backend, "velocity", lambda x, *a, **k: torch.full_like(x, float("nan")))
+    before = policy.lora_state_dict(backend)
+    message = {"advantages": "advantages has 1 non-finite value.*sample 2, window step 1",
+               "latents": "latents has 1 non-finite value.*sample 5, window step 2",
+               "velocity": r"iteration 7, optimizer step 1/2\): non-finite loss"}[where]
+    with pytest.raises(PipelineError, match=message):
+        update_policy(backend, embeds, batch, adv, sampling(), UPD, make_optimizer(backend, UPD), iteration=7)
+    after = policy.lora_state_dict(backend)
+    assert all(torch.equal(before[k], after[k]) for k in before)
+
+
+def test_resume_is_exact(tmp_path):
+    """Two iterations in one process == one iteration, save, fresh process state, load, one more."""
+    cfg = dataclasses.replace(UPD, lr=1e-3, optimizer_steps_per_iter=1, weight_decay=1e-2)
+    backend, embeds = make_policy(seed_lora=None)
+    batch = rollout(backend, embeds, "sde")
+    adv = torch.randn(8, K, generator=torch.Generator().manual_seed(4))
+
+    def iterate(b, e, opt, ema, it):
+        update_policy(b, e, batch, adv, sampling(), cfg, opt, ema=ema, seed=it, iteration=it)
+
+    opt, ema = make_optimizer(backend, cfg), policy.LoraEMA(backend, every=1)
+    iterate(backend, embeds, opt, ema, 0)
+    save_policy(tmp_path / "policy", backend, opt, ema, step=1)
+    iterate(backend, embeds, opt, ema, 1)
+
+    fresh, fresh_embeds = make_policy(seed_lora=None)
+    policy.load_lora_weights(fresh, policy.read_adapter_weights(tmp_path / "policy"))  # == attach(dir)
+    fresh_opt, fresh_ema = make_optimizer(fresh, cfg), policy.LoraEMA(fresh, every=1)
+    assert load_training_state(tmp_path / "policy", fresh_opt, fresh_ema) == 1
+    iterate(fresh, fresh_embeds, fresh_opt, fresh_ema, 1)
+
+    expected, got = policy.lora_state_dict(backend), policy.lora_state_dict(fresh)
+    assert all(torch.equal(expected[k], got[k]) for k in expected)
+    assert all(torch.equal(ema.shadow[k], fresh_ema.shadow[k]) for k in ema.shadow)
+    assert (tmp_path / "policy" / "ema" / policy.WEIGHTS_FILE).is_file()

@@ -1,0 +1,329 @@
+"""One iteration's policy step (spec section 7): PPO-clipped updates of the LoRA policy on the
+iteration's stored window transitions, plus the optimizer / EMA state that makes resume exact.
+
+Units: latents are the backend's float32 latents; sigmas are unitless noise levels in [0, 1];
+log-probs are per-element means (see ``tpgrpo.sampling``); advantages are unitless (spec section 6).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Callable
+
+import torch
+
+from tpgrpo.artifacts import atomic_path
+from tpgrpo.errors import PipelineError
+from tpgrpo.loss import policy_loss
+from tpgrpo.policy import LoraEMA, lora_parameters, reference_mode, save_adapter
+from tpgrpo.sampling import stochastic_step
+
+TRAINING_STATE_FILE = "training_state.pt"
+EMA_FOLDER = "ema"
+
+
+@dataclass
+class TransitionBatch:
+    """The iteration's window transitions, as stored by the rollout.
+
+    Fields:
+        latents: ``(N, K+1, C, H, W)`` float32, states ``z_0..z_K`` around the K window steps
+            (``z_k`` before window step k, ``z_{k+1}`` after it).
+        old_log_probs: ``(N, K)`` float32, the rollout policy's log-prob of each transition.
+        sigmas: ``(N, K+1)`` float32; window step k maps ``sigmas[:, k] -> sigmas[:, k+1]``.
+        prompt_index: ``(N,)`` int64, rows of the prompt-embeddings table (``embeds.select``).
+        sigma_at_one: the schedule's ``s_1`` (``sde`` uses it at ``s = 1``).
+    """
+
+    latents: torch.Tensor
+    old_log_probs: torch.Tensor
+    sigmas: torch.Tensor
+    prompt_index: torch.Tensor
+    sigma_at_one: float
+
+    @property
+    def num_samples(self) -> int:
+        return int(self.latents.shape[0])
+
+    @property
+    def num_steps(self) -> int:
+        """K, window steps per sample."""
+        return int(self.latents.shape[1]) - 1
+
+
+def _where(name: str, t: torch.Tensor, ctx: str) -> str:
+    """One line naming the first non-finite entry of ``t`` (sample, window step)."""
+    bad = (~torch.isfinite(t)).nonzero()
+    first = tuple(int(i) for i in bad[0][:2])
+    loc = f"sample {first[0]}" + (f", window step {first[1]}" if len(first) > 1 else "")
+    return f"update{ctx}: {name} has {bad.shape[0]} non-finite value(s) (first at {loc})"
+
+
+def validate_inputs(batch: TransitionBatch, advantages: torch.Tensor, num_prompts: int,
+                    ctx: str = "") -> None:
+    """Raise ``PipelineError`` (one line: quantity and location) on bad shapes or non-finite values."""
+    n, k = batch.num_samples, batch.num_steps
+    shapes = {"latents": (batch.latents, 5), "old_log_probs": (batch.old_log_probs, (n, k)),
+              "sigmas": (batch.sigmas, (n, k + 1)), "prompt_index": (batch.prompt_index, (n,)),
+              "advantages": (advantages, (n, k))}
+    for name, (t, want) in shapes.items():
+        ok = t.ndim == want if isinstance(want, int) else tuple(t.shape) == want
+        if not ok:
+            raise PipelineError(f"update{ctx}: {name} has shape {tuple(t.shape)}, expected "
+                                f"{'5 dims (N, K+1, C, H, W)' if isinstance(want, int) else want}")
+    if k < 1:
+        raise PipelineError(f"update{ctx}: latents hold no window step (K+1 = {k + 1} states)")
+    for name in ("latents", "old_log_probs", "sigmas"):
+        if not bool(torch.isfinite(getattr(batch, name)).all()):
+            raise PipelineError(_where(name, getattr(batch, name), ctx))
+    if not bool(torch.isfinite(advantages).all()):
+        raise PipelineError(_where("advantages", advantages, ctx))
+    idx = batch.prompt_index
+    if n and (int(idx.min()) < 0 or int(idx.max()) >= num_prompts):
+        raise PipelineError(f"update{ctx}: prompt_index out of range [0, {num_prompts})")
+
+
+def make_optimizer(backend, update_cfg) -> torch.optim.AdamW:
+    """AdamW over the trainable LoRA weights only (lr, weight decay from ``UpdateConfig``)."""
+    params = [p for _, p in lora_parameters(backend) if p.requires_grad]
+    if not params:
+        raise ValueError("no trainable LoRA weights on the backend (call tpgrpo.policy.attach_lora first)")
+    return torch.optim.AdamW(params, lr=update_cfg.lr, weight_decay=update_cfg.weight_decay,
+                             betas=(0.9, 0.999), eps=1e-8)
+
+
+def _context(iteration: int | None, where: str = "") -> str:
+    """`` (iteration 3, optimizer step 1/2)`` for error messages (empty when nothing is known)."""
+    parts = ([f"iteration {iteration}"] if iteration is not None else []) + ([where] if where else [])
+    return f" ({', '.join(parts)})" if parts else ""
+
+
+class _Stats:
+    """Transition-weighted running means of scalar diagnostics."""
+
+    def __init__(self):
+        self.sums: dict[str, float] = {}
+        self.count = 0
+
+    def add(self, weight: int, **values: float) -> None:
+        self.count += weight
+        for key, value in values.items():
+            self.sums[key] = self.sums.get(key, 0.0) + weight * float(torch.as_tensor(value).detach())
+
+    def means(self, prefix: str = "", suffix: str = "") -> dict[str, float]:
+        return {f"{prefix}{k}{suffix}": (v / self.count if self.count else 0.0) for k, v in self.sums.items()}
+
+
+def _forward(backend, embeds, batch, n_idx, k_idx, sampling_cfg, reference: bool):
+    """Re-score transitions ``(n_idx[i], k_idx[i])`` under the current policy.
+
+    Returns ``(StepOutput, mean_ref or None)``; the step output carries the gradient, the reference
+    mean (adapter disabled, ``reference=True``) does not. Shapes ``(B,)`` / ``(B, C, H, W)``.
+    """
+    dev = backend.device
+    x = batch.latents[n_idx, k_idx].to(dev)
+    x_next = batch.latents[n_idx, k_idx + 1].to(dev)
+    s, s_next = batch.sigmas[n_idx, k_idx].to(dev), batch.sigmas[n_idx, k_idx + 1].to(dev)
+    emb = embeds.select(batch.prompt_index[n_idx])
+    g, kind, eta = sampling_cfg.guidance_scale, sampling_cfg.step_kind, sampling_cfg.noise_level
+
+    def step(v):
+        return stochastic_step(kind, x, v, s, s_next, eta, sigma_at_one=batch.sigma_at_one,
+                               prev_sample=x_next)
+
+    out = step(backend.velocity(x, s, emb, g))
+    mean_ref = None
+    if reference:
+        with torch.no_grad(), reference_mode(backend):
+            mean_ref = step(backend.velocity(x, s, emb, g)).mean
+    return out, mean_ref
+
+
+def _optimizer_step(backend, optimizer, update_cfg, ema, ctx: str) -> float:
+    """Clip, check and apply the accumulated gradient; returns the pre-clip grad norm."""
+    params = [p for group in optimizer.param_groups for p in group["params"]]
+    norm = float(torch.nn.utils.clip_grad_norm_(params, update_cfg.max_grad_norm))
+    if not math.isfinite(norm):
+        optimizer.zero_grad(set_to_none=True)
+        raise PipelineError(f"update{ctx}: non-finite gradient norm ({norm}); weights left unchanged")
+    optimizer.step()
+    optimizer.zero_grad(set_to_none=True)
+    if ema is not None:
+        ema.step(backend)
+    return norm
+
+
+def _run_chunk(backend, embeds, batch, adv, chunk, ctx, cfgs, stats, ratio_dev, progress):
+    """Accumulate the gradient of one chunk (mean over its transitions) in micro-batches.
+
+    Returns ``max |rho - 1|`` over the chunk; ``ratio_dev`` (K,) collects the per-step max.
+    """
+    sampling_cfg, update_cfg, counters = cfgs
+    n_all, k_all = chunk
+    total, max_dev = n_all.numel(), 0.0
+    for start in range(0, total, update_cfg.micro_batch):
+        n_idx = n_all[start:start + update_cfg.micro_batch]
+        k_idx = k_all[start:start + update_cfg.micro_batch]
+        out, mean_ref = _forward(backend, embeds, batch, n_idx, k_idx, sampling_cfg,
+                                 reference=update_cfg.kl_beta > 0)
+        lo = policy_loss(out.log_prob, batch.old_log_probs[n_idx, k_idx].to(out.log_prob.device),
+                         adv[n_idx, k_idx].to(out.log_prob.device), update_cfg.clip_range,
+                         mean_theta=out.mean if mean_ref is not None else None, mean_ref=mean_ref,
+                         std=out.std if mean_ref is not None else None, kl_beta=update_cfg.kl_beta)
+        if not bool(torch.isfinite(lo.loss)):
+            raise PipelineError(f"update{ctx}: non-finite loss ({float(lo.loss)}) in micro-batch "
+                                f"{start // update_cfg.micro_batch + 1} (window steps "
+                                f"{sorted(set(k_idx.tolist()))}); weights left unchanged by it")
+        (lo.loss * (n_idx.numel() / total)).backward()
+        dev = (lo.ratio.detach() - 1.0).abs().cpu()
+        ratio_dev.scatter_reduce_(0, k_idx, dev, reduce="amax")
+        max_dev = max(max_dev, float(dev.max()))
+        stats.add(n_idx.numel(), policy_loss=lo.policy_loss, kl=lo.kl, approx_kl=lo.approx_kl,
+                  clip_fraction=lo.clip_fraction)
+        counters["forward_passes"] += n_idx.numel() * (2 if mean_ref is not None else 1)
+        counters["micro_batches"] += 1
+        if progress is not None:
+            progress(counters["micro_batches"], counters["total_micro_batches"])
+    return max_dev
+
+
+@torch.no_grad()
+def _after_stats(backend, embeds, batch, n_idx, k_idx, sampling_cfg, update_cfg, counters) -> dict:
+    """How far the policy moved: approx KL / clip fraction / max |rho - 1| on the given transitions."""
+    stats, max_dev = _Stats(), 0.0
+    for start in range(0, n_idx.numel(), update_cfg.micro_batch):
+        n, k = n_idx[start:start + update_cfg.micro_batch], k_idx[start:start + update_cfg.micro_batch]
+        out, _ = _forward(backend, embeds, batch, n, k, sampling_cfg, reference=False)
+        dlogp = out.log_prob.cpu() - batch.old_log_probs[n, k]
+        dev = (torch.exp(dlogp) - 1.0).abs()
+        max_dev = max(max_dev, float(dev.max()))
+        stats.add(n.numel(), approx_kl=0.5 * dlogp.pow(2).mean(),
+                  clip_fraction=(dev > update_cfg.clip_range).float().mean())
+        counters["forward_passes"] += n.numel()
+    return {**stats.means(suffix="_after"), "ratio_max_dev_after": max_dev}
+
+
+def select_transitions(advantages: torch.Tensor, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(n_idx, k_idx)`` of all transitions with nonzero advantage, shuffled by ``seed``, ``(M,)`` each.
+
+    Transitions with ``A == 0`` carry no policy-gradient signal; in particular samples whose advantage
+    is 0 at every step are dropped entirely (spec section 6).
+    """
+    n_idx, k_idx = (advantages != 0).nonzero(as_tuple=True)
+    perm = torch.randperm(n_idx.numel(), generator=torch.Generator().manual_seed(int(seed)))
+    return n_idx[perm], k_idx[perm]
+
+
+def update_policy(backend, embeds, batch: TransitionBatch, advantages: torch.Tensor, sampling_cfg,
+                  update_cfg, optimizer, ema: LoraEMA | None = None,
+                  progress: Callable[[int, int], None] | None = None, seed: int | None = None,
+                  iteration: int | None = None, after_sample: int = 64) -> dict:
+    """One iteration's policy step on ``batch``; returns a dict of metrics (floats, ints, one list).
+
+    The nonzero-advantage transitions (``advantages`` ``(N, K)``), shuffled with ``seed`` (None: drawn
+    from torch's global generator, so ``torch.manual_seed`` before the call fixes it too), are split
+    into ``optimizer_steps_per_iter`` near-equal chunks; each chunk's gradient is the mean of the PPO
+    loss (+ ``kl_beta`` KL to the adapter-disabled reference) over its transitions, accumulated in
+    micro-batches of ``micro_batch``; then grad-norm clip, AdamW step, EMA step. Inputs are checked
+    first: any non-finite value raises ``PipelineError`` before a weight changes; a non-finite loss or
+    gradient later raises before that chunk's optimizer step. ``progress(done, total)`` is called per
+    micro-batch.
+
+    Metrics: ``first_pass_ratio_max_dev`` (max |rho - 1| over the first chunk, before any step: ~0 on
+    fresh data), ``first_pass_ratio_dev_per_step`` (list, per window step, None where absent),
+    ``policy_loss``, ``kl``, ``approx_kl``, ``clip_fraction`` (means over the transitions of all
+    chunks, each measured before its chunk's step), ``approx_kl_after``, ``clip_fraction_after``,
+    ``ratio_max_dev_after`` (on up to ``after_sample`` transitions after the last step), ``grad_norm``
+    (mean pre-clip), ``optimizer_steps``, ``num_transitions``, ``num_samples`` (kept samples),
+    ``forward_passes`` (transitions put through ``backend.velocity``, each one CFG-doubled batch row).
+    """
+    ctx = _context(iteration)
+    validate_inputs(batch, advantages, len(embeds), ctx)
+    if seed is None:
+        seed = int(torch.randint(0, 2**62, (1,)))
+    n_idx, k_idx = select_transitions(advantages.detach().cpu(), seed)
+    chunks = [c for c in zip(torch.tensor_split(n_idx, update_cfg.optimizer_steps_per_iter),
+                             torch.tensor_split(k_idx, update_cfg.optimizer_steps_per_iter)) if c[0].numel()]
+    mb = update_cfg.micro_batch
+    counters = {"forward_passes": 0, "micro_batches": 0,
+                "total_micro_batches": sum(-(-c[0].numel() // mb) for c in chunks)}
+    stats, norms, first_dev = _Stats(), [], 0.0
+    adv = advantages.detach().float().cpu()
+    per_step = torch.full((batch.num_steps,), -1.0)
+    optimizer.zero_grad(set_to_none=True)
+    for j, chunk in enumerate(chunks):
+        step_ctx = _context(iteration, f"optimizer step {j + 1}/{len(chunks)}")
+        ratio_dev = per_step if j == 0 else torch.full((batch.num_steps,), -1.0)
+        dev = _run_chunk(backend, embeds, batch, adv, chunk, step_ctx, (sampling_cfg, update_cfg, counters),
+                         stats, ratio_dev, progress)
+        first_dev = dev if j == 0 else first_dev
+        norms.append(_optimizer_step(backend, optimizer, update_cfg, ema, step_ctx))
+    metrics = {**stats.means(), "first_pass_ratio_max_dev": first_dev,
+               "first_pass_ratio_dev_per_step": [None if v < 0 else float(v) for v in per_step.tolist()],
+               "grad_norm": sum(norms) / len(norms) if norms else 0.0, "optimizer_steps": len(chunks),
+               "num_transitions": int(n_idx.numel()), "num_samples": int(n_idx.unique().numel())}
+    for key in ("policy_loss", "kl", "approx_kl", "clip_fraction"):
+        metrics.setdefault(key, 0.0)
+    after = {"approx_kl_after": 0.0, "clip_fraction_after": 0.0, "ratio_max_dev_after": 0.0}
+    if chunks:
+        after = _after_stats(backend, embeds, batch, n_idx[:after_sample], k_idx[:after_sample],
+                             sampling_cfg, update_cfg, counters)
+    metrics.update(after, forward_passes=counters["forward_passes"])
+    return metrics
+
+
+def optimizer_step_count(optimizer) -> int:
+    """Optimizer steps taken so far (AdamW's per-parameter ``step``; 0 before the first step)."""
+    for group in optimizer.param_groups:
+        for p in group["params"]:
+            if "step" in optimizer.state.get(p, {}):
+                return int(optimizer.state[p]["step"])
+    return 0
+
+
+def save_training_state(folder, optimizer, ema: LoraEMA | None, step: int | None = None) -> Path:
+    """Write ``folder/training_state.pt`` (optimizer state, EMA state, global ``step``), atomically.
+
+    ``step`` defaults to the optimizer's own step count (``optimizer_step_count``).
+    """
+    path = Path(folder) / TRAINING_STATE_FILE
+    step = optimizer_step_count(optimizer) if step is None else step
+    state = {"format": 1, "step": int(step), "optimizer": optimizer.state_dict(),
+             "ema": None if ema is None else ema.state_dict()}
+    with atomic_path(path) as tmp:
+        torch.save(state, tmp)
+    return path
+
+
+def load_training_state(folder, optimizer, ema: LoraEMA | None = None) -> int:
+    """Restore what ``save_training_state`` wrote; returns the saved global ``step``.
+
+    The optimizer's moments and step counts are restored exactly; its hyperparameters (lr, weight
+    decay, ...) stay those it was built with (the current config). An EMA given here but absent
+    from the file keeps its fresh start (a copy of the current weights).
+    """
+    path = Path(folder) / TRAINING_STATE_FILE
+    if not path.is_file():
+        raise PipelineError(f"missing training state {path} (written by the previous update stage)")
+    state = torch.load(path, map_location="cpu", weights_only=True)
+    hyper = [{k: v for k, v in g.items() if k != "params"} for g in optimizer.param_groups]
+    optimizer.load_state_dict(state["optimizer"])
+    for group, saved in zip(optimizer.param_groups, hyper):
+        group.update(saved)
+    if ema is not None and state.get("ema") is not None:
+        ema.load_state_dict(state["ema"])
+    return int(state["step"])
+
+
+def save_policy(folder, backend, optimizer, ema: LoraEMA | None, step: int | None = None) -> Path:
+    """Write the whole policy folder atomically: the adapter (top level, see ``tpgrpo.policy``),
+    ``ema/`` (the EMA weights as an adapter, when ``ema`` is given) and ``training_state.pt``."""
+    folder = Path(folder)
+    with atomic_path(folder) as tmp:
+        save_adapter(backend, tmp)
+        if ema is not None:
+            ema.save_adapter(backend, tmp / EMA_FOLDER)
+        save_training_state(tmp, optimizer, ema, step)
+    return folder
