@@ -26,8 +26,8 @@ def _render(metas, violation, seed=1):
 
 
 def test_registry():
-    assert set(REWARD_NAMES) == {"geneval", "geneval_soft", "ocr"}
-    with pytest.raises(ValueError, match="geneval, geneval_soft, ocr"):
+    assert set(REWARD_NAMES) == {"geneval", "geneval_soft", "ocr", "jpeg_compressibility"}
+    with pytest.raises(ValueError, match="geneval, geneval_soft, ocr, jpeg_compressibility"):
         get_reward("pickscore")
 
 
@@ -130,3 +130,15 @@ def test_input_validation(clean):
         get_reward("ocr")(images[:1], EVAL[:1])
     empty = SOFT(images[:0], [])
     assert empty.reward.shape == (0,) and empty.strict.shape == (0,)
+
+
+def test_jpeg_compressibility_prefers_flat_images_and_scores_any_task():
+    from tpgrpo.tasks.rewards import get_reward
+
+    rng = np.random.default_rng(0)
+    noise = rng.integers(0, 256, (2, 32, 32, 3), dtype=np.uint8)
+    flat = np.full((2, 32, 32, 3), 200, dtype=np.uint8)
+    metas = [{"task": "compositional"}, {"task": "text"}] * 2
+    out = get_reward("jpeg_compressibility")(np.concatenate([noise, flat]), metas)
+    assert out.reward[:2].max() < out.reward[2:].min()
+    assert ((out.reward >= 0) & (out.reward <= 1)).all() and not out.strict.any()

@@ -29,7 +29,7 @@ class Reward:
     """Base class: checks the batch and the prompts' task, then scores (subclasses: `_score`)."""
 
     name: str = ""
-    task: str = ""
+    task: str | None = ""  # the prompts' task this reward scores; None scores any prompt
 
     def __call__(self, images: np.ndarray, metas: list[dict]) -> RewardResult:
         """images: uint8 (N, H, W, 3) RGB; metas: N prompt dicts of this reward's task."""
@@ -50,7 +50,7 @@ class Reward:
             raise ValueError(f"reward {self.name!r} needs images of shape (N, H, W, 3), got {images.shape}")
         if len(metas) != images.shape[0]:
             raise ValueError(f"reward {self.name!r}: {images.shape[0]} images but {len(metas)} prompts")
-        for i, meta in enumerate(metas):
+        for i, meta in enumerate(metas if self.task is not None else []):  # task None: any prompt
             task = meta.get("task") if isinstance(meta, dict) else None
             if task != self.task:
                 raise ValueError(f"reward {self.name!r} scores {self.task!r} prompts; prompt {i} "
@@ -91,10 +91,35 @@ class OcrReward(Reward):
         return reward, strict
 
 
+class JpegCompressibilityReward(Reward):
+    """DDPO's JPEG-compressibility reward, mapped to [0, 1]: ``1 - jpeg_bytes / raw_bytes`` at quality 95.
+
+    Needs no model and scores any prompt (it ignores the text), so it also serves as a cheap continuous
+    reward for pipeline tests on untrained models. It has no clauses: ``strict`` is always False.
+    """
+
+    name = "jpeg_compressibility"
+    task = None
+
+    def _score(self, images: np.ndarray, metas: list[dict]) -> tuple[np.ndarray, np.ndarray]:
+        import io
+
+        from PIL import Image
+
+        sizes = []
+        for img in images:
+            buffer = io.BytesIO()
+            Image.fromarray(img).save(buffer, format="JPEG", quality=95)
+            sizes.append(buffer.tell())
+        reward = np.clip(1.0 - np.array(sizes, dtype=np.float64) / images[0].nbytes, 0.0, 1.0)
+        return reward, np.zeros(len(images), dtype=bool)
+
+
 _REGISTRY = {
     "geneval": lambda: GenEvalReward(soft=False),
     "geneval_soft": lambda: GenEvalReward(soft=True),
     "ocr": OcrReward,
+    "jpeg_compressibility": JpegCompressibilityReward,
 }
 REWARD_NAMES: tuple[str, ...] = tuple(_REGISTRY)
 
