@@ -87,6 +87,8 @@ def rollout(backend, embeds, seeds: Sequence[int], spec: SamplerSpec) -> Traject
         log_probs.append(out.log_prob)
         if step == last_window_step:
             states.append(x)  # z_K: its ODE completion is this rollout's own final image
+    if not log_probs:  # an empty window: a plain ODE sampler (eval)
+        return Trajectories(x.new_zeros((x.shape[0], 0, *x.shape[1:])), x.new_zeros((x.shape[0], 0)), x)
     return Trajectories(torch.stack(states, 1), torch.stack(log_probs, 1), x)
 
 

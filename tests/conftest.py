@@ -1,0 +1,60 @@
+"""Shared fixtures: a tiny saved model and a tiny project folder (params, prompts, model, code)."""
+
+from __future__ import annotations
+
+import os
+import shutil
+from pathlib import Path
+
+import pytest
+import yaml
+
+REPO = Path(__file__).resolve().parents[1]
+os.environ.setdefault("DVC_NO_ANALYTICS", "1")
+
+# A small but real configuration: 32x32 images (the detector's scale), 1 transformer block.
+TINY_PARAMS_OVERRIDES = {
+    "model": {"path": "data/base"},
+    "task": {"reward": "jpeg_compressibility", "eval_reward": "geneval"},
+    "sampling": {"num_steps": 4, "window_size": 3},
+    "rollout": {"prompts_per_iter": 3, "group_size": 4, "batch_size": 8},
+    "probe": {"batch_size": 8},
+    "update": {"lora_rank": 4, "lora_alpha": 8, "micro_batch": 8, "optimizer_steps_per_iter": 2,
+               "lr": 1.0e-2, "clip_range": 0.2},
+    "eval": {"every": 1, "num_steps": 4, "num_prompts": 2, "samples_per_prompt": 2},
+    "train": {"iterations": 2},
+}
+
+
+@pytest.fixture(scope="session")
+def tiny_model_dir(tmp_path_factory) -> Path:
+    """A freshly initialised tiny model saved in the diffusers layout (built once per session)."""
+    from tpgrpo.models.tiny import TinyConfig, build_tiny
+
+    config = TinyConfig(image_size=32, patch_size=8, num_layers=1, num_heads=2, head_dim=16, text_layers=1,
+                        text_hidden=32, text_heads=2, text_intermediate=64)
+    folder = tmp_path_factory.mktemp("model") / "base"
+    build_tiny(config, seed=0).save_pretrained(folder)
+    return folder
+
+
+def tiny_params(**sections) -> dict:
+    """The repo's params.yaml with the tiny overrides (and any given sections merged in)."""
+    raw = yaml.safe_load((REPO / "params.yaml").read_text())
+    for overrides in (TINY_PARAMS_OVERRIDES, sections):
+        for section, values in overrides.items():
+            raw[section].update(values)
+    return raw
+
+
+@pytest.fixture
+def tiny_project(tmp_path, tiny_model_dir) -> Path:
+    """A project root: params.yaml, data/prompts, data/base, and the code dvc.yaml lists as deps."""
+    root = tmp_path / "project"
+    (root / "data").mkdir(parents=True)
+    shutil.copytree(REPO / "data" / "prompts", root / "data" / "prompts")
+    shutil.copytree(tiny_model_dir, root / "data" / "base")
+    for code in ("stages", "tpgrpo"):
+        shutil.copytree(REPO / code, root / code, ignore=shutil.ignore_patterns("__pycache__"))
+    (root / "params.yaml").write_text(yaml.safe_dump(tiny_params(), sort_keys=False))
+    return root
