@@ -47,14 +47,17 @@ def tiny_params(**sections) -> dict:
     return raw
 
 
-@pytest.fixture
-def tiny_project(tmp_path, tiny_model_dir) -> Path:
+def make_tiny_project(root: Path, model_dir: Path) -> Path:
     """A project root: params.yaml, data/prompts, data/base, and the code dvc.yaml lists as deps."""
-    root = tmp_path / "project"
     (root / "data").mkdir(parents=True)
     shutil.copytree(REPO / "data" / "prompts", root / "data" / "prompts")
-    shutil.copytree(tiny_model_dir, root / "data" / "base")
+    shutil.copytree(model_dir, root / "data" / "base")
     for code in ("stages", "tpgrpo"):
         shutil.copytree(REPO / code, root / code, ignore=shutil.ignore_patterns("__pycache__"))
     (root / "params.yaml").write_text(yaml.safe_dump(tiny_params(), sort_keys=False))
     return root
+
+
+@pytest.fixture
+def tiny_project(tmp_path, tiny_model_dir) -> Path:
+    return make_tiny_project(tmp_path / "project", tiny_model_dir)

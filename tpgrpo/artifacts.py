@@ -69,6 +69,8 @@ def atomic_path(path: Path) -> Iterator[Path]:
     failed stage never leaves a half-written artifact under the final name.
     """
     path.parent.mkdir(parents=True, exist_ok=True)
+    for stale in path.parent.glob(f".{path.name}.tmp-*"):  # left behind by a killed run
+        shutil.rmtree(stale) if stale.is_dir() else stale.unlink()
     tmp = _temp_sibling(path)
     try:
         yield tmp

@@ -1,0 +1,5 @@
+"""`python -m tpgrpo` runs the CLI."""
+
+from tpgrpo.cli import app
+
+app()
