@@ -51,7 +51,7 @@ def run(cfg: Config, iteration: int, root: Path) -> dict:
         check_finite("probe reward", probe["reward"], str(paths.probe))
         table = credit_table(probe, cfg)
         check_finite("advantage", table["advantage"], f"credit of iteration {iteration}")
-        write_parquet(paths.credit, table, provenance(cfg, iteration, "credit", ("credit",)))
+        write_parquet(paths.credit, table, provenance(cfg, iteration, "credit"))
     tp_by_step = table.groupby("step")["turning_point"].mean()
     metrics.update({
         "mode": cfg.credit.mode, "turning_point_rate": float(table["turning_point"].mean()),

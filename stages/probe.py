@@ -52,8 +52,7 @@ def run(cfg: Config, iteration: int, root: Path) -> dict:
         scored = get_reward(attrs["reward"])(images, [metas[p] for p in rows.tolist()])
         check_finite(f"reward {attrs['reward']}", scored.reward, f"probe of iteration {iteration}")
         frame = probe_table(arrays, metas, scored.reward.reshape(N, K), scored.strict.reshape(N, K))
-        write_parquet(paths.probe, frame, provenance(cfg, iteration, "probe", ("model", "task", "sampling",
-                                                                                "rollout", "train")))
+        write_parquet(paths.probe, frame, provenance(cfg, iteration, "probe"))
     d = np.diff(frame["reward"].to_numpy().reshape(N, K1), axis=1)
     metrics.update({"forward_passes": passes, "reward_calls": N * K, "states": N * K,
                     "zero_increment_fraction": float((d == 0).mean()),

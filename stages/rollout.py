@@ -60,10 +60,11 @@ def run(cfg: Config, iteration: int, root: Path) -> dict:
             "final_strict": scored.strict.astype(bool),
         }
         attrs = {"prompts": metas, "schedule_sigmas": spec.sigmas.tolist(), "group_size": G,
+                 "num_steps": spec.num_steps, "shift": cfg.sampling.shift,
                  "window_start": spec.window_start, "window_size": spec.window_size,
                  "step_kind": spec.step_kind, "noise_level": spec.noise_level,
                  "guidance_scale": spec.guidance_scale, "reward": cfg.task.reward,
-                 **provenance(cfg, iteration, "rollout", ("model", "task", "sampling", "rollout", "train"))}
+                 **provenance(cfg, iteration, "rollout")}
         write_zarr(paths.trajectories, arrays, attrs)
     metrics.update(_metrics(arrays, spec, len(seeds)))
     write_json(paths.rollout_metrics, metrics)

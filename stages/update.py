@@ -15,7 +15,7 @@ import torch
 from stages.probe import read_trajectories
 from tpgrpo.artifacts import IterationPaths, require, write_json
 from tpgrpo.config import Config
-from tpgrpo.pipeline import check_finite, load_policy, read_parquet, stopwatch
+from tpgrpo.pipeline import check_finite, load_policy, read_parquet, sampling_from_attrs, stopwatch
 from tpgrpo.policy import LoraEMA
 from tpgrpo.seeds import sample_seed
 from tpgrpo.update import TransitionBatch, load_training_state, make_optimizer, save_policy, update_policy
@@ -49,7 +49,7 @@ def run(cfg: Config, iteration: int, root: Path) -> dict:
             latents=torch.from_numpy(arrays["states"]), old_log_probs=torch.from_numpy(arrays["log_probs"]),
             sigmas=torch.from_numpy(arrays["sigmas"]), prompt_index=torch.from_numpy(arrays["prompt_index"]).long(),
             sigma_at_one=float(attrs["schedule_sigmas"][1]))
-        metrics.update(update_policy(backend, embeds, batch, advantages, cfg.sampling, cfg.update, optimizer,
+        metrics.update(update_policy(backend, embeds, batch, advantages, sampling_from_attrs(attrs), cfg.update, optimizer,
                                      ema=ema, seed=sample_seed(cfg.train.seed, iteration, "update", 0),
                                      iteration=iteration))
         save_policy(paths.policy, backend, optimizer, ema)

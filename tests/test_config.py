@@ -70,10 +70,11 @@ def test_missing_or_invalid_file(tmp_path):
         load_config(bad)
 
 
-def test_section_hash_tracks_only_named_sections(raw):
+def test_params_hash_tracks_only_named_params(raw):
     a = config_from_dict(raw)
     changed = copy.deepcopy(raw)
     changed["credit"]["mode"] = "incremental"
     b = config_from_dict(changed)
-    assert a.section_hash("credit") != b.section_hash("credit")
-    assert a.section_hash("model", "sampling") == b.section_hash("model", "sampling")
+    assert a.params_hash(["credit"]) != b.params_hash(["credit"])
+    assert a.params_hash(["credit.mode"]) != b.params_hash(["credit.mode"])
+    assert a.params_hash(["model", "credit.balance"]) == b.params_hash(["model", "credit.balance"])

@@ -109,9 +109,14 @@ class Config:
     eval: EvalConfig = field(default_factory=EvalConfig)
     train: TrainConfig = field(default_factory=TrainConfig)
 
-    def section_hash(self, *sections: str) -> str:
-        """Short sha256 of the named sections, recorded in artifacts to tie them to their params."""
-        payload = {name: dataclasses.asdict(getattr(self, name)) for name in sections}
+    def params_hash(self, keys: list[str] | tuple[str, ...]) -> str:
+        """Short sha256 of the given params (``"model"`` = a whole section, ``"task.reward"`` = one key),
+        recorded in artifacts to tie them to the params that made them."""
+        payload = {}
+        for key in keys:
+            section, _, name = key.partition(".")
+            values = dataclasses.asdict(getattr(self, section))
+            payload[key] = values[name] if name else values
         return hashlib.sha256(json.dumps(payload, sort_keys=True).encode()).hexdigest()[:16]
 
 

@@ -51,6 +51,17 @@ def sampler_spec(cfg: Config, num_steps: int | None = None, stochastic: bool = T
         step_kind=s.step_kind, noise_level=s.noise_level, guidance_scale=s.guidance_scale)
 
 
+def sampling_from_attrs(attrs: dict):
+    """The :class:`SamplingConfig` a trajectory store was sampled with (from its attributes).
+
+    The update must recompute log-probs with exactly the rollout's sampler, whatever params.yaml says now.
+    """
+    from tpgrpo.config import SamplingConfig
+
+    return SamplingConfig(**{key: attrs[key] for key in (
+        "num_steps", "shift", "guidance_scale", "step_kind", "noise_level", "window_start", "window_size")})
+
+
 def load_policy(cfg: Config, root: Path, iteration: int, trainable: bool = False):
     """The backend with the LoRA policy that iteration ``iteration`` samples from.
 
@@ -74,13 +85,16 @@ def load_policy(cfg: Config, root: Path, iteration: int, trainable: bool = False
     return backend
 
 
-def provenance(cfg: Config, iteration: int, stage: str, sections: tuple[str, ...]) -> dict[str, str]:
-    """Metadata every artifact carries: what made it, from which params, with which versions."""
+def provenance(cfg: Config, iteration: int, stage: str) -> dict[str, str]:
+    """Metadata every artifact carries: what made it, from which params (a hash of the params the stage
+    declares in dvc.yaml), with which versions."""
     import torch
+
+    from tpgrpo.dvcfile import STAGE_PARAMS
 
     return {
         "tpgrpo_version": __version__, "stage": stage, "iteration": str(iteration),
-        "config_hash": cfg.section_hash(*sections), "torch_version": torch.__version__,
+        "config_hash": cfg.params_hash(STAGE_PARAMS[stage]), "torch_version": torch.__version__,
         "python_version": platform.python_version(),
     }
 

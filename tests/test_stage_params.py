@@ -1,0 +1,43 @@
+"""dvc.yaml declares every param a stage reads: run each stage with a config that records its reads."""
+
+from __future__ import annotations
+
+import importlib
+
+from tpgrpo.config import load_config
+from tpgrpo.dvcfile import STAGE_PARAMS
+
+
+class Recorder:
+    """Wraps a Config (or one section) and records every ``section.key`` the code reads."""
+
+    def __init__(self, target, reads: set, prefix: str = ""):
+        self._target, self._reads, self._prefix = target, reads, prefix
+
+    def __getattr__(self, name):
+        value = getattr(self._target, name)
+        if callable(value):  # e.g. params_hash(keys): the keys it hashes count as read
+            def recorded(keys, *args, **kwargs):
+                self._reads.update(keys)
+                return value(keys, *args, **kwargs)
+            return recorded
+        if not self._prefix:
+            return Recorder(value, self._reads, name)
+        self._reads.add(f"{self._prefix}.{name}")
+        return value
+
+
+def covered(read: str, declared: list[str]) -> bool:
+    return any(read == d or read.startswith(d + ".") for d in declared)
+
+
+def test_every_param_a_stage_reads_is_declared_in_dvc_yaml(tiny_project):
+    root = tiny_project
+    cfg = load_config(root / "params.yaml")
+    plan = [("rollout", 0), ("probe", 0), ("credit", 0), ("update", 0), ("eval", 0), ("baseline", None)]
+    for name, iteration in plan:
+        reads: set[str] = set()
+        importlib.import_module(f"stages.{name}").run(Recorder(cfg, reads), iteration, root)
+        undeclared = sorted(r for r in reads if not covered(r, STAGE_PARAMS[name]))
+        assert not undeclared, f"stage {name} reads {undeclared} but dvc.yaml does not list them"
+        assert reads, name
