@@ -1,0 +1,138 @@
+"""The interface every flow-matching backend implements (the embedded tiny model, SD3.5, FLUX).
+
+Conventions shared by all backends (rectified flow, spec section 1):
+    ``x_s = (1 - s) * x0 + s * noise`` with ``s`` (sigma) in [0, 1]; the model predicts the velocity
+    ``v ~ noise - x0``. Latents are ``(B, C, H, W)`` float32 in the backend's latent space (for a
+    pixel-space model, RGB in [-1, 1]).
+
+A sampler only needs ``encode_prompts``, ``initial_noise``, ``velocity`` and ``decode``; the RL
+update puts LoRA adapters on ``transformer`` (``lora_target_modules``) and calls ``velocity`` with
+gradients enabled.
+"""
+
+from __future__ import annotations
+
+import abc
+from dataclasses import dataclass
+from typing import Sequence
+
+import numpy as np
+import torch
+
+
+@dataclass(frozen=True)
+class PromptEmbeddings:
+    """Text conditioning for N prompts plus the unconditional (empty prompt) conditioning.
+
+    Fields:
+        embeds: ``(N, L, D)`` per-token hidden states of each prompt (the transformer's
+            ``encoder_hidden_states``; D = ``joint_attention_dim``).
+        pooled: ``(N, P)`` pooled prompt embedding (``pooled_projections``), or None for backends
+            without one.
+        uncond_embeds: ``(1, L, D)`` hidden states of the empty prompt "".
+        uncond_pooled: ``(1, P)`` pooled embedding of "", or None.
+    Encoded once and without gradient (the text encoder is frozen during RL).
+    """
+
+    embeds: torch.Tensor
+    pooled: torch.Tensor | None
+    uncond_embeds: torch.Tensor
+    uncond_pooled: torch.Tensor | None
+
+    def __len__(self) -> int:
+        return int(self.embeds.shape[0])
+
+    def index(self, idx: Sequence[int] | torch.Tensor | int) -> "PromptEmbeddings":
+        """The embeddings of prompts ``idx`` (repeats allowed, e.g. a group of G samples per prompt)."""
+        if isinstance(idx, int):
+            idx = [idx]
+        idx_t = torch.as_tensor(idx, dtype=torch.long, device=self.embeds.device).reshape(-1)
+        return PromptEmbeddings(
+            embeds=self.embeds.index_select(0, idx_t),
+            pooled=None if self.pooled is None else self.pooled.index_select(0, idx_t.to(self.pooled.device)),
+            uncond_embeds=self.uncond_embeds,
+            uncond_pooled=self.uncond_pooled,
+        )
+
+    # Alias: ``embeds.select(idx)`` reads naturally at call sites that pick a sub-batch.
+    select = index
+
+    def repeat_interleave(self, repeats: int) -> "PromptEmbeddings":
+        """Each prompt ``repeats`` times in a row: ``(N, ...) -> (N * repeats, ...)``."""
+        return self.index(torch.arange(len(self)).repeat_interleave(repeats))
+
+    def uncond(self, batch: int) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """The unconditional ``(embeds (batch, L, D), pooled (batch, P) or None)`` for a batch."""
+        emb = self.uncond_embeds.expand(batch, *self.uncond_embeds.shape[1:])
+        pooled = None if self.uncond_pooled is None else self.uncond_pooled.expand(batch, -1)
+        return emb, pooled
+
+    def to(self, device=None, dtype=None) -> "PromptEmbeddings":
+        """A copy on ``device`` / in ``dtype``."""
+        def move(t):
+            return None if t is None else t.to(device=device, dtype=dtype)
+        return PromptEmbeddings(move(self.embeds), move(self.pooled), move(self.uncond_embeds),
+                                move(self.uncond_pooled))
+
+
+class FlowBackend(abc.ABC):
+    """A text-to-image flow-matching model behind the small interface the samplers and the RL use.
+
+    Attributes every implementation sets:
+        latent_shape: ``(C, H, W)`` of one latent (tiny model: ``(3, 32, 32)`` pixels).
+        transformer: the ``torch.nn.Module`` that predicts velocities (where LoRA goes).
+        lora_target_modules: module names (peft ``target_modules``) for LoRA on ``transformer``.
+        device: the ``torch.device`` the modules live on.
+        dtype: the modules' ``torch.dtype``; inputs and outputs of ``velocity`` stay float32.
+        kind: short name of the backend (``"tiny"``, ``"sd3"``, ...).
+    """
+
+    latent_shape: tuple[int, int, int]
+    transformer: torch.nn.Module
+    lora_target_modules: list[str]
+    device: torch.device
+    dtype: torch.dtype
+    kind: str
+
+    @abc.abstractmethod
+    def encode_prompts(self, prompts: list[str]) -> PromptEmbeddings:
+        """Encode ``prompts`` (N strings) and the empty prompt once, without gradient."""
+
+    @abc.abstractmethod
+    def velocity(self, x: torch.Tensor, sigma: torch.Tensor, embeds: PromptEmbeddings,
+                 guidance_scale: float) -> torch.Tensor:
+        """Guided velocity ``v (B, C, H, W)`` float32 at latents ``x (B, C, H, W)``.
+
+        Args:
+            x: latents at noise level ``sigma``.
+            sigma: ``(B,)`` (or scalar) noise levels in [0, 1].
+            embeds: conditioning with ``len(embeds) == B`` (one row per sample).
+            guidance_scale: classifier-free guidance scale; 1 means the conditional branch only.
+        Gradients flow through this call (no ``torch.no_grad`` inside): the RL update uses it.
+        """
+
+    @abc.abstractmethod
+    def decode(self, x: torch.Tensor) -> np.ndarray:
+        """Latents ``(B, C, H, W)`` -> images ``uint8 (B, H', W', 3)``."""
+
+    def initial_noise(self, seeds: Sequence[int]) -> torch.Tensor:
+        """Standard-normal starting latents ``(B, C, H, W)`` float32 on ``self.device``.
+
+        Each sample is drawn from its own CPU ``torch.Generator().manual_seed(seed)``, so a sample
+        depends only on its seed, not on the batch it is drawn in nor on the device.
+        """
+        out = [torch.randn(self.latent_shape, generator=torch.Generator().manual_seed(int(s)),
+                           dtype=torch.float32) for s in seeds]
+        if not out:
+            return torch.empty((0, *self.latent_shape), dtype=torch.float32, device=self.device)
+        return torch.stack(out).to(self.device)
+
+
+def as_sigma_batch(sigma, batch: int, device) -> torch.Tensor:
+    """A scalar / 0-d / ``(B,)`` sigma as a ``(batch,)`` float32 tensor on ``device``."""
+    s = torch.as_tensor(sigma, dtype=torch.float32, device=device)
+    if s.ndim == 0:
+        s = s.expand(batch)
+    if s.shape != (batch,):
+        raise ValueError(f"sigma must be a scalar or a ({batch},) tensor, got shape {tuple(s.shape)}")
+    return s
