@@ -35,16 +35,18 @@ class IterationPaths:
     def folder(self) -> Path:
         return self.root / "data" / "iters" / f"{self.iteration:04d}"
 
-    def __getattr__(self, name: str) -> Path:
-        files = {
-            "trajectories": "trajectories.zarr", "rollout_metrics": "rollout.json",
-            "probe": "probe.parquet", "probe_metrics": "probe.json",
-            "credit": "credit.parquet", "credit_metrics": "credit.json",
-            "policy": "policy", "update_metrics": "update.json", "eval_metrics": "eval.json",
-        }
-        if name not in files:
-            raise AttributeError(name)
-        return self.folder / files[name]
+    def _file(self, name: str) -> Path:
+        return self.folder / name
+
+    trajectories = property(lambda self: self._file("trajectories.zarr"))
+    rollout_metrics = property(lambda self: self._file("rollout.json"))
+    probe = property(lambda self: self._file("probe.parquet"))
+    probe_metrics = property(lambda self: self._file("probe.json"))
+    credit = property(lambda self: self._file("credit.parquet"))
+    credit_metrics = property(lambda self: self._file("credit.json"))
+    policy = property(lambda self: self._file("policy"))
+    update_metrics = property(lambda self: self._file("update.json"))
+    eval_metrics = property(lambda self: self._file("eval.json"))
 
     def previous(self) -> "IterationPaths | None":
         return IterationPaths(self.root, self.iteration - 1) if self.iteration > 0 else None

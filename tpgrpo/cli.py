@@ -115,20 +115,14 @@ def prompts_command(
         typer.echo(str(path))
 
 
-@app.command("pretrain")
-def pretrain_cli(
-    out_dir: Annotated[Path, typer.Option(help="where to save the base model")] = Path("data/base"),
-    seed: Annotated[int, typer.Option(help="training seed")] = 0,
-    minutes: Annotated[Optional[float], typer.Option(help="wall-clock budget, minutes")] = None,
-    steps: Annotated[Optional[int], typer.Option(help="optimizer steps (instead of minutes)")] = None,
-    batch_size: Annotated[int, typer.Option(help="images per step")] = 64,
-) -> None:
-    """Pretrain the embedded tiny text-to-image model on rendered task images."""
-    from tpgrpo.pretrain import pretrain
+def _register_pretrain() -> None:
+    # pretrain.py imports torch lazily, so registering its command keeps `tpgrpo --help` fast.
+    from tpgrpo.pretrain import pretrain_command
 
-    if minutes is None and steps is None:
-        _fail("pretrain: give --minutes or --steps")
-    pretrain(str(out_dir), seed=seed, minutes=minutes, steps=steps, batch_size=batch_size)
+    app.command("pretrain")(pretrain_command)
+
+
+_register_pretrain()
 
 
 @app.command("report-base")
