@@ -57,6 +57,10 @@ def test_int_accepted_for_float_and_overrides(tmp_path, raw):
     cfg = load_config(path, overrides={"update.lr": 1, "credit.mode": "flow_grpo"})
     assert cfg.update.lr == 1.0 and isinstance(cfg.update.lr, float)
     assert cfg.credit.mode == "flow_grpo"
+    # PyYAML parses `3e-4` (no dot) as a string; a float field accepts it, a word is still an error.
+    assert load_config(path, overrides={"update.lr": "3e-4"}).update.lr == 3e-4
+    with pytest.raises(ConfigError, match="update.lr = 'fast': expected float"):
+        load_config(path, overrides={"update.lr": "fast"})
     with pytest.raises(ConfigError, match="override 'nosuch.key'"):
         load_config(path, overrides={"nosuch.key": 1})
 

@@ -147,6 +147,11 @@ def _coerce(key: str, value: Any, kind: type) -> Any:
     elif kind is int:
         ok = isinstance(value, int) and not isinstance(value, bool)
     elif kind is float:
+        if isinstance(value, str):  # PyYAML reads `3e-4` (no dot) as a string: accept what float() reads
+            try:
+                value = float(value)
+            except ValueError:
+                pass
         ok = isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
         value = float(value) if ok else value
     else:
