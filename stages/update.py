@@ -11,6 +11,7 @@ from pathlib import Path
 
 import numpy as np
 import torch
+from tqdm import tqdm
 
 from stages.probe import read_trajectories
 from tpgrpo.artifacts import IterationPaths, require, write_json
@@ -27,6 +28,11 @@ def advantage_matrix(credit, n: int, k: int) -> torch.Tensor:
     if len(table) != n * k:
         raise ValueError(f"credit.parquet has {len(table)} rows; expected {n} trajectories x {k} steps")
     return torch.tensor(table["advantage"].to_numpy().reshape(n, k), dtype=torch.float32)
+
+
+def _tick(bar, done: int, total: int) -> None:
+    bar.total = total
+    bar.update(done - bar.n)
 
 
 def run(cfg: Config, iteration: int, root: Path) -> dict:
@@ -49,9 +55,11 @@ def run(cfg: Config, iteration: int, root: Path) -> dict:
             latents=torch.from_numpy(arrays["states"]), old_log_probs=torch.from_numpy(arrays["log_probs"]),
             sigmas=torch.from_numpy(arrays["sigmas"]), prompt_index=torch.from_numpy(arrays["prompt_index"]).long(),
             sigma_at_one=float(attrs["schedule_sigmas"][1]))
-        metrics.update(update_policy(backend, embeds, batch, advantages, sampling_from_attrs(attrs), cfg.update, optimizer,
-                                     ema=ema, seed=sample_seed(cfg.train.seed, iteration, "update", 0),
-                                     iteration=iteration))
+        bar = tqdm(desc=f"update {iteration}", unit="micro-batch")
+        metrics.update(update_policy(backend, embeds, batch, advantages, sampling_from_attrs(attrs), cfg.update,
+                                     optimizer, ema=ema, seed=sample_seed(cfg.train.seed, iteration, "update", 0),
+                                     iteration=iteration, progress=lambda done, total: _tick(bar, done, total)))
+        bar.close()
         save_policy(paths.policy, backend, optimizer, ema)
     write_json(paths.update_metrics, {k: v for k, v in metrics.items() if np.isscalar(v) or isinstance(v, list)})
     return metrics
