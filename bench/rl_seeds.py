@@ -54,11 +54,12 @@ def main() -> None:
     parser.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2])
     parser.add_argument("--parallel", type=int, default=1)
     parser.add_argument("--set", dest="settings", action="append", default=[], help="section.key=value")
+    parser.add_argument("--threads", type=int, default=None, help="torch threads per run (default 2 / parallel)")
     parser.add_argument("--workdir", type=Path, default=Path("/tmp/tpgrpo-seeds"))
     parser.add_argument("--out", type=Path, default=REPO / "data" / "reports" / "rl_seeds.json")
     args = parser.parse_args()
     shutil.rmtree(args.workdir, ignore_errors=True)
-    threads = max(1, 2 // args.parallel)
+    threads = args.threads or max(1, 2 // args.parallel)
     pending = [(s, make_project(args.workdir / f"seed-{s}", s, args.settings)) for s in args.seeds]
     running, results = [], {}
     while pending or running:
