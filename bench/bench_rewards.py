@@ -16,7 +16,8 @@ from tpgrpo.tasks.prompts import build_prompt_sets
 from tpgrpo.tasks.render import render_prompt
 from tpgrpo.tasks.rewards import REWARD_NAMES, get_reward
 
-_TASK = {"geneval": "compositional", "geneval_soft": "compositional", "ocr": "text"}
+_TASK = {"geneval": "compositional", "geneval_soft": "compositional", "ocr": "text",
+         "jpeg_compressibility": "compositional"}
 
 
 def _batch(task: str, n: int, seed: int = 0) -> tuple[np.ndarray, list[dict]]:
