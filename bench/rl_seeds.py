@@ -56,8 +56,13 @@ def main() -> None:
     parser.add_argument("--set", dest="settings", action="append", default=[], help="section.key=value")
     parser.add_argument("--threads", type=int, default=None, help="torch threads per run (default 2 / parallel)")
     parser.add_argument("--workdir", type=Path, default=Path("/tmp/tpgrpo-seeds"))
+    parser.add_argument("--collect", type=Path, nargs="+", default=None,
+                        help="only report finished runs found under these workdirs (seed-N folders)")
     parser.add_argument("--out", type=Path, default=REPO / "data" / "reports" / "rl_seeds.json")
     args = parser.parse_args()
+    if args.collect:
+        report(collect(args.collect), args)
+        return
     shutil.rmtree(args.workdir, ignore_errors=True)
     threads = args.threads or max(1, 2 // args.parallel)
     pending = [(s, make_project(args.workdir / f"seed-{s}", s, args.settings)) for s in args.seeds]
@@ -76,6 +81,16 @@ def main() -> None:
             results[seed] = {**summary, "wall_minutes": round((time.time() - start) / 60, 1)}
             print(f"seed {seed}: {json.dumps(results[seed])}", flush=True)
     report(results, args)
+
+
+def collect(workdirs: list[Path]) -> dict:
+    """Summaries of finished runs under ``workdirs`` (their wall time is unknown here: None)."""
+    results = {}
+    for workdir in workdirs:
+        for folder in sorted(workdir.glob("seed-*")):
+            summary = json.loads((folder / "data" / "metrics" / "summary.json").read_text())
+            results[int(folder.name.split("-")[1])] = {**summary, "wall_minutes": None}
+    return results
 
 
 def report(results: dict, args) -> None:
