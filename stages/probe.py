@@ -16,7 +16,7 @@ from tqdm import tqdm
 from tpgrpo.artifacts import IterationPaths, require, write_json
 from tpgrpo.config import Config
 from tpgrpo.pipeline import check_finite, load_policy, provenance, stopwatch, write_parquet
-from tpgrpo.trajectory import ode_complete
+from tpgrpo.trajectory import complete_window_states
 
 
 def read_trajectories(path: Path) -> tuple[dict[str, np.ndarray], dict]:
@@ -36,20 +36,18 @@ def run(cfg: Config, iteration: int, root: Path) -> dict:
         backend = load_policy(cfg, root, iteration)
         N, K1 = arrays["states"].shape[:2]
         K = K1 - 1
-        # Probe states z_0..z_{K-1}; z_k sits at schedule step window_start + k.
-        states = torch.from_numpy(arrays["states"][:, :K].reshape(N * K, *arrays["states"].shape[2:]))
-        start_steps = torch.arange(K).repeat(N) + attrs["window_start"]
-        rows = torch.from_numpy(arrays["prompt_index"]).long().repeat_interleave(K)
+        rows = torch.from_numpy(arrays["prompt_index"]).long()
         embeds = backend.encode_prompts([m["prompt"] for m in metas]).select(rows)
         sigmas = torch.tensor(attrs["schedule_sigmas"], dtype=torch.float32)
         bar = tqdm(total=len(sigmas) - 1 - attrs["window_start"], desc=f"probe {iteration}", unit="sigma")
-        final, passes = ode_complete(backend, states, start_steps, sigmas, embeds,
-                                     attrs["guidance_scale"], cfg.probe.batch_size, on_step=lambda j: bar.update())
+        final, passes = complete_window_states(backend, torch.from_numpy(arrays["states"]), embeds, sigmas,
+                                               attrs["window_start"], attrs["guidance_scale"],
+                                               cfg.probe.batch_size, on_step=lambda j: bar.update())
         bar.close()
         images = backend.decode(final)
         from tpgrpo.tasks.rewards import get_reward
 
-        scored = get_reward(attrs["reward"])(images, [metas[p] for p in rows.tolist()])
+        scored = get_reward(attrs["reward"])(images, [metas[p] for p in rows.repeat_interleave(K).tolist()])
         check_finite(f"reward {attrs['reward']}", scored.reward, f"probe of iteration {iteration}")
         frame = probe_table(arrays, metas, scored.reward.reshape(N, K), scored.strict.reshape(N, K))
         write_parquet(paths.probe, frame, provenance(cfg, iteration, "probe"))

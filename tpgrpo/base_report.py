@@ -51,7 +51,7 @@ def increment_table(backend, cfg: Config, prompts_dir: Path, prompts: int = 8) -
     from tpgrpo.seeds import sample_seed
     from tpgrpo.tasks.prompts import load_prompts
     from tpgrpo.tasks.rewards import get_reward
-    from tpgrpo.trajectory import ode_complete, rollout
+    from tpgrpo.trajectory import complete_window_states, rollout
 
     spec, G, rows = sampler_spec(cfg), cfg.rollout.group_size, []
     for task, rewards in TASK_REWARDS.items():
@@ -63,9 +63,8 @@ def increment_table(backend, cfg: Config, prompts_dir: Path, prompts: int = 8) -
                  zip(index.tolist(), list(range(G)) * len(metas))]
         traj = rollout(backend, embeds, seeds, spec)
         N, K = traj.log_probs.shape
-        states = traj.states[:, :K].reshape(N * K, *traj.states.shape[2:])
-        finals, _ = ode_complete(backend, states, torch.arange(K).repeat(N) + spec.window_start, spec.sigmas,
-                                 embeds.select(torch.arange(N).repeat_interleave(K)), spec.guidance_scale, 128)
+        finals, _ = complete_window_states(backend, traj.states, embeds, spec.sigmas, spec.window_start,
+                                           spec.guidance_scale, cfg.probe.batch_size)
         images = np.concatenate([backend.decode(finals).reshape(N, K, *traj.final.shape[2:], 3),
                                  backend.decode(traj.final)[:, None]], axis=1)
         for name in rewards:

@@ -39,15 +39,14 @@ def select_prompts(cfg: Config, root: Path, iteration: int) -> list[dict]:
     return [metas[i] for i in sorted(rng.choice(len(metas), size=n, replace=False))]
 
 
-def sampler_spec(cfg: Config, num_steps: int | None = None, stochastic: bool = True):
-    """The rollout's :class:`SamplerSpec`; ``stochastic=False`` gives a pure ODE sampler (eval)."""
+def sampler_spec(cfg: Config):
+    """The rollout's :class:`SamplerSpec` from the ``sampling`` params."""
     from tpgrpo.schedule import flow_sigmas
     from tpgrpo.trajectory import SamplerSpec
 
     s = cfg.sampling
     return SamplerSpec(
-        sigmas=flow_sigmas(num_steps or s.num_steps, s.shift),
-        window_start=s.window_start, window_size=s.window_size if stochastic else 0,
+        sigmas=flow_sigmas(s.num_steps, s.shift), window_start=s.window_start, window_size=s.window_size,
         step_kind=s.step_kind, noise_level=s.noise_level, guidance_scale=s.guidance_scale)
 
 

@@ -12,7 +12,7 @@ from typing import Callable, Sequence
 
 import torch
 
-from tpgrpo.sampling import ode_step, stochastic_step
+from tpgrpo.sampling import ode_step, sde_window, stochastic_step
 
 
 @dataclass(frozen=True)
@@ -33,9 +33,6 @@ class SamplerSpec:
     @property
     def num_steps(self) -> int:
         return self.sigmas.numel() - 1
-
-    def is_stochastic(self, step: int) -> bool:
-        return self.window_start <= step < self.window_start + self.window_size
 
     def window_sigmas(self) -> torch.Tensor:
         """(K + 1,) sigmas of the states z_0..z_K kept around the window."""
@@ -72,11 +69,12 @@ def rollout(backend, embeds, seeds: Sequence[int], spec: SamplerSpec) -> Traject
     x = backend.initial_noise(list(seeds)).to(torch.float32)
     generators = step_noise_generators(seeds)
     sigmas, last_window_step = spec.sigmas, spec.window_start + spec.window_size - 1
+    window = sde_window(spec.num_steps, spec.window_start, spec.window_size)
     states, log_probs = [], []
     for step in range(spec.num_steps):
         s, s_next = float(sigmas[step]), float(sigmas[step + 1])
         v = velocity_at(backend, x, s, embeds, spec.guidance_scale)
-        if not spec.is_stochastic(step):
+        if not window[step]:
             x = ode_step(x, v, s, s_next)
             continue
         states.append(x)
@@ -87,8 +85,6 @@ def rollout(backend, embeds, seeds: Sequence[int], spec: SamplerSpec) -> Traject
         log_probs.append(out.log_prob)
         if step == last_window_step:
             states.append(x)  # z_K: its ODE completion is this rollout's own final image
-    if not log_probs:  # an empty window: a plain ODE sampler (eval)
-        return Trajectories(x.new_zeros((x.shape[0], 0, *x.shape[1:])), x.new_zeros((x.shape[0], 0)), x)
     return Trajectories(torch.stack(states, 1), torch.stack(log_probs, 1), x)
 
 
@@ -122,3 +118,19 @@ def ode_complete(backend, states: torch.Tensor, start_steps: torch.Tensor, sigma
         if on_step is not None:
             on_step(j)
     return x, passes
+
+
+def complete_window_states(backend, states: torch.Tensor, embeds, sigmas: torch.Tensor, window_start: int,
+                           guidance_scale: float, batch_size: int,
+                           on_step: Callable[[int], None] | None = None) -> tuple[torch.Tensor, int]:
+    """The probe (spec section 4): ODE-complete the window states z_0..z_{K-1} of N trajectories.
+
+    states: (N, K+1, C, H, W) as a rollout stores them (z_K is left out: the rollout completed it);
+    embeds: one row per trajectory. Returns final latents (N*K, C, H, W), trajectory-major (row n*K + k
+    completes z_k of trajectory n), and the number of model forward passes.
+    """
+    N, K = states.shape[0], states.shape[1] - 1
+    flat = states[:, :K].reshape(N * K, *states.shape[2:])
+    start_steps = torch.arange(K).repeat(N) + window_start  # z_k sits at schedule step window_start + k
+    rows = embeds.select(torch.arange(N).repeat_interleave(K))
+    return ode_complete(backend, flat, start_steps, sigmas, rows, guidance_scale, batch_size, on_step=on_step)
