@@ -23,7 +23,7 @@ def evaluate(cfg: Config, root: Path, backend, label: str) -> dict:
     metas = metas[:cfg.eval.num_prompts]
     S = cfg.eval.samples_per_prompt
     batch_metas = [m for m in metas for _ in range(S)]
-    images = sample_ode(backend, [m["prompt"] for m in batch_metas], evaluation_seeds(cfg.train.seed, metas, S),
+    images = sample_ode(backend, [m["prompt"] for m in batch_metas], evaluation_seeds(cfg.eval.seed, metas, S),
                         num_steps=cfg.eval.num_steps, guidance_scale=cfg.sampling.guidance_scale,
                         shift=cfg.sampling.shift, batch_size=cfg.rollout.batch_size)
     out = {"images": len(batch_metas), "forward_passes": len(batch_metas) * cfg.eval.num_steps}

@@ -29,7 +29,7 @@ def ode_table(backend, cfg: Config, prompts_dir: Path, steps=(10, 40)) -> list[d
     for task, rewards in TASK_REWARDS.items():
         metas = load_prompts(prompts_dir / f"{task}_eval.jsonl")
         for num_steps in steps:
-            images = sample_ode(backend, [m["prompt"] for m in metas], evaluation_seeds(cfg.train.seed, metas),
+            images = sample_ode(backend, [m["prompt"] for m in metas], evaluation_seeds(cfg.eval.seed, metas),
                                 num_steps=num_steps, guidance_scale=cfg.sampling.guidance_scale,
                                 shift=cfg.sampling.shift)
             for name in rewards:

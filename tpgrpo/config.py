@@ -89,6 +89,7 @@ class EvalConfig:
     num_steps: int = 40  # ODE steps at eval
     num_prompts: int = 32  # held-out prompts evaluated (first N of the eval file)
     samples_per_prompt: int = 2  # seeds per prompt
+    seed: int = 0  # eval seeds derive from this, not train.seed: runs with other train seeds stay paired
 
 
 @dataclass(frozen=True)
@@ -136,7 +137,7 @@ POSITIVE = {
 }
 NON_NEGATIVE = {
     "sampling.guidance_scale", "sampling.noise_level", "sampling.window_start",
-    "sampling.window_size", "update.weight_decay", "update.kl_beta", "eval.every", "train.seed",
+    "sampling.window_size", "update.weight_decay", "update.kl_beta", "eval.every", "eval.seed", "train.seed",
 }
 
 

@@ -28,7 +28,7 @@ STAGE_PARAMS = {
     "eval": ["model", "task", "sampling", "eval", "rollout.batch_size", "update.lora_rank",
              "update.lora_alpha", "train.seed"],
     "baseline": ["model", "task", "sampling", "eval", "rollout.batch_size", "update.lora_rank",
-                 "update.lora_alpha", "train.seed"],
+                 "update.lora_alpha"],
 }
 HEADER = ("# Generated from params.yaml by `tpgrpo dvc-yaml` (`tpgrpo run` does it before `dvc repro`).\n"
           "# Edit params.yaml, not this file.\n")
