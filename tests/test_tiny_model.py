@@ -147,7 +147,9 @@ def test_missing_folder_gives_one_line_error_naming_the_path(tmp_path):
 
 
 def test_unknown_backend_kinds():
-    with pytest.raises(NotImplementedError, match="not available yet"):
+    from tpgrpo.errors import PipelineError
+
+    with pytest.raises(PipelineError, match="model.path x does not exist"):  # sd3/flux: tests/test_sd3_backend.py
         load_backend("sd3", "x")
     with pytest.raises(ValueError, match="unknown backend kind"):
         load_backend("dalle", "x")

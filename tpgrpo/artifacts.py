@@ -3,6 +3,7 @@
 Layout under the project root::
 
     data/iters/0003/trajectories.zarr   rollout: latents, log-probs, sigmas, seeds
+    data/iters/0003/prompt_embeds.safetensors  rollout: the iteration's prompt embeddings (probe/update read them)
     data/iters/0003/rollout.json        rollout metrics
     data/iters/0003/probe.parquet       probe: one row per (trajectory, step)
     data/iters/0003/credit.parquet      credit: one row per (trajectory, window step)
@@ -39,6 +40,7 @@ class IterationPaths:
         return self.folder / name
 
     trajectories = property(lambda self: self._file("trajectories.zarr"))
+    prompt_embeds = property(lambda self: self._file("prompt_embeds.safetensors"))
     rollout_metrics = property(lambda self: self._file("rollout.json"))
     probe = property(lambda self: self._file("probe.parquet"))
     probe_metrics = property(lambda self: self._file("probe.json"))

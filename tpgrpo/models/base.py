@@ -136,3 +136,37 @@ def as_sigma_batch(sigma, batch: int, device) -> torch.Tensor:
     if s.shape != (batch,):
         raise ValueError(f"sigma must be a scalar or a ({batch},) tensor, got shape {tuple(s.shape)}")
     return s
+
+
+def move_module(module: torch.nn.Module, device: torch.device, dtype: torch.dtype) -> torch.nn.Module:
+    """Move/cast only when needed (diffusers warns on every ``.to(dtype)`` call); returns the module."""
+    p = next(module.parameters())
+    if p.dtype != dtype:
+        module = module.to(dtype=dtype)
+    if p.device != device:
+        module = module.to(device=device)
+    return module
+
+
+def guided_velocity(predict, device, x: torch.Tensor, sigma, embeds: PromptEmbeddings,
+                    guidance_scale: float) -> torch.Tensor:
+    """Classifier-free guided velocity ``(B, C, H, W)`` float32 from a raw ``predict(x, sigma, hidden, pooled)``.
+
+    The unconditional ("" prompt) and conditional branches run as ONE doubled batch ``[uncond; cond]`` and
+    combine as ``v_u + g (v_c - v_u)``; ``guidance_scale == 1`` runs the conditional branch alone.
+    ``sigma``: scalar or ``(B,)`` in [0, 1]; ``embeds``: one row per sample. Gradients flow.
+    """
+    from tpgrpo.sampling import cfg
+
+    batch = x.shape[0]
+    if len(embeds) != batch:
+        raise ValueError(f"embeds has {len(embeds)} rows but x has batch {batch}")
+    x = x.to(device)
+    s = as_sigma_batch(sigma, batch, device)
+    if guidance_scale == 1.0:
+        return predict(x, s, embeds.embeds, embeds.pooled)
+    u_hidden, u_pooled = embeds.uncond(batch)
+    v = predict(torch.cat([x, x]), torch.cat([s, s]), torch.cat([u_hidden.to(embeds.embeds.dtype), embeds.embeds]),
+                torch.cat([u_pooled.to(embeds.pooled.dtype), embeds.pooled]))
+    v_uncond, v_cond = v.chunk(2)
+    return cfg(v_uncond, v_cond, guidance_scale)

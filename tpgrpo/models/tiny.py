@@ -17,7 +17,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from tpgrpo.models.base import FlowBackend, PromptEmbeddings, as_sigma_batch
+from tpgrpo.models.base import FlowBackend, PromptEmbeddings, guided_velocity, move_module
 from tpgrpo.models.tokenizer import EOS, build_tokenizer, tokenize
 
 MODEL_JSON = "tpgrpo_model.json"
@@ -63,16 +63,6 @@ class TinyConfig:
         return cls(**d)
 
 
-def _move(module: torch.nn.Module, device: torch.device, dtype: torch.dtype) -> torch.nn.Module:
-    """Move/cast only when needed (diffusers warns on every ``.to(dtype)`` call)."""
-    p = next(module.parameters())
-    if p.dtype != dtype:
-        module = module.to(dtype=dtype)
-    if p.device != device:
-        module = module.to(device=device)
-    return module
-
-
 def _default_vocabulary() -> tuple[list[str], str]:
     """Prompt words and quoted-text characters of the task package (imported lazily)."""
     from tpgrpo.tasks.prompts import TEXT_CHARSET, VOCABULARY
@@ -89,8 +79,8 @@ class TinyBackend(FlowBackend):
         self.config = config
         self.device = torch.device(device)
         self.dtype = dtype
-        self.transformer = _move(transformer, self.device, dtype).eval()
-        self.text_encoder = _move(text_encoder, self.device, dtype).eval()
+        self.transformer = move_module(transformer, self.device, dtype).eval()
+        self.text_encoder = move_module(text_encoder, self.device, dtype).eval()
         self.tokenizer = tokenizer
         self.latent_shape = (3, config.image_size, config.image_size)
         self.lora_target_modules = list(LORA_TARGETS)
@@ -128,20 +118,7 @@ class TinyBackend(FlowBackend):
         With guidance the unconditional and conditional branches run as ONE doubled batch
         ``[uncond; cond]``; ``guidance_scale == 1`` runs the conditional branch alone.
         """
-        from tpgrpo.sampling import cfg
-
-        batch = x.shape[0]
-        if len(embeds) != batch:
-            raise ValueError(f"embeds has {len(embeds)} rows but x has batch {batch}")
-        x = x.to(self.device)
-        s = as_sigma_batch(sigma, batch, self.device)
-        if guidance_scale == 1.0:
-            return self.predict(x, s, embeds.embeds, embeds.pooled)
-        u_hidden, u_pooled = embeds.uncond(batch)
-        v = self.predict(torch.cat([x, x]), torch.cat([s, s]), torch.cat([u_hidden, embeds.embeds]),
-                         torch.cat([u_pooled, embeds.pooled]))
-        v_uncond, v_cond = v.chunk(2)
-        return cfg(v_uncond, v_cond, guidance_scale)
+        return guided_velocity(self.predict, self.device, x, sigma, embeds, guidance_scale)
 
     def decode(self, x: torch.Tensor) -> np.ndarray:
         """RGB latents in [-1, 1] ``(B, 3, S, S)`` -> ``uint8 (B, S, S, 3)`` (values clamped)."""
