@@ -14,8 +14,9 @@ import numpy as np
 
 from tpgrpo.tasks.prompts import build_prompt_sets
 from tpgrpo.tasks.render import render_prompt
-from tpgrpo.tasks.rewards import REWARD_NAMES, get_reward
+from tpgrpo.tasks.rewards import get_reward
 
+# The embedded rewards (the model and remote rewards need folders / a server: see tests/test_rewards_*.py).
 _TASK = {"geneval": "compositional", "geneval_soft": "compositional", "ocr": "text",
          "jpeg_compressibility": "compositional"}
 
@@ -35,7 +36,7 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=3)
     args = parser.parse_args()
 
-    for name in REWARD_NAMES:
+    for name in _TASK:
         task = _TASK[name]
         images, metas = _batch(task, args.n_ocr if task == "text" else args.n)
         reward = get_reward(name)

@@ -26,8 +26,11 @@ def _render(metas, violation, seed=1):
 
 
 def test_registry():
-    assert set(REWARD_NAMES) == {"geneval", "geneval_soft", "ocr", "jpeg_compressibility"}
-    with pytest.raises(ValueError, match="geneval, geneval_soft, ocr, jpeg_compressibility"):
+    assert set(REWARD_NAMES) == {"geneval", "geneval_soft", "ocr", "jpeg_compressibility", "pickscore",
+                                 "geneval_detector", "geneval_detector_soft", "aesthetic", "remote"}
+    with pytest.raises(ValueError, match="geneval, geneval_soft, ocr, jpeg_compressibility, pickscore"):
+        get_reward("pickscor")
+    with pytest.raises(ValueError, match="reads params"):  # model rewards are built from a config
         get_reward("pickscore")
 
 

@@ -3,7 +3,8 @@
 - `prompts`: prompt vocabularies, train/eval prompt sets, JSONL files.
 - `render`: clean procedural images of a prompt (pretraining data) and images that violate it.
 - `detect`: the palette-shape detector; `geneval`: its GenEval-style scoring.
-- `rewards`: `get_reward(name)` for "geneval", "geneval_soft" and "ocr".
+- `rewards`: the reward registry: `get_reward(name)`, `build_reward(spec, cfg)` for a name or a weighted
+  mapping (model and remote rewards live in `tpgrpo.rewards`).
 """
 
 from tpgrpo.tasks.prompts import (
@@ -14,7 +15,7 @@ from tpgrpo.tasks.prompts import (
     write_prompt_files,
 )
 from tpgrpo.tasks.render import render_prompt, render_violation
-from tpgrpo.tasks.rewards import REWARD_NAMES, Reward, RewardResult, get_reward
+from tpgrpo.tasks.rewards import REWARD_NAMES, Reward, RewardResult, build_reward, get_reward
 
 __all__ = [
     "REWARD_NAMES",
@@ -23,6 +24,7 @@ __all__ = [
     "Reward",
     "RewardResult",
     "build_prompt_sets",
+    "build_reward",
     "get_reward",
     "load_prompts",
     "render_prompt",

@@ -17,6 +17,8 @@ import numpy as np
 
 from tpgrpo.tasks.shapes import COLORS, PALETTE_ARRAY, SHAPES, shape_iou
 
+SOFT_IOU = (0.7, 0.95)  # template IoU mapped linearly onto the [0, 1] shape score of `geneval_soft`
+
 
 @dataclass(frozen=True)
 class DetectorConfig:
@@ -51,6 +53,17 @@ class Component:
     shape_ious: dict[str, float]
     valid: bool
     reason: str = ""  # why invalid; "" for objects
+
+    @property
+    def color_score(self) -> float:
+        """Soft evidence in [0, 1] that the component has its colour (the GenEval rules' interface)."""
+        return self.purity
+
+    @property
+    def shape_scores(self) -> dict[str, float]:
+        """Soft evidence in [0, 1] per shape: template IoU ramped from SOFT_IOU[0] (0) to SOFT_IOU[1] (1)."""
+        lo, hi = SOFT_IOU
+        return {s: float(np.clip((iou - lo) / (hi - lo), 0.0, 1.0)) for s, iou in self.shape_ious.items()}
 
 
 @dataclass(frozen=True)

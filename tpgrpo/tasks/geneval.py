@@ -12,21 +12,44 @@ Detected objects are matched to slots greedily, best discrete credit first:
   template (IoU 0.7 -> 0, 0.95 -> 1), position -> alignment 0.25 -> 0, 0.75 -> 1; the junk
   penalty counts junk and stray coloured pixels by mass (min_area px = one extra object).
 A missing object scores 0 and every unexplained coloured pixel costs, so noise cannot earn reward.
+
+The rules read detected objects only through `DetectedObject` (colour and shape labels, box, and soft
+evidence in [0, 1]), so the same code scores the embedded palette detector (`detect.Component`) and a
+transformers object detector (`tpgrpo.rewards.detector`, reward "geneval_detector").
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Protocol
 
 import numpy as np
 
-from tpgrpo.tasks.detect import Component, Detection, DetectorConfig
+from tpgrpo.tasks.detect import SOFT_IOU, Detection, DetectorConfig  # noqa: F401 (SOFT_IOU re-exported)
 from tpgrpo.tasks.shapes import horizontal_alignment
 
 EXTRA_PENALTY = 0.75  # reward factor per extra object or junk component
 ALIGN_STRICT = 0.5  # GenEval's threshold on horizontal_alignment
 SOFT_ALIGN = (0.25, 0.75)  # alignment mapped linearly onto [0, 1] position score
-SOFT_IOU = (0.7, 0.95)  # template IoU mapped linearly onto [0, 1] shape score
+
+
+class DetectedObject(Protocol):
+    """What the rules need from one detected object (`detect.Component` is one).
+
+    color, shape: labels ("red", "circle"); bbox (x, y, w, h) px; center (x, y) px;
+    color_score in [0, 1]: evidence for its colour; shape_scores: evidence in [0, 1] per shape name.
+    """
+
+    color: str
+    shape: str
+    bbox: tuple[float, float, float, float]
+    center: tuple[float, float]
+
+    @property
+    def color_score(self) -> float: ...
+
+    @property
+    def shape_scores(self) -> dict[str, float]: ...
 
 
 @dataclass(frozen=True)
@@ -41,20 +64,20 @@ def _ramp(x: float, lo: float, hi: float) -> float:
     return float(np.clip((x - lo) / (hi - lo), 0.0, 1.0))
 
 
-def _discrete_credit(comp: Component, color: str, shape: str) -> float:
+def _discrete_credit(comp: DetectedObject, color: str, shape: str) -> float:
     return 0.5 * (comp.color == color) + 0.5 * (comp.shape == shape)
 
 
-def _soft_credit(comp: Component, color: str, shape: str) -> float:
-    colour = comp.purity if comp.color == color else 0.0
-    return 0.5 * colour + 0.5 * _ramp(comp.shape_ious[shape], *SOFT_IOU)
+def _soft_credit(comp: DetectedObject, color: str, shape: str) -> float:
+    colour = comp.color_score if comp.color == color else 0.0
+    return 0.5 * colour + 0.5 * comp.shape_scores.get(shape, 0.0)
 
 
 def _slots(meta: dict) -> list[tuple[str, str]]:
     return [(o["color"], o["shape"]) for o in meta["objects"] for _ in range(o["count"])]
 
 
-def match(objects: list[Component], slots: list[tuple[str, str]]) -> list[int | None]:
+def match(objects: list[DetectedObject], slots: list[tuple[str, str]]) -> list[int | None]:
     """Greedy slot -> object index assignment (None = unfilled), best discrete then soft credit first.
 
     Greedy is exact for these credits up to ties: an exact match (1) never helps more elsewhere
@@ -75,7 +98,7 @@ def match(objects: list[Component], slots: list[tuple[str, str]]) -> list[int | 
     return assigned
 
 
-def _alignment(meta: dict, a: Component | None, b: Component | None) -> float | None:
+def _alignment(meta: dict, a: DetectedObject | None, b: DetectedObject | None) -> float | None:
     """Alignment of the first object relative to the second in the direction the relation asks, or None."""
     if a is None or b is None:
         return None
