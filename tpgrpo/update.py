@@ -8,13 +8,14 @@ log-probs are per-element means (see ``tpgrpo.sampling``); advantages are unitle
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Callable
+from typing import Any, Callable
 
 import torch
 
 from tpgrpo.artifacts import atomic_path
+from tpgrpo.distributed import Dist, even_slice, sum_gradients
 from tpgrpo.errors import PipelineError
 from tpgrpo.loss import policy_loss
 from tpgrpo.policy import LoraEMA, lora_parameters, reference_mode, save_adapter
@@ -100,20 +101,48 @@ def _context(iteration: int | None, where: str = "") -> str:
     return f" ({', '.join(parts)})" if parts else ""
 
 
-class _Stats:
-    """Transition-weighted running means of scalar diagnostics."""
+LOSS_KEYS = ("policy_loss", "kl", "approx_kl", "clip_fraction")
 
-    def __init__(self):
-        self.sums: dict[str, float] = {}
+
+class _Stats:
+    """Transition-weighted running means of scalar diagnostics (fixed keys, so processes can sum them)."""
+
+    def __init__(self, keys: tuple[str, ...]):
+        self.keys = keys
+        self.sums: dict[str, float] = dict.fromkeys(keys, 0.0)
         self.count = 0
 
     def add(self, weight: int, **values: float) -> None:
         self.count += weight
         for key, value in values.items():
-            self.sums[key] = self.sums.get(key, 0.0) + weight * float(torch.as_tensor(value).detach())
+            self.sums[key] += weight * float(torch.as_tensor(value).detach())
+
+    def reduce(self, dist: Dist) -> None:
+        """Sum the counts and weighted sums over processes, in place (one all-reduce)."""
+        if dist.world == 1:
+            return
+        total = dist.reduce(torch.tensor([float(self.count), *self.sums.values()], dtype=torch.float64),
+                            "sum", "update metrics")
+        self.count = int(round(float(total[0])))
+        self.sums = dict(zip(self.keys, total[1:].tolist()))
 
     def means(self, prefix: str = "", suffix: str = "") -> dict[str, float]:
         return {f"{prefix}{k}{suffix}": (v / self.count if self.count else 0.0) for k, v in self.sums.items()}
+
+
+@dataclass
+class _Pass:
+    """What every micro-batch of one ``update_policy`` call needs (``adv`` (N, K) float32 on the CPU)."""
+
+    backend: Any
+    embeds: Any
+    batch: TransitionBatch
+    adv: torch.Tensor
+    sampling_cfg: Any
+    update_cfg: Any
+    dist: Dist
+    progress: Callable[[int, int], None] | None
+    counters: dict = field(default_factory=lambda: {"forward_passes": 0, "micro_batches": 0})
 
 
 def _forward(backend, embeds, batch, n_idx, k_idx, sampling_cfg, reference: bool):
@@ -141,40 +170,45 @@ def _forward(backend, embeds, batch, n_idx, k_idx, sampling_cfg, reference: bool
     return out, mean_ref
 
 
-def _optimizer_step(backend, optimizer, update_cfg, ema, ctx: str) -> float:
-    """Clip, check and apply the accumulated gradient; returns the pre-clip grad norm."""
+def _optimizer_step(run: _Pass, optimizer, ema, ctx: str) -> float:
+    """Sum the gradient over processes, clip, check and apply it; returns the pre-clip grad norm."""
     params = [p for group in optimizer.param_groups for p in group["params"]]
-    norm = float(torch.nn.utils.clip_grad_norm_(params, update_cfg.max_grad_norm))
+    sum_gradients(params, run.dist)
+    norm = float(torch.nn.utils.clip_grad_norm_(params, run.update_cfg.max_grad_norm))
     if not math.isfinite(norm):
         optimizer.zero_grad(set_to_none=True)
         raise PipelineError(f"update{ctx}: non-finite gradient norm ({norm}); weights left unchanged")
     optimizer.step()
     optimizer.zero_grad(set_to_none=True)
     if ema is not None:
-        ema.step(backend)
+        ema.step(run.backend)
     return norm
 
 
-def _run_chunk(backend, embeds, batch, adv, chunk, ctx, cfgs, stats, ratio_dev, progress):
-    """Accumulate the gradient of one chunk (mean over its transitions) in micro-batches.
+def _run_chunk(run: _Pass, chunk, ctx: str, stats: _Stats, ratio_dev: torch.Tensor) -> float:
+    """Accumulate this process's share of one chunk's gradient in micro-batches.
 
-    Returns ``max |rho - 1|`` over the chunk; ``ratio_dev`` (K,) collects the per-step max.
+    The chunk's M transitions are split into ``dist.world`` contiguous near-equal slices; this process
+    takes its slice and weights each micro-batch's mean loss by ``(its transitions) / M``, so the sum over
+    processes is the mean over all M transitions. Returns ``max |rho - 1|`` over the slice;
+    ``ratio_dev`` (K,) collects the per-step max.
     """
-    sampling_cfg, update_cfg, counters = cfgs
-    n_all, k_all = chunk
-    total, max_dev = n_all.numel(), 0.0
-    for start in range(0, total, update_cfg.micro_batch):
-        n_idx = n_all[start:start + update_cfg.micro_batch]
-        k_idx = k_all[start:start + update_cfg.micro_batch]
-        out, mean_ref = _forward(backend, embeds, batch, n_idx, k_idx, sampling_cfg,
+    update_cfg, batch, counters = run.update_cfg, run.batch, run.counters
+    total = chunk[0].numel()
+    mine = even_slice(total, run.dist.world, run.dist.rank)
+    n_all, k_all = chunk[0][mine], chunk[1][mine]
+    max_dev, mb = 0.0, update_cfg.micro_batch
+    for start in range(0, n_all.numel(), mb):
+        n_idx, k_idx = n_all[start:start + mb], k_all[start:start + mb]
+        out, mean_ref = _forward(run.backend, run.embeds, batch, n_idx, k_idx, run.sampling_cfg,
                                  reference=update_cfg.kl_beta > 0)
         lo = policy_loss(out.log_prob, batch.old_log_probs[n_idx, k_idx].to(out.log_prob.device),
-                         adv[n_idx, k_idx].to(out.log_prob.device), update_cfg.clip_range,
+                         run.adv[n_idx, k_idx].to(out.log_prob.device), update_cfg.clip_range,
                          mean_theta=out.mean if mean_ref is not None else None, mean_ref=mean_ref,
                          std=out.std if mean_ref is not None else None, kl_beta=update_cfg.kl_beta)
         if not bool(torch.isfinite(lo.loss)):
             raise PipelineError(f"update{ctx}: non-finite loss ({float(lo.loss)}) in micro-batch "
-                                f"{start // update_cfg.micro_batch + 1} (window steps "
+                                f"{start // mb + 1} (window steps "
                                 f"{sorted(set(k_idx.tolist()))}); weights left unchanged by it")
         (lo.loss * (n_idx.numel() / total)).backward()
         dev = (lo.ratio.detach() - 1.0).abs().cpu()
@@ -184,24 +218,29 @@ def _run_chunk(backend, embeds, batch, adv, chunk, ctx, cfgs, stats, ratio_dev, 
                   clip_fraction=lo.clip_fraction)
         counters["forward_passes"] += n_idx.numel() * (2 if mean_ref is not None else 1)
         counters["micro_batches"] += 1
-        if progress is not None:
-            progress(counters["micro_batches"], counters["total_micro_batches"])
+        if run.progress is not None:
+            run.progress(counters["micro_batches"], counters["total_micro_batches"])
     return max_dev
 
 
 @torch.no_grad()
-def _after_stats(backend, embeds, batch, n_idx, k_idx, sampling_cfg, update_cfg, counters) -> dict:
-    """How far the policy moved: approx KL / clip fraction / max |rho - 1| on the given transitions."""
-    stats, max_dev = _Stats(), 0.0
-    for start in range(0, n_idx.numel(), update_cfg.micro_batch):
-        n, k = n_idx[start:start + update_cfg.micro_batch], k_idx[start:start + update_cfg.micro_batch]
-        out, _ = _forward(backend, embeds, batch, n, k, sampling_cfg, reference=False)
-        dlogp = out.log_prob.cpu() - batch.old_log_probs[n, k]
+def _after_stats(run: _Pass, n_idx, k_idx) -> dict:
+    """How far the policy moved: approx KL / clip fraction / max |rho - 1| on the given transitions
+    (split over processes like a chunk, reduced over them)."""
+    stats, max_dev, mb = _Stats(("approx_kl", "clip_fraction")), 0.0, run.update_cfg.micro_batch
+    mine = even_slice(n_idx.numel(), run.dist.world, run.dist.rank)
+    n_idx, k_idx = n_idx[mine], k_idx[mine]
+    for start in range(0, n_idx.numel(), mb):
+        n, k = n_idx[start:start + mb], k_idx[start:start + mb]
+        out, _ = _forward(run.backend, run.embeds, run.batch, n, k, run.sampling_cfg, reference=False)
+        dlogp = out.log_prob.cpu() - run.batch.old_log_probs[n, k]
         dev = (torch.exp(dlogp) - 1.0).abs()
         max_dev = max(max_dev, float(dev.max()))
         stats.add(n.numel(), approx_kl=0.5 * dlogp.pow(2).mean(),
-                  clip_fraction=(dev > update_cfg.clip_range).float().mean())
-        counters["forward_passes"] += n.numel()
+                  clip_fraction=(dev > run.update_cfg.clip_range).float().mean())
+        run.counters["forward_passes"] += n.numel()
+    stats.reduce(run.dist)
+    max_dev = float(run.dist.reduce(torch.tensor([max_dev], dtype=torch.float64), "max", "update metrics")[0])
     return {**stats.means(suffix="_after"), "ratio_max_dev_after": max_dev}
 
 
@@ -219,59 +258,62 @@ def select_transitions(advantages: torch.Tensor, seed: int) -> tuple[torch.Tenso
 def update_policy(backend, embeds, batch: TransitionBatch, advantages: torch.Tensor, sampling_cfg,
                   update_cfg, optimizer, ema: LoraEMA | None = None,
                   progress: Callable[[int, int], None] | None = None, seed: int | None = None,
-                  iteration: int | None = None, after_sample: int = 64) -> dict:
+                  iteration: int | None = None, after_sample: int = 64, dist: Dist | None = None) -> dict:
     """One iteration's policy step on ``batch``; returns a dict of metrics (floats, ints, one list).
 
     The nonzero-advantage transitions (``advantages`` ``(N, K)``), shuffled with ``seed`` (None: drawn
-    from torch's global generator, so ``torch.manual_seed`` before the call fixes it too), are split
-    into ``optimizer_steps_per_iter`` near-equal chunks; each chunk's gradient is the mean of the PPO
-    loss (+ ``kl_beta`` KL to the adapter-disabled reference) over its transitions, accumulated in
-    micro-batches of ``micro_batch``; then grad-norm clip, AdamW step, EMA step. Inputs are checked
-    first: any non-finite value raises ``PipelineError`` before a weight changes; a non-finite loss or
-    gradient later raises before that chunk's optimizer step. ``progress(done, total)`` is called per
-    micro-batch.
+    from torch's global generator, so ``torch.manual_seed`` before the call fixes it too; pass it when
+    several processes run), are split into ``optimizer_steps_per_iter`` near-equal chunks; each chunk's
+    gradient is the mean of the PPO loss (+ ``kl_beta`` KL to the adapter-disabled reference) over its
+    transitions, accumulated in micro-batches of ``micro_batch`` (per process); then grad-norm clip,
+    AdamW step, EMA step. With ``dist`` (several processes) every chunk's transitions are split over
+    the processes and the gradients summed (``_run_chunk``): the same optimisation as one process, up to
+    float round-off. Inputs are checked first: any non-finite value raises ``PipelineError`` before a
+    weight changes; a non-finite loss or gradient later raises before that chunk's optimizer step.
+    ``progress(done, total)`` is called per micro-batch of this process.
 
-    Metrics: ``first_pass_ratio_max_dev`` (max |rho - 1| over the first chunk, before any step: ~0 on
-    fresh data), ``first_pass_ratio_dev_per_step`` (list, per window step, None where absent),
-    ``policy_loss``, ``kl``, ``approx_kl``, ``clip_fraction`` (means over the transitions of all
-    chunks, each measured before its chunk's step), ``approx_kl_after``, ``clip_fraction_after``,
+    Metrics (reduced over processes): ``first_pass_ratio_max_dev`` (max |rho - 1| over the first chunk,
+    before any step: ~0 on fresh data), ``first_pass_ratio_dev_per_step`` (list, per window step, None
+    where absent), ``policy_loss``, ``kl``, ``approx_kl``, ``clip_fraction`` (means over the transitions
+    of all chunks, each measured before its chunk's step), ``approx_kl_after``, ``clip_fraction_after``,
     ``ratio_max_dev_after`` (on up to ``after_sample`` transitions after the last step), ``grad_norm``
     (mean pre-clip), ``optimizer_steps``, ``num_transitions``, ``num_samples`` (kept samples),
     ``forward_passes`` (transitions put through ``backend.velocity``, each one CFG-doubled batch row).
     """
-    ctx = _context(iteration)
-    validate_inputs(batch, advantages, len(embeds), ctx)
+    validate_inputs(batch, advantages, len(embeds), _context(iteration))
     if seed is None:
         seed = int(torch.randint(0, 2**62, (1,)))
+    dist = dist if dist is not None else Dist()
     n_idx, k_idx = select_transitions(advantages.detach().cpu(), seed)
-    chunks = [c for c in zip(torch.tensor_split(n_idx, update_cfg.optimizer_steps_per_iter),
-                             torch.tensor_split(k_idx, update_cfg.optimizer_steps_per_iter)) if c[0].numel()]
-    mb = update_cfg.micro_batch
-    counters = {"forward_passes": 0, "micro_batches": 0,
-                "total_micro_batches": sum(-(-c[0].numel() // mb) for c in chunks)}
-    stats, norms, first_dev = _Stats(), [], 0.0
-    adv = advantages.detach().float().cpu()
+    steps = update_cfg.optimizer_steps_per_iter
+    chunks = [c for c in zip(torch.tensor_split(n_idx, steps), torch.tensor_split(k_idx, steps)) if c[0].numel()]
+    run = _Pass(backend, embeds, batch, advantages.detach().float().cpu(), sampling_cfg, update_cfg, dist, progress)
+    run.counters["total_micro_batches"] = sum(
+        -(-_len(even_slice(c[0].numel(), dist.world, dist.rank)) // update_cfg.micro_batch) for c in chunks)
+    stats, norms, first_dev = _Stats(LOSS_KEYS), [], 0.0
     per_step = torch.full((batch.num_steps,), -1.0)
     optimizer.zero_grad(set_to_none=True)
     for j, chunk in enumerate(chunks):
         step_ctx = _context(iteration, f"optimizer step {j + 1}/{len(chunks)}")
-        ratio_dev = per_step if j == 0 else torch.full((batch.num_steps,), -1.0)
-        dev = _run_chunk(backend, embeds, batch, adv, chunk, step_ctx, (sampling_cfg, update_cfg, counters),
-                         stats, ratio_dev, progress)
+        dev = _run_chunk(run, chunk, step_ctx, stats, per_step if j == 0 else torch.full_like(per_step, -1.0))
         first_dev = dev if j == 0 else first_dev
-        norms.append(_optimizer_step(backend, optimizer, update_cfg, ema, step_ctx))
-    metrics = {**stats.means(), "first_pass_ratio_max_dev": first_dev,
-               "first_pass_ratio_dev_per_step": [None if v < 0 else float(v) for v in per_step.tolist()],
+        norms.append(_optimizer_step(run, optimizer, ema, step_ctx))
+    stats.reduce(dist)
+    first = dist.reduce(torch.cat([torch.tensor([first_dev]), per_step]), "max", "update metrics")
+    metrics = {**stats.means(), "first_pass_ratio_max_dev": float(first[0]),
+               "first_pass_ratio_dev_per_step": [None if v < 0 else float(v) for v in first[1:].tolist()],
                "grad_norm": sum(norms) / len(norms) if norms else 0.0, "optimizer_steps": len(chunks),
                "num_transitions": int(n_idx.numel()), "num_samples": int(n_idx.unique().numel())}
-    for key in ("policy_loss", "kl", "approx_kl", "clip_fraction"):
-        metrics.setdefault(key, 0.0)
     after = {"approx_kl_after": 0.0, "clip_fraction_after": 0.0, "ratio_max_dev_after": 0.0}
     if chunks:
-        after = _after_stats(backend, embeds, batch, n_idx[:after_sample], k_idx[:after_sample],
-                             sampling_cfg, update_cfg, counters)
-    metrics.update(after, forward_passes=counters["forward_passes"])
+        after = _after_stats(run, n_idx[:after_sample], k_idx[:after_sample])
+    passes = dist.reduce(torch.tensor([run.counters["forward_passes"]], dtype=torch.int64), "sum", "update metrics")
+    metrics.update(after, forward_passes=int(passes[0]), processes=dist.world)
     return metrics
+
+
+def _len(s: slice) -> int:
+    return s.stop - s.start
 
 
 def optimizer_step_count(optimizer) -> int:
