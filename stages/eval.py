@@ -10,28 +10,50 @@ from pathlib import Path
 
 from tpgrpo.artifacts import IterationPaths, require, write_json
 from tpgrpo.config import Config
+from tpgrpo.distributed import chunk_bar, current, group_chunks, run_chunks, warn_if_idle
 from tpgrpo.pipeline import check_finite, load_policy, resolve, stopwatch
 
 
-def evaluate(cfg: Config, root: Path, backend, label: str) -> dict:
-    """Mean reward and strict accuracy of ``backend`` on the held-out prompts (ODE, eval.num_steps)."""
+def evaluate(cfg: Config, root: Path, backend, label: str, artifact: Path) -> dict | None:
+    """Mean reward and strict accuracy of ``backend`` on the held-out prompts (ODE, eval.num_steps).
+
+    Prompts (each with its ``samples_per_prompt`` seeds) are cut into chunks of at most
+    ``rollout.batch_size`` images, spread over the processes; per-image rewards are merged on the main
+    process (part files next to ``artifact``), which returns the metrics; other processes return None.
+    """
     from tpgrpo.sample import evaluation_seeds, sample_ode
     from tpgrpo.tasks.prompts import load_prompts
-    from tpgrpo.tasks.rewards import get_reward
+    from tpgrpo.tasks.rewards import build_reward
 
     metas = load_prompts(require(resolve(root, cfg.task.eval_prompts), "task.eval_prompts"))
     metas = metas[:cfg.eval.num_prompts]
     S = cfg.eval.samples_per_prompt
     batch_metas = [m for m in metas for _ in range(S)]
-    images = sample_ode(backend, [m["prompt"] for m in batch_metas], evaluation_seeds(cfg.eval.seed, metas, S),
-                        num_steps=cfg.eval.num_steps, guidance_scale=cfg.sampling.guidance_scale,
-                        shift=cfg.sampling.shift, batch_size=cfg.rollout.batch_size)
-    out = {"images": len(batch_metas), "forward_passes": len(batch_metas) * cfg.eval.num_steps}
-    for key, name in (("eval", cfg.task.eval_reward), ("train", cfg.task.reward)):
-        scored = get_reward(name)(images, batch_metas)
-        check_finite(f"reward {name}", scored.reward, f"eval of {label}")
-        out[f"{key}_reward"] = float(scored.reward.mean())
-        out[f"{key}_strict_accuracy"] = float(scored.strict.mean())
+    seeds = evaluation_seeds(cfg.eval.seed, metas, S)
+    rewards = (("eval", cfg.task.eval_reward), ("train", cfg.task.reward))
+    built = {key: build_reward(spec, cfg, root) for key, spec in rewards}  # before sampling: folders checked
+    dist, chunks = current(), group_chunks(len(metas), S, cfg.rollout.batch_size)
+    warn_if_idle(dist, len(chunks), "rollout.batch_size")
+
+    def compute(c: int) -> dict:  # chunk c: whole prompts, the same images on any process count
+        a, b = chunks[c][0] * S, chunks[c][1] * S
+        images = sample_ode(backend, [m["prompt"] for m in batch_metas[a:b]], seeds[a:b],
+                            num_steps=cfg.eval.num_steps, guidance_scale=cfg.sampling.guidance_scale,
+                            shift=cfg.sampling.shift, batch_size=cfg.rollout.batch_size)
+        scored = {key: reward(images, batch_metas[a:b]) for key, reward in built.items()}
+        return {**{f"{k}_reward": v.reward for k, v in scored.items()},
+                **{f"{k}_strict": v.strict for k, v in scored.items()}}
+
+    with chunk_bar(dist, f"eval {label}") as progress:
+        merged = run_chunks(dist, artifact, len(chunks), compute, f"eval of {label}", progress=progress)
+    if merged is None:
+        return None
+    out = {"images": len(batch_metas), "forward_passes": len(batch_metas) * cfg.eval.num_steps,
+           "processes": dist.world}
+    for key, name in rewards:
+        check_finite(f"reward {name}", merged[f"{key}_reward"], f"eval of {label}")
+        out[f"{key}_reward"] = float(merged[f"{key}_reward"].mean())
+        out[f"{key}_strict_accuracy"] = float(merged[f"{key}_strict"].mean())
     return out
 
 
@@ -43,7 +65,10 @@ def run(cfg: Config, iteration: int, root: Path) -> dict:
     with stopwatch(metrics):
         if scheduled:
             require(paths.policy, f"policy of iteration {iteration}: run its update first")
-            metrics.update(evaluate(cfg, root, load_policy(cfg, root, iteration + 1), f"iteration {iteration}"))
+            metrics.update(evaluate(cfg, root, load_policy(cfg, root, iteration + 1), f"iteration {iteration}",
+                                    paths.eval_metrics) or {})
+    if not current().is_main:  # the main process writes eval.json
+        return metrics
     metrics["evaluated"] = scheduled
     write_json(paths.eval_metrics, metrics)
     return metrics
@@ -52,7 +77,11 @@ def run(cfg: Config, iteration: int, root: Path) -> dict:
 def run_baseline(cfg: Config, root: Path) -> dict:
     """The same evaluation for the base model (no adapter): the curve's starting point."""
     metrics: dict = {"iteration": -1}
+    out = root / "data" / "iters" / "baseline_eval.json"
     with stopwatch(metrics):
-        metrics.update(evaluate(cfg, root, load_policy(cfg, root, 0), "base"))
-    write_json(root / "data" / "iters" / "baseline_eval.json", metrics)
+        result = evaluate(cfg, root, load_policy(cfg, root, 0), "base", out)
+    if result is None:  # not the main process
+        return metrics
+    metrics.update(result)
+    write_json(out, metrics)
     return metrics

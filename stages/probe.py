@@ -11,50 +11,64 @@ from pathlib import Path
 import numpy as np
 import pandas as pd
 import torch
-from tqdm import tqdm
 
 from tpgrpo.artifacts import IterationPaths, require, write_json
 from tpgrpo.config import Config
-from tpgrpo.pipeline import check_finite, load_policy, provenance, stopwatch, write_parquet
+from tpgrpo.distributed import chunk_bar, current, group_chunks, run_chunks, warn_if_idle
+from tpgrpo.pipeline import check_finite, load_policy, prompt_embeddings, provenance, stopwatch, write_parquet
+from tpgrpo.tasks.rewards import build_reward
 from tpgrpo.trajectory import complete_window_states
 
 
-def read_trajectories(path: Path) -> tuple[dict[str, np.ndarray], dict]:
-    """All arrays of a ``trajectories.zarr`` as numpy, and its attributes."""
+def read_trajectories(path: Path, lazy: tuple[str, ...] = ()) -> tuple[dict, dict]:
+    """The arrays of a ``trajectories.zarr`` as numpy (those named in ``lazy`` as zarr arrays, read when
+    sliced), and its attributes."""
     import zarr
 
     group = zarr.open_group(str(require(path, "trajectories.zarr: run the rollout stage first")), mode="r")
-    return {name: arr[:] for name, arr in group.arrays()}, dict(group.attrs)
+    return {name: arr if name in lazy else arr[:] for name, arr in group.arrays()}, dict(group.attrs)
 
 
 def run(cfg: Config, iteration: int, root: Path) -> dict:
     paths = IterationPaths(root, iteration)
     metrics: dict = {"iteration": iteration}
+    dist = current()
     with stopwatch(metrics):
-        arrays, attrs = read_trajectories(paths.trajectories)
+        arrays, attrs = read_trajectories(paths.trajectories, lazy=("states",))
         metas = attrs["prompts"]
+        reward = build_reward(attrs["reward"], cfg, root)  # the rollout's reward spec, this run's folders
         backend = load_policy(cfg, root, iteration)
         N, K1 = arrays["states"].shape[:2]
-        K = K1 - 1
+        K, G = K1 - 1, int(attrs["group_size"])
         rows = torch.from_numpy(arrays["prompt_index"]).long()
-        embeds = backend.encode_prompts([m["prompt"] for m in metas]).select(rows)
+        embeds = prompt_embeddings(cfg, root, iteration, backend, [m["prompt"] for m in metas]).select(rows)
         sigmas = torch.tensor(attrs["schedule_sigmas"], dtype=torch.float32)
-        bar = tqdm(total=len(sigmas) - 1 - attrs["window_start"], desc=f"probe {iteration}", unit="sigma")
-        final, passes = complete_window_states(backend, torch.from_numpy(arrays["states"]), embeds, sigmas,
-                                               attrs["window_start"], attrs["guidance_scale"],
-                                               cfg.probe.batch_size, on_step=lambda j: bar.update())
-        bar.close()
-        images = backend.decode(final)
-        from tpgrpo.tasks.rewards import get_reward
+        chunks = group_chunks(N // G, G * K, cfg.probe.batch_size)  # at most probe.batch_size states a chunk
+        warn_if_idle(dist, len(chunks), "probe.batch_size")
 
-        scored = get_reward(attrs["reward"])(images, [metas[p] for p in rows.repeat_interleave(K).tolist()])
-        check_finite(f"reward {attrs['reward']}", scored.reward, f"probe of iteration {iteration}")
-        frame = probe_table(arrays, metas, scored.reward.reshape(N, K), scored.strict.reshape(N, K))
+        def compute(c: int) -> dict:  # chunk c: whole groups, the same shapes on any process count
+            a, b = chunks[c][0] * G, chunks[c][1] * G
+            final, passes = complete_window_states(
+                backend, torch.from_numpy(np.asarray(arrays["states"][a:b])), embeds.select(torch.arange(a, b)),
+                sigmas, attrs["window_start"], attrs["guidance_scale"], cfg.probe.batch_size)
+            images = backend.decode(final)
+            scored = reward(images, [metas[p] for p in rows[a:b].repeat_interleave(K).tolist()])
+            return {"reward": scored.reward.reshape(b - a, K), "strict": scored.strict.reshape(b - a, K),
+                    "passes": np.array([passes], dtype=np.int64)}
+
+        with chunk_bar(dist, f"probe {iteration}") as progress:
+            merged = run_chunks(dist, paths.probe, len(chunks), compute, f"probe of iteration {iteration}",
+                                progress=progress)
+        if merged is None:  # not the main process: its parts are written, the main process merges
+            return metrics
+        check_finite(f"reward {attrs['reward']}", merged["reward"], f"probe of iteration {iteration}")
+        frame = probe_table(arrays, metas, merged["reward"], merged["strict"])
         write_parquet(paths.probe, frame, provenance(cfg, iteration, "probe"))
     d = np.diff(frame["reward"].to_numpy().reshape(N, K1), axis=1)
-    metrics.update({"forward_passes": passes, "reward_calls": N * K, "states": N * K,
+    metrics.update({"forward_passes": int(merged["passes"].sum()), "reward_calls": N * K, "states": N * K,
                     "zero_increment_fraction": float((d == 0).mean()),
-                    "mean_q0": float(frame.loc[frame.step == 0, "reward"].mean())})
+                    "mean_q0": float(frame.loc[frame.step == 0, "reward"].mean()),
+                    "processes": dist.world, "chunks": len(chunks)})
     write_json(paths.probe_metrics, metrics)
     return metrics
 

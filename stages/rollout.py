@@ -10,12 +10,14 @@ from pathlib import Path
 
 import numpy as np
 import torch
-from tqdm import tqdm
 
 from tpgrpo.artifacts import IterationPaths, atomic_path, write_json
 from tpgrpo.config import Config
-from tpgrpo.pipeline import check_finite, load_policy, provenance, sampler_spec, select_prompts, stopwatch
+from tpgrpo.distributed import chunk_bar, current, group_chunks, run_chunks, warn_if_idle
+from tpgrpo.pipeline import (check_finite, load_policy, prompt_embeddings, provenance, sampler_spec, select_prompts,
+                             stopwatch)
 from tpgrpo.seeds import sample_seed
+from tpgrpo.tasks.rewards import build_reward
 from tpgrpo.trajectory import rollout
 
 ARRAY_DOCS = {
@@ -32,8 +34,10 @@ ARRAY_DOCS = {
 def run(cfg: Config, iteration: int, root: Path) -> dict:
     paths = IterationPaths(root, iteration)
     metrics: dict = {"iteration": iteration}
+    dist = current()
     with stopwatch(metrics):
         metas = select_prompts(cfg, root, iteration)
+        reward = build_reward(cfg.task.reward, cfg, root)  # checks reward-model folders before sampling
         backend = load_policy(cfg, root, iteration)
         spec = sampler_spec(cfg)
         G = cfg.rollout.group_size
@@ -41,23 +45,32 @@ def run(cfg: Config, iteration: int, root: Path) -> dict:
         sample = np.tile(np.arange(G), len(metas))
         seeds = [sample_seed(cfg.train.seed, iteration, metas[p]["id"], int(g))
                  for p, g in zip(prompt_index, sample)]
-        embeds = backend.encode_prompts([m["prompt"] for m in metas])
-        parts = []
-        for chunk in tqdm(np.array_split(np.arange(len(seeds)), max(1, -(-len(seeds) // cfg.rollout.batch_size))),
-                          desc=f"rollout {iteration}", unit="batch"):
-            rows = torch.as_tensor(prompt_index[chunk])
-            parts.append(rollout(backend, embeds.select(rows), [seeds[i] for i in chunk], spec))
-        states = torch.cat([p.states for p in parts]).numpy()
-        log_probs = torch.cat([p.log_probs for p in parts]).numpy()
-        images = backend.decode(torch.cat([p.final for p in parts]))
-        scored = _score(cfg.task.reward, images, [metas[p] for p in prompt_index])
-        check_finite("old log-probs", log_probs, f"rollout of iteration {iteration}")
+        embeds = prompt_embeddings(cfg, root, iteration, backend, [m["prompt"] for m in metas], write=True)
+        chunks = group_chunks(len(metas), G, cfg.rollout.batch_size)
+        warn_if_idle(dist, len(chunks), "rollout.batch_size")
+
+        def compute(c: int) -> dict:  # chunk c: whole groups, the same shapes on any process count
+            rows = np.arange(chunks[c][0] * G, chunks[c][1] * G)
+            parts = [rollout(backend, embeds.select(torch.as_tensor(prompt_index[b])), [seeds[i] for i in b], spec)
+                     for b in np.array_split(rows, -(-len(rows) // cfg.rollout.batch_size))]
+            images = backend.decode(torch.cat([p.final for p in parts]))
+            scored = _score(reward, images, [metas[p] for p in prompt_index[rows]])
+            return {"states": torch.cat([p.states for p in parts]).numpy(),
+                    "log_probs": torch.cat([p.log_probs for p in parts]).numpy(),
+                    "final_reward": scored.reward.astype(np.float64), "final_strict": scored.strict.astype(bool)}
+
+        with chunk_bar(dist, f"rollout {iteration}") as progress:
+            merged = run_chunks(dist, paths.trajectories, len(chunks), compute, f"rollout of iteration {iteration}",
+                                progress=progress)
+        if merged is None:  # not the main process: its parts are written, the main process merges
+            return metrics
+        check_finite("old log-probs", merged["log_probs"], f"rollout of iteration {iteration}")
         arrays = {
-            "states": states, "log_probs": log_probs,
+            "states": merged["states"], "log_probs": merged["log_probs"],
             "sigmas": np.tile(spec.window_sigmas().numpy(), (len(seeds), 1)),
             "seeds": np.asarray(seeds, dtype=np.int64), "prompt_index": prompt_index.astype(np.int32),
-            "sample": sample.astype(np.int32), "final_reward": scored.reward.astype(np.float64),
-            "final_strict": scored.strict.astype(bool),
+            "sample": sample.astype(np.int32), "final_reward": merged["final_reward"],
+            "final_strict": merged["final_strict"],
         }
         attrs = {"prompts": metas, "schedule_sigmas": spec.sigmas.tolist(), "group_size": G,
                  "num_steps": spec.num_steps, "shift": cfg.sampling.shift,
@@ -66,16 +79,14 @@ def run(cfg: Config, iteration: int, root: Path) -> dict:
                  "guidance_scale": spec.guidance_scale, "reward": cfg.task.reward,
                  **provenance(cfg, iteration, "rollout")}
         write_zarr(paths.trajectories, arrays, attrs)
-    metrics.update(_metrics(arrays, spec, len(seeds)))
+    metrics.update(_metrics(arrays, spec, len(seeds)), processes=dist.world, chunks=len(chunks))
     write_json(paths.rollout_metrics, metrics)
     return metrics
 
 
-def _score(reward_name: str, images: np.ndarray, metas: list[dict]):
-    from tpgrpo.tasks.rewards import get_reward
-
-    scored = get_reward(reward_name)(images, metas)
-    check_finite(f"reward {reward_name}", scored.reward, "rollout final images")
+def _score(reward, images: np.ndarray, metas: list[dict]):
+    scored = reward(images, metas)
+    check_finite(f"reward {reward.name}", scored.reward, "rollout final images")
     return scored
 
 

@@ -7,6 +7,7 @@ first-pass ratio check, wall time, forward passes).
 
 from __future__ import annotations
 
+import dataclasses
 from pathlib import Path
 
 import numpy as np
@@ -15,8 +16,10 @@ from tqdm import tqdm
 
 from stages.probe import read_trajectories
 from tpgrpo.artifacts import IterationPaths, require, write_json
-from tpgrpo.config import Config
-from tpgrpo.pipeline import check_finite, load_policy, read_parquet, sampling_from_attrs, stopwatch
+from tpgrpo.config import Config, UpdateConfig
+from tpgrpo.distributed import current
+from tpgrpo.pipeline import (check_finite, load_policy, prompt_embeddings, read_parquet, sampling_from_attrs,
+                             stopwatch)
 from tpgrpo.policy import LoraEMA
 from tpgrpo.seeds import sample_seed
 from tpgrpo.update import TransitionBatch, load_training_state, make_optimizer, save_policy, update_policy
@@ -35,9 +38,41 @@ def _tick(bar, done: int, total: int) -> None:
     bar.update(done - bar.n)
 
 
+def train_epochs(update_pass, cfg: Config, iteration: int, bar) -> dict:
+    """``update.epochs`` passes over the iteration's transitions, each reshuffled with its own seed and
+    taking ``optimizer_steps_per_iter / epochs`` optimizer steps; ``update_pass(update_cfg, seed, progress)``
+    runs one pass (``tpgrpo.update.update_policy``) and returns its metrics.
+
+    Metrics: the first pass's (its first-pass ratio check is the one on fresh data), with ``approx_kl``,
+    ``clip_fraction``, ``policy_loss`` and ``grad_norm`` averaged over the passes (later passes show how far
+    the policy moved), their per-pass values as ``*_per_epoch`` lists, the last pass's ``*_after`` figures,
+    and ``optimizer_steps`` / ``forward_passes`` summed.
+    """
+    epochs = cfg.update.epochs
+    # Built field by field (not dataclasses.replace) so a recording config proxy sees every read.
+    values = {f.name: getattr(cfg.update, f.name) for f in dataclasses.fields(UpdateConfig)}
+    per_pass = UpdateConfig(**{**values, "optimizer_steps_per_iter": values["optimizer_steps_per_iter"] // epochs})
+    passes = []
+    for e in range(epochs):
+        def progress(done, total, e=e):
+            _tick(bar, e * total + done, epochs * total)
+        passes.append(update_pass(per_pass, sample_seed(cfg.train.seed, iteration, "update", e), progress))
+    metrics = dict(passes[0])
+    for key in ("approx_kl", "clip_fraction", "policy_loss", "grad_norm"):
+        metrics[f"{key}_per_epoch"] = [p[key] for p in passes]
+        metrics[key] = sum(p[key] for p in passes) / epochs
+    for key in ("approx_kl_after", "clip_fraction_after", "ratio_max_dev_after"):
+        metrics[key] = passes[-1][key]
+    for key in ("optimizer_steps", "forward_passes"):
+        metrics[key] = sum(p[key] for p in passes)
+    metrics["epochs"] = epochs
+    return metrics
+
+
 def run(cfg: Config, iteration: int, root: Path) -> dict:
     paths = IterationPaths(root, iteration)
     metrics: dict = {"iteration": iteration}
+    dist = current()
     with stopwatch(metrics):
         arrays, attrs = read_trajectories(paths.trajectories)
         credit = read_parquet(paths.credit, "credit.parquet: run the credit stage first")
@@ -50,16 +85,20 @@ def run(cfg: Config, iteration: int, root: Path) -> dict:
         previous = paths.previous()
         if previous is not None:
             load_training_state(require(previous.policy, "previous policy"), optimizer, ema)
-        embeds = backend.encode_prompts([m["prompt"] for m in attrs["prompts"]])
+        embeds = prompt_embeddings(cfg, root, iteration, backend, [m["prompt"] for m in attrs["prompts"]])
         batch = TransitionBatch(
             latents=torch.from_numpy(arrays["states"]), old_log_probs=torch.from_numpy(arrays["log_probs"]),
             sigmas=torch.from_numpy(arrays["sigmas"]), prompt_index=torch.from_numpy(arrays["prompt_index"]).long(),
             sigma_at_one=float(attrs["schedule_sigmas"][1]))
-        bar = tqdm(desc=f"update {iteration}", unit="micro-batch")
-        metrics.update(update_policy(backend, embeds, batch, advantages, sampling_from_attrs(attrs), cfg.update,
-                                     optimizer, ema=ema, seed=sample_seed(cfg.train.seed, iteration, "update", 0),
-                                     iteration=iteration, progress=lambda done, total: _tick(bar, done, total)))
+        bar = tqdm(desc=f"update {iteration}", unit="micro-batch", disable=not dist.is_main)
+        metrics.update(train_epochs(
+            lambda cfg_pass, seed, progress: update_policy(
+                backend, embeds, batch, advantages, sampling_from_attrs(attrs), cfg_pass, optimizer, ema=ema,
+                seed=seed, iteration=iteration, progress=progress, dist=dist),
+            cfg, iteration, bar))
         bar.close()
+        if not dist.is_main:  # every process holds the same weights; the main process writes them
+            return metrics
         save_policy(paths.policy, backend, optimizer, ema)
     write_json(paths.update_metrics, {k: v for k, v in metrics.items() if np.isscalar(v) or isinstance(v, list)})
     return metrics

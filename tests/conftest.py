@@ -19,7 +19,7 @@ TINY_PARAMS_OVERRIDES = {
     "sampling": {"num_steps": 4, "window_size": 3},
     "rollout": {"prompts_per_iter": 3, "group_size": 4, "batch_size": 8},
     "probe": {"batch_size": 8},
-    "update": {"lora_rank": 4, "lora_alpha": 8, "micro_batch": 8, "optimizer_steps_per_iter": 2,
+    "update": {"lora_rank": 4, "lora_alpha": 8, "micro_batch": 8, "optimizer_steps_per_iter": 2, "epochs": 1,
                "lr": 1.0e-2, "clip_range": 0.2},
     "eval": {"every": 1, "num_steps": 4, "num_prompts": 2, "samples_per_prompt": 2, "seed": 0},
     "train": {"iterations": 2},
@@ -36,6 +36,22 @@ def tiny_model_dir(tmp_path_factory) -> Path:
     folder = tmp_path_factory.mktemp("model") / "base"
     build_tiny(config, seed=0).save_pretrained(folder)
     return folder
+
+
+@pytest.fixture(scope="session")
+def sd3_model_dir(tmp_path_factory) -> Path:
+    """A tiny random stock StableDiffusion3Pipeline saved with save_pretrained (tests/tiny_pipelines.py)."""
+    from tiny_pipelines import build_sd3_pipeline, save_pipeline
+
+    return save_pipeline(build_sd3_pipeline(seed=0), tmp_path_factory.mktemp("sd3") / "base")
+
+
+@pytest.fixture(scope="session")
+def flux_model_dir(tmp_path_factory) -> Path:
+    """A tiny random stock FluxPipeline saved with save_pretrained (tests/tiny_pipelines.py)."""
+    from tiny_pipelines import build_flux_pipeline, save_pipeline
+
+    return save_pipeline(build_flux_pipeline(seed=0), tmp_path_factory.mktemp("flux") / "base")
 
 
 def tiny_params(**sections) -> dict:

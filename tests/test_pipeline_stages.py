@@ -176,3 +176,30 @@ def test_second_iteration_samples_from_the_updated_policy(tiny_project):
         v_base = base.velocity(x, sigma, base.encode_prompts(["a red circle"] * 2), 4.5)
         v_tuned = tuned.velocity(x, sigma, tuned.encode_prompts(["a red circle"] * 2), 4.5)
     assert not torch.allclose(v_base, v_tuned)  # iteration 1 loads iteration 0's adapter
+
+
+def test_update_epochs_split_the_steps_and_later_passes_see_the_moved_policy(tiny_project):
+    root = tiny_project
+    params = yaml.safe_load((root / "params.yaml").read_text())
+    params["update"].update(epochs=2, optimizer_steps_per_iter=4)
+    (root / "params.yaml").write_text(yaml.safe_dump(params, sort_keys=False))
+    run_iteration(root, 0, ("rollout", "probe", "credit", "update"))
+    update = json.loads((iteration_dir(root, 0) / "update.json").read_text())
+    assert update["epochs"] == 2 and update["optimizer_steps"] == 4
+    assert update["first_pass_ratio_max_dev"] < 1e-5  # the first pass still sees fresh data
+    first, second = update["approx_kl_per_epoch"]
+    # Each pass's approx KL is measured on its chunks before their own steps: the second pass starts from
+    # the policy the whole first pass moved, so it sees a larger gap to the rollout policy.
+    assert second > first > 0
+    assert update["forward_passes"] >= 2 * update["num_transitions"]
+
+
+def test_update_steps_not_divisible_by_epochs_is_a_one_line_error(tiny_project):
+    root = tiny_project
+    params = yaml.safe_load((root / "params.yaml").read_text())
+    params["update"].update(epochs=3, optimizer_steps_per_iter=4)
+    (root / "params.yaml").write_text(yaml.safe_dump(params, sort_keys=False))
+    result = stage(root, "rollout", 0)
+    assert result.exit_code != 0
+    assert "update.optimizer_steps_per_iter = 4" in result.output and "update.epochs" in result.output
+    assert not (iteration_dir(root, 0) / "trajectories.zarr").exists()

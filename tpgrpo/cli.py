@@ -31,7 +31,9 @@ def _fail(message: str) -> None:
 
 
 def _run_stage(name: str, iteration: int | None, params: Path) -> None:
+    from tpgrpo import distributed
     from tpgrpo.config import ConfigError, load_config
+    from tpgrpo.dvcfile import MULTI_PROCESS_STAGES
     from tpgrpo.errors import PipelineError
 
     try:
@@ -39,9 +41,14 @@ def _run_stage(name: str, iteration: int | None, params: Path) -> None:
         import importlib
 
         module = importlib.import_module(f"stages.{name}")
+        if name in MULTI_PROCESS_STAGES:  # under `accelerate launch`: join the process group (gloo on CPU)
+            label = f"stage {name}" + ("" if iteration is None else f" --iter {iteration}")
+            distributed.init(cfg.model.device, cfg.launch.timeout_s, label)
         module.run(cfg, iteration, root=Path(params).resolve().parent)
     except (ConfigError, PipelineError, FileNotFoundError) as exc:
         _fail(str(exc))
+    finally:
+        distributed.shutdown()
 
 
 def _make_stage_command(name: str):
@@ -76,9 +83,9 @@ def dvc_yaml_command(params: ParamsOpt = Path("params.yaml")) -> None:
 
     try:
         cfg = load_config(params)
+        changed = write_dvc_yaml(cfg, Path(params).resolve().parent)
     except ConfigError as exc:
         _fail(str(exc))
-    changed = write_dvc_yaml(cfg, Path(params).resolve().parent)
     typer.echo("dvc.yaml updated" if changed else "dvc.yaml up to date")
 
 
@@ -125,6 +132,24 @@ def _register_pretrain() -> None:
 _register_pretrain()
 
 
+@app.command("export")
+def export_command(
+    iteration: IterOpt,
+    out: Annotated[Path, typer.Option("--out", help="folder to write pytorch_lora_weights.safetensors into")],
+    ema: Annotated[bool, typer.Option("--ema", help="export the EMA adapter (runs with update.ema true)")] = False,
+    params: ParamsOpt = Path("params.yaml"),
+) -> None:
+    """Export iteration --iter's LoRA adapter for a stock diffusers pipeline's load_lora_weights(--out)."""
+    from tpgrpo.errors import PipelineError
+    from tpgrpo.export import export_adapter
+
+    try:
+        done = export_adapter(Path(params).resolve().parent, iteration, out, ema=ema)
+    except PipelineError as exc:
+        _fail(str(exc))
+    typer.echo(f"exported {done['tensors']} LoRA tensors from {done['source']} to {done['out']}")
+
+
 @app.command("report-base")
 def report_base_command(
     params: ParamsOpt = Path("params.yaml"),
@@ -139,6 +164,30 @@ def report_base_command(
     except ConfigError as exc:
         _fail(str(exc))
     write_base_report(cfg, Path(params).resolve().parent, out_dir)
+
+
+@app.command("serve-reward")
+def serve_reward_command(
+    reward: Annotated[str, typer.Option("--reward", help="reward name to serve (tpgrpo.tasks.rewards)")],
+    port: Annotated[int, typer.Option("--port", min=0, max=65535, help="TCP port (0 = any free port)")] = 8765,
+    host: Annotated[str, typer.Option("--host", help="address to listen on")] = "127.0.0.1",
+    params: ParamsOpt = Path("params.yaml"),
+) -> None:
+    """Serve a reward over HTTP for the `remote` reward (POST /score; reward models from params.yaml)."""
+    from tpgrpo.config import Config, ConfigError, load_config
+    from tpgrpo.errors import PipelineError
+    from tpgrpo.rewards.server import serve
+    from tpgrpo.tasks.rewards import build_reward
+
+    try:  # without a params file, rewards that need no reward_models folders still serve
+        cfg = load_config(params) if Path(params).is_file() else Config()
+        scorer = build_reward(reward, cfg, Path(params).resolve().parent)
+    except (ConfigError, PipelineError, ValueError) as exc:
+        _fail(str(exc))
+    try:
+        serve(scorer, host, port)
+    except OSError as exc:
+        _fail(f"cannot serve on {host}:{port}: {exc}")
 
 
 def main() -> None:  # pragma: no cover - console entry point

@@ -28,14 +28,44 @@ class ModelConfig:
     path: str = "data/base"  # local folder in the diffusers save_pretrained layout
     device: str = "cpu"  # torch device for every model stage
     dtype: str = "fp32"  # fp32 | bf16 | fp16 (the step maths always runs in fp32)
+    resolution: int = 0  # image side in pixels; 0 = the backend's default (tiny: its own 32; sd3/flux: 512)
 
 
 @dataclass(frozen=True)
 class TaskConfig:
     train_prompts: str = "data/prompts/compositional_train.jsonl"  # JSONL of prompt metadata
     eval_prompts: str = "data/prompts/compositional_eval.jsonl"  # held-out JSONL
-    reward: str = "geneval_soft"  # reward name from tpgrpo.tasks.rewards (training signal)
-    eval_reward: str = "geneval"  # reward reported at eval (strict accuracy comes with it)
+    # Reward specs: a name from tpgrpo.tasks.rewards, or a mapping name -> weight (the weighted sum;
+    # strict accuracy = that of the first component that defines one).
+    reward: str | dict[str, float] = "geneval_soft"  # training signal
+    eval_reward: str | dict[str, float] = "geneval"  # reported at eval (strict accuracy comes with it)
+
+
+@dataclass(frozen=True)
+class RewardModelsConfig:
+    """Local folders of the reward models (nothing is downloaded) and how they run; "" = not configured."""
+
+    device: str = "cpu"  # torch device of the reward models (e.g. cuda); they always run in fp32
+    batch_size: int = 32  # images per reward-model forward pass (memory knob, no effect on results)
+    pickscore_path: str = ""  # CLIP save_pretrained folder of PickScore_v1 (config.json, weights)
+    pickscore_processor_path: str = ""  # its CLIP processor folder; "" = pickscore_path
+    pickscore_divisor: float = 26.0  # reward = 100 * cos(text, image) / divisor (raw PickScore ~21-23)
+    geneval_detector_path: str = ""  # OWL-ViT / OWLv2 / AutoModelForObjectDetection save_pretrained folder
+    geneval_detector_threshold: float = 0.3  # detection score a box needs (in [0, 1]; GenEval: 0.3)
+    aesthetic_clip_path: str = ""  # CLIP ViT-L/14 save_pretrained folder for the aesthetic head
+    aesthetic_head_path: str = ""  # LAION aesthetic MLP weights (.pth / .safetensors state dict)
+
+
+@dataclass(frozen=True)
+class RemoteRewardConfig:
+    """The reward server the "remote" reward posts to (`tpgrpo serve-reward`)."""
+
+    url: str = ""  # e.g. http://127.0.0.1:8765/score; "" = not configured
+    timeout: float = 120.0  # seconds per request before it counts as failed
+    retries: int = 3  # extra attempts after a failed request (unreachable, timeout, HTTP 5xx)
+    backoff: float = 1.0  # seconds before the first retry; doubles with each further retry
+    batch_size: int = 64  # images per request
+    encoding: str = "png"  # image encoding in the request: png (lossless, smaller) | raw (uint8 bytes)
 
 
 @dataclass(frozen=True)
@@ -78,6 +108,7 @@ class UpdateConfig:
     clip_range: float = 1e-4  # PPO ratio clip eps
     kl_beta: float = 0.0  # weight of the KL to the adapter-disabled reference
     optimizer_steps_per_iter: int = 2  # optimizer steps per iteration (gradient accumulation)
+    epochs: int = 1  # passes over the iteration's transitions; the optimizer steps are split evenly over them
     micro_batch: int = 32  # transitions per backward pass (memory knob)
     max_grad_norm: float = 1.0  # gradient-norm clip
     ema: bool = False  # keep an EMA of the LoRA weights for eval/export
@@ -99,9 +130,21 @@ class TrainConfig:
 
 
 @dataclass(frozen=True)
+class LaunchConfig:
+    """How the model stages (rollout, probe, update, eval, baseline) are launched. Never changes an
+    artifact: no stage declares these params; dvc.yaml's commands carry the process count."""
+
+    num_processes: int = 1  # processes on this machine (one per GPU); 1 = plain `tpgrpo stage`, no accelerate
+    config_file: str = ""  # accelerate config file (multi-node, DeepSpeed); it sets the process count
+    timeout_s: float = 1800.0  # seconds a process waits at a barrier / all-reduce before failing the stage
+
+
+@dataclass(frozen=True)
 class Config:
     model: ModelConfig = field(default_factory=ModelConfig)
     task: TaskConfig = field(default_factory=TaskConfig)
+    reward_models: RewardModelsConfig = field(default_factory=RewardModelsConfig)
+    remote_reward: RemoteRewardConfig = field(default_factory=RemoteRewardConfig)
     sampling: SamplingConfig = field(default_factory=SamplingConfig)
     rollout: RolloutConfig = field(default_factory=RolloutConfig)
     probe: ProbeConfig = field(default_factory=ProbeConfig)
@@ -109,6 +152,7 @@ class Config:
     update: UpdateConfig = field(default_factory=UpdateConfig)
     eval: EvalConfig = field(default_factory=EvalConfig)
     train: TrainConfig = field(default_factory=TrainConfig)
+    launch: LaunchConfig = field(default_factory=LaunchConfig)
 
     def params_hash(self, keys: list[str] | tuple[str, ...]) -> str:
         """Short sha256 of the given params (``"model"`` = a whole section, ``"task.reward"`` = one key),
@@ -127,18 +171,24 @@ CHOICES = {
     "sampling.step_kind": ("sde", "cps"),
     "credit.mode": ("tp", "tp_unconstrained", "incremental", "flow_grpo"),
     "credit.balance": ("group", "none"),
+    "remote_reward.encoding": ("png", "raw"),
 }
+REWARD_SPECS = {"task.reward", "task.eval_reward"}  # a reward name or a mapping name -> weight
+UNIT_INTERVAL = {"reward_models.geneval_detector_threshold"}  # in [0, 1]
 POSITIVE = {
     "sampling.num_steps", "sampling.shift", "rollout.prompts_per_iter", "rollout.group_size",
     "rollout.batch_size", "probe.batch_size", "update.lora_rank", "update.lora_alpha", "update.lr",
-    "update.clip_range", "update.optimizer_steps_per_iter", "update.micro_batch",
+    "update.clip_range", "update.optimizer_steps_per_iter", "update.epochs", "update.micro_batch",
     "update.max_grad_norm", "credit.adv_clip", "eval.num_steps", "eval.num_prompts",
-    "eval.samples_per_prompt", "train.iterations",
+    "eval.samples_per_prompt", "train.iterations", "launch.num_processes", "launch.timeout_s",
 }
 NON_NEGATIVE = {
     "sampling.guidance_scale", "sampling.noise_level", "sampling.window_start",
     "sampling.window_size", "update.weight_decay", "update.kl_beta", "eval.every", "eval.seed", "train.seed",
+    "remote_reward.retries", "remote_reward.backoff", "model.resolution",
 }
+POSITIVE |= {"reward_models.batch_size", "reward_models.pickscore_divisor", "remote_reward.timeout",
+             "remote_reward.batch_size"}
 
 
 def _coerce(key: str, value: Any, kind: type) -> Any:
@@ -169,6 +219,8 @@ def _check_range(key: str, value: Any) -> None:
         raise ConfigError(f"params: {key} = {value!r}: expected a value > 0")
     if key in NON_NEGATIVE and value < 0:
         raise ConfigError(f"params: {key} = {value!r}: expected a value >= 0")
+    if key in UNIT_INTERVAL and not 0.0 <= value <= 1.0:
+        raise ConfigError(f"params: {key} = {value!r}: expected a value in [0, 1]")
 
 
 def _build_section(name: str, cls: type, raw: Any) -> Any:
@@ -183,12 +235,39 @@ def _build_section(name: str, cls: type, raw: Any) -> Any:
     for key in names:
         if key not in raw:
             raise ConfigError(f"params: missing key {name}.{key}")
+        if f"{name}.{key}" in REWARD_SPECS:
+            values[key] = _reward_spec(f"{name}.{key}", raw[key])
+            continue
         values[key] = _coerce(f"{name}.{key}", raw[key], hints[key])
         _check_range(f"{name}.{key}", values[key])
     return cls(**values)
 
 
+def _reward_spec(key: str, value: Any) -> str | dict[str, float]:
+    """A reward name, or a non-empty mapping name -> finite weight; names from the reward registry."""
+    from tpgrpo.tasks.rewards import REWARD_NAMES  # lazy: the registry imports the task code
+
+    known = f"known rewards: {', '.join(REWARD_NAMES)}"
+    if isinstance(value, str):
+        if value not in REWARD_NAMES:
+            raise ConfigError(f"params: {key} = {value!r}: unknown reward ({known})")
+        return value
+    if not isinstance(value, dict) or not value:
+        raise ConfigError(f"params: {key} = {value!r}: expected a reward name or a mapping name -> weight "
+                          f"({known})")
+    spec = {}
+    for name, weight in value.items():
+        if name not in REWARD_NAMES:
+            raise ConfigError(f"params: {key}.{name}: unknown reward ({known})")
+        spec[name] = _coerce(f"{key}.{name}", weight, float)
+    return spec
+
+
 def _check_consistency(cfg: Config) -> None:
+    if cfg.launch.config_file and cfg.launch.num_processes != 1:
+        raise ConfigError(
+            f"params: launch.num_processes = {cfg.launch.num_processes} with launch.config_file set: "
+            "expected 1 (the accelerate config file sets the process count)")
     s = cfg.sampling
     if s.window_start + s.window_size > s.num_steps:
         raise ConfigError(
@@ -196,6 +275,11 @@ def _check_consistency(cfg: Config) -> None:
             f"expected <= sampling.num_steps ({s.num_steps})")
     if s.window_size < 1:
         raise ConfigError("params: sampling.window_size = 0: expected at least one stochastic step")
+    u = cfg.update
+    if u.optimizer_steps_per_iter % u.epochs:
+        raise ConfigError(
+            f"params: update.optimizer_steps_per_iter = {u.optimizer_steps_per_iter}: expected a multiple of "
+            f"update.epochs ({u.epochs}), the steps are split evenly over the passes")
     if cfg.rollout.group_size < 2:
         raise ConfigError(
             f"params: rollout.group_size = {cfg.rollout.group_size}: expected >= 2 (GRPO needs a group)")

@@ -6,6 +6,7 @@ with :mod:`tpgrpo.artifacts`.
 
 from __future__ import annotations
 
+import json
 import platform
 import time
 from contextlib import contextmanager
@@ -19,6 +20,8 @@ from tpgrpo.artifacts import IterationPaths, atomic_path, require
 from tpgrpo.config import Config
 from tpgrpo.errors import PipelineError
 from tpgrpo.seeds import sample_seed
+
+EMBEDDING_FIELDS = ("embeds", "pooled", "uncond_embeds", "uncond_pooled")  # PromptEmbeddings' tensors
 
 
 def resolve(root: Path, path: str) -> Path:
@@ -69,10 +72,13 @@ def load_policy(cfg: Config, root: Path, iteration: int, trainable: bool = False
     """
     import torch
 
+    from tpgrpo.distributed import current, local_device
     from tpgrpo.models import load_backend
     from tpgrpo.policy import attach_lora
 
-    backend = load_backend(cfg.model.kind, resolve(root, cfg.model.path), cfg.model.device, cfg.model.dtype)
+    device = local_device(cfg.model.device, current())  # one GPU per process under accelerate launch
+    backend = load_backend(cfg.model.kind, resolve(root, cfg.model.path), device, cfg.model.dtype,
+                           resolution=cfg.model.resolution)
     previous = IterationPaths(root, iteration).previous()
     adapter = None
     if previous is not None:
@@ -82,6 +88,54 @@ def load_policy(cfg: Config, root: Path, iteration: int, trainable: bool = False
         torch.manual_seed(sample_seed(cfg.train.seed, 0, "lora-init", 0))
         attach_lora(backend, cfg.update.lora_rank, cfg.update.lora_alpha, adapter_dir=adapter)
     return backend
+
+
+def prompt_embeddings(cfg: Config, root: Path, iteration: int, backend, prompts: list[str], write: bool = False):
+    """The ``PromptEmbeddings`` of an iteration's ``prompts``: the text encoders run once per iteration.
+
+    The rollout (``write=True``) encodes them and, on the main process, writes
+    ``data/iters/NNNN/prompt_embeds.safetensors`` atomically (a DVC output of the rollout: the tensors in
+    the encoders' dtype, with the prompts and a hash of the ``model`` params as metadata). Probe and update
+    read that file when it holds exactly these prompts for the same ``model`` params, so a big model's
+    text encoders never load there; otherwise they encode again (the same numbers: encoding is
+    deterministic). After encoding, a backend that can free its text encoders does.
+    """
+    from tpgrpo.distributed import current
+
+    path = IterationPaths(root, iteration).prompt_embeds
+    key = {"prompts": json.dumps(list(prompts)), "model": cfg.params_hash(["model"])}
+    if not write and path.is_file():
+        cached = _read_embeddings(path, key, backend.device)
+        if cached is not None:
+            return cached
+    embeds = backend.encode_prompts(list(prompts))
+    if hasattr(backend, "free_text_encoders"):
+        backend.free_text_encoders()
+    if write and current().is_main:
+        _write_embeddings(path, embeds, key)
+    return embeds
+
+
+def _write_embeddings(path: Path, embeds, metadata: dict[str, str]) -> None:
+    from safetensors.torch import save_file
+
+    tensors = {name: getattr(embeds, name).detach().cpu().contiguous() for name in EMBEDDING_FIELDS
+               if getattr(embeds, name) is not None}
+    with atomic_path(path) as tmp:
+        save_file(tensors, str(tmp), metadata=metadata)
+
+
+def _read_embeddings(path: Path, key: dict[str, str], device):
+    """The cached ``PromptEmbeddings`` on ``device``, or None when the file is for other prompts/params."""
+    from safetensors import safe_open
+
+    from tpgrpo.models.base import PromptEmbeddings
+
+    with safe_open(str(path), framework="pt", device="cpu") as f:
+        if f.metadata() != key:
+            return None
+        tensors = {name: f.get_tensor(name).to(device) for name in f.keys()}
+    return PromptEmbeddings(**{name: tensors.get(name) for name in EMBEDDING_FIELDS})
 
 
 def provenance(cfg: Config, iteration: int, stage: str) -> dict[str, str]:
