@@ -17,6 +17,7 @@ import shutil
 import statistics
 import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -61,14 +62,21 @@ def main() -> None:
     parser.add_argument("--collect", type=Path, nargs="+", default=None,
                         help="only report finished runs found under these workdirs (seed-N folders)")
     parser.add_argument("--out", type=Path, default=REPO / "data" / "reports" / "rl_seeds.json")
+    parser.add_argument("--extra-eval-seeds", type=int, nargs="*", default=[],
+                        help="after training, also score base and final policies on these eval.seed values")
     args = parser.parse_args()
-    if args.collect:
-        report(collect(args.collect), args)
-        return
+    results, folders = collect(args.collect) if args.collect else train_seeds(args)
+    if args.extra_eval_seeds:
+        extra_evaluations(results, folders, args.extra_eval_seeds)
+    report(results, args)
+
+
+def train_seeds(args) -> tuple[dict, dict]:
+    """Train one project copy per seed (``--parallel`` at a time); returns (summaries, folders) by seed."""
     shutil.rmtree(args.workdir, ignore_errors=True)
     threads = args.threads or max(1, 2 // args.parallel)
-    pending = [(s, make_project(args.workdir / f"seed-{s}", s, args.settings)) for s in args.seeds]
-    running, results = [], {}
+    folders = {s: make_project(args.workdir / f"seed-{s}", s, args.settings) for s in args.seeds}
+    pending, running, results = list(folders.items()), [], {}
     while pending or running:
         while pending and len(running) < args.parallel:
             seed, folder = pending.pop(0)
@@ -82,37 +90,73 @@ def main() -> None:
             summary = json.loads((folder / "data" / "metrics" / "summary.json").read_text())
             results[seed] = {**summary, "wall_minutes": round((time.time() - start) / 60, 1)}
             print(f"seed {seed}: {json.dumps(results[seed])}", flush=True)
-    report(results, args)
+    return results, folders
 
 
-def collect(workdirs: list[Path]) -> dict:
-    """Summaries of finished runs under ``workdirs`` (their wall time is unknown here: None)."""
-    results = {}
+def collect(workdirs: list[Path]) -> tuple[dict, dict]:
+    """Summaries and folders of finished runs under ``workdirs`` (wall time unknown here: None)."""
+    results, folders = {}, {}
     for workdir in workdirs:
         for folder in sorted(workdir.glob("seed-*")):
+            seed = int(folder.name.split("-")[1])
             summary = json.loads((folder / "data" / "metrics" / "summary.json").read_text())
-            results[int(folder.name.split("-")[1])] = {**summary, "wall_minutes": None}
-    return results
+            results[seed], folders[seed] = {**summary, "wall_minutes": None}, folder
+    return results, folders
+
+
+def extra_evaluations(results: dict, folders: dict, eval_seeds: list[int]) -> None:
+    """Score each run's base and final policy again on other eval seeds (216 more images per seed with the
+    defaults), in this process on its threads, and add ``extra_eval`` {eval seed: [base, final]} to the run.
+
+    The base score depends on the eval seed only, so it is computed once per eval seed.
+    """
+    sys.path.insert(0, str(REPO))
+    from stages.eval import evaluate
+    from tpgrpo.config import load_config
+    from tpgrpo.pipeline import load_policy
+
+    scratch = Path(tempfile.mkdtemp()) / "eval.json"  # where evaluate() keeps its part files
+    base: dict[int, float] = {}
+    for seed, folder in sorted(folders.items()):
+        extra = {}
+        for eval_seed in eval_seeds:
+            cfg = load_config(folder / "params.yaml", overrides={"eval.seed": eval_seed})
+            if eval_seed not in base:
+                base[eval_seed] = evaluate(cfg, folder, load_policy(cfg, folder, 0), "base",
+                                           scratch)["eval_reward"]
+            policy = load_policy(cfg, folder, cfg.train.iterations)
+            final = evaluate(cfg, folder, policy, "final", scratch)["eval_reward"]
+            extra[eval_seed] = [base[eval_seed], final]
+            print(f"seed {seed}, eval seed {eval_seed}: base {base[eval_seed]:.3f} final {final:.3f}", flush=True)
+        results[seed]["extra_eval"] = extra
+
+
+def gain_over_eval_seeds(run: dict) -> float:
+    """Held-out geneval gain averaged over the run's own eval and any ``extra_eval`` seeds."""
+    pairs = [(run["base_eval_reward"], run["final_eval_reward"]), *run.get("extra_eval", {}).values()]
+    return statistics.mean(final - base for base, final in pairs)
 
 
 def report(results: dict, args) -> None:
     gains = {k: [r[f"final_{k}"] - r[f"base_{k}"] for r in results.values()]
              for k in ("eval_reward", "train_reward", "strict_accuracy")}
+    pooled = [gain_over_eval_seeds(r) for r in results.values()]
     out = {"settings": args.settings, "seeds": results,
            **{f"mean_gain_{k}": statistics.mean(v) for k, v in gains.items()},
            **{f"min_gain_{k}": min(v) for k, v in gains.items()},
-           "spread_final_train_reward": (max(r["final_train_reward"] for r in results.values())
-                                         - min(r["final_train_reward"] for r in results.values()))}
+           "spread_gain_eval_reward": max(gains["eval_reward"]) - min(gains["eval_reward"]),
+           "eval_seeds": 1 + len(args.extra_eval_seeds),
+           "mean_gain_all_eval_seeds": statistics.mean(pooled),
+           "spread_gain_all_eval_seeds": max(pooled) - min(pooled)}
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(out, indent=2) + "\n")
     print("| seed | base geneval | final geneval | base geneval_soft | final geneval_soft | base strict | "
-          "final strict | minutes |\n|---|---|---|---|---|---|---|---|")
+          "final strict | gain, all eval seeds | minutes |\n|---|---|---|---|---|---|---|---|---|")
     for seed, r in sorted(results.items()):
         print(f"| {seed} | {r['base_eval_reward']:.3f} | {r['final_eval_reward']:.3f} | {r['base_train_reward']:.3f} | "
               f"{r['final_train_reward']:.3f} | {r['base_strict_accuracy']:.3f} | {r['final_strict_accuracy']:.3f} | "
-              f"{r['wall_minutes']} |")
+              f"{gain_over_eval_seeds(r):+.3f} | {r['wall_minutes']} |")
     print(json.dumps({k: v for k, v in out.items() if k != "seeds"}, indent=1))
-
 
 if __name__ == "__main__":
     main()

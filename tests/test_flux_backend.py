@@ -4,12 +4,12 @@ with diffusers' own pipeline, LoRA targets, one RL iteration through the CLI, Lo
 from __future__ import annotations
 
 import json
-import shutil
 
 import numpy as np
 import pytest
 import torch
-from tiny_pipelines import RESOLUTION, check_lora_loads_into_stock_pipeline, cli, make_pipeline_project, run_stages
+from tiny_pipelines import (RESOLUTION, check_bad_model_path_is_one_line, check_lora_loads_into_stock_pipeline, cli,
+                            make_pipeline_project, run_stages)
 
 from tpgrpo.errors import PipelineError
 from tpgrpo.models import load_backend
@@ -106,7 +106,6 @@ def test_bad_model_folders_are_one_line_errors(sd3_model_dir, tmp_path):
 
 
 def test_one_iteration_through_the_cli_and_a_bad_path(trained, tmp_path):
-    import yaml
     import zarr
 
     d = trained / "data" / "iters" / "0000"
@@ -116,13 +115,7 @@ def test_one_iteration_through_the_cli_and_a_bad_path(trained, tmp_path):
     update = json.loads((d / "update.json").read_text())
     assert update["first_pass_ratio_max_dev"] < 1e-5 and update["approx_kl_after"] > 0
 
-    bad = shutil.copytree(trained, tmp_path / "bad", ignore=shutil.ignore_patterns("iters"))
-    raw = yaml.safe_load((bad / "params.yaml").read_text())
-    raw["model"]["path"] = "data/no-such-model"
-    (bad / "params.yaml").write_text(yaml.safe_dump(raw))
-    result = cli("stage", "rollout", "--iter", "0", "--params", str(bad / "params.yaml"))
-    lines = [line for line in result.output.splitlines() if line.strip()]
-    assert result.exit_code != 0 and len(lines) == 1 and "data/no-such-model" in lines[0], result.output
+    check_bad_model_path_is_one_line(trained, tmp_path)
 
 
 def test_export_loads_into_a_fresh_stock_pipeline(trained, flux_model_dir, tmp_path):

@@ -164,3 +164,18 @@ def check_lora_loads_into_stock_pipeline(pipe, lora_dir: Path, saved: dict, prom
     assert set(loaded) == {k.removeprefix("transformer.") for k in saved}
     for key, value in saved.items():
         torch.testing.assert_close(loaded[key.removeprefix("transformer.")], value)
+
+
+def check_bad_model_path_is_one_line(project: Path, scratch: Path) -> None:
+    """A copy of ``project`` whose ``model.path`` does not exist: the rollout fails with one line naming it."""
+    import shutil
+
+    import yaml
+
+    bad = shutil.copytree(project, scratch / "bad", ignore=shutil.ignore_patterns("iters"))
+    raw = yaml.safe_load((bad / "params.yaml").read_text())
+    raw["model"]["path"] = "data/no-such-model"
+    (bad / "params.yaml").write_text(yaml.safe_dump(raw))
+    result = cli("stage", "rollout", "--iter", "0", "--params", str(bad / "params.yaml"))
+    lines = [line for line in result.output.splitlines() if line.strip()]
+    assert result.exit_code != 0 and len(lines) == 1 and "data/no-such-model" in lines[0], result.output
