@@ -79,7 +79,8 @@ def run(cfg: Config, iteration: int, root: Path) -> dict:
                  "guidance_scale": spec.guidance_scale, "reward": cfg.task.reward,
                  **provenance(cfg, iteration, "rollout")}
         write_zarr(paths.trajectories, arrays, attrs)
-    metrics.update(_metrics(arrays, spec, len(seeds)), processes=dist.world, chunks=len(chunks))
+    metrics.update(_metrics(arrays, spec, len(seeds), backend.cfg_doubles_batch), processes=dist.world,
+                   chunks=len(chunks))
     write_json(paths.rollout_metrics, metrics)
     return metrics
 
@@ -90,11 +91,11 @@ def _score(reward, images: np.ndarray, metas: list[dict]):
     return scored
 
 
-def _metrics(arrays: dict, spec, n: int) -> dict:
+def _metrics(arrays: dict, spec, n: int, cfg_doubles_batch: bool) -> dict:
     T = spec.num_steps
     return {"mean_reward": float(arrays["final_reward"].mean()),
-            "strict_accuracy": float(arrays["final_strict"].mean()),
-            "trajectories": n, "forward_passes": n * T, "cfg_doubled": spec.guidance_scale != 1.0}
+            "strict_accuracy": float(arrays["final_strict"].mean()), "trajectories": n, "forward_passes": n * T,
+            "cfg_doubled": cfg_doubles_batch and spec.guidance_scale != 1.0}
 
 
 def write_zarr(path: Path, arrays: dict[str, np.ndarray], attrs: dict) -> None:

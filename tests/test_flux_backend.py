@@ -114,6 +114,7 @@ def test_one_iteration_through_the_cli_and_a_bad_path(trained, tmp_path):
     assert store.attrs["guidance_scale"] == 3.5
     update = json.loads((d / "update.json").read_text())
     assert update["first_pass_ratio_max_dev"] < 1e-5 and update["approx_kl_after"] > 0
+    assert json.loads((d / "rollout.json").read_text())["cfg_doubled"] is False
 
     check_bad_model_path_is_one_line(trained, tmp_path)
 

@@ -85,6 +85,8 @@ class FlowBackend(abc.ABC):
         device: the ``torch.device`` the modules live on.
         dtype: the modules' ``torch.dtype``; inputs and outputs of ``velocity`` stay float32.
         kind: short name of the backend (``"tiny"``, ``"sd3"``, ...).
+        cfg_doubles_batch: whether guidance runs the transformer on a doubled ``[uncond; cond]`` batch
+            (classifier-free guidance); False for FLUX's distilled guidance embedding.
     """
 
     latent_shape: tuple[int, int, int]
@@ -93,6 +95,7 @@ class FlowBackend(abc.ABC):
     device: torch.device
     dtype: torch.dtype
     kind: str
+    cfg_doubles_batch: bool = True
 
     @abc.abstractmethod
     def encode_prompts(self, prompts: list[str]) -> PromptEmbeddings:

@@ -79,6 +79,7 @@ class FluxBackend(LatentBackend):
     """
 
     kind = "flux"
+    cfg_doubles_batch = False  # guidance is an embedding input: one forward pass per step
 
     def __init__(self, transformer, vae, prompt_encoder=None, *, resolution: int = DEFAULT_RESOLUTION,
                  device="cpu", dtype: torch.dtype = torch.float32, max_sequence_length: int = 512,
