@@ -87,6 +87,9 @@ def load_policy(cfg: Config, root: Path, iteration: int, trainable: bool = False
         # LoRA A is drawn at random: seed it so an interrupted run re-creates the same start.
         torch.manual_seed(sample_seed(cfg.train.seed, 0, "lora-init", 0))
         attach_lora(backend, cfg.update.lora_rank, cfg.update.lora_alpha, adapter_dir=adapter)
+    if trainable and cfg.update.gradient_checkpointing:
+        # The same gradients, less activation memory: diffusers re-runs each block in the backward pass.
+        backend.transformer.enable_gradient_checkpointing()
     return backend
 
 
