@@ -41,7 +41,7 @@ def run(cfg: Config, iteration: int, root: Path) -> dict:
         N, K1 = arrays["states"].shape[:2]
         K, G = K1 - 1, int(attrs["group_size"])
         rows = torch.from_numpy(arrays["prompt_index"]).long()
-        embeds = prompt_embeddings(cfg, root, iteration, backend, [m["prompt"] for m in metas]).select(rows)
+        prompt_embeds = prompt_embeddings(cfg, root, iteration, backend, [m["prompt"] for m in metas])
         sigmas = torch.tensor(attrs["schedule_sigmas"], dtype=torch.float32)
         chunks = group_chunks(N // G, G * K, cfg.probe.batch_size)  # at most probe.batch_size states a chunk
         warn_if_idle(dist, len(chunks), "probe.batch_size")
@@ -49,7 +49,7 @@ def run(cfg: Config, iteration: int, root: Path) -> dict:
         def compute(c: int) -> dict:  # chunk c: whole groups, the same shapes on any process count
             a, b = chunks[c][0] * G, chunks[c][1] * G
             final, passes = complete_window_states(
-                backend, torch.from_numpy(np.asarray(arrays["states"][a:b])), embeds.select(torch.arange(a, b)),
+                backend, torch.from_numpy(np.asarray(arrays["states"][a:b])), prompt_embeds.select(rows[a:b]),
                 sigmas, attrs["window_start"], attrs["guidance_scale"], cfg.probe.batch_size)
             images = backend.decode(final)
             scored = reward(images, [metas[p] for p in rows[a:b].repeat_interleave(K).tolist()])
