@@ -96,8 +96,13 @@ def run_command(params: ParamsOpt = Path("params.yaml")) -> None:
     import subprocess
     import sys
 
+    from tpgrpo.dvclock import clear_stale_lock
+
     dvc_yaml_command(params)
     root = Path(params).resolve().parent
+    note = clear_stale_lock(root)  # a killed, not yet reaped run's lock would block `dvc repro`
+    if note:
+        typer.echo(note)
     env = dict(os.environ, DVC_NO_ANALYTICS="1")
     # Stage commands call `tpgrpo`: make this interpreter's scripts folder come first on PATH.
     env["PATH"] = str(Path(sys.executable).parent) + os.pathsep + env.get("PATH", "")

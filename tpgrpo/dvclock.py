@@ -1,0 +1,65 @@
+"""A stale DVC read/write lock left by a killed run, and clearing it safely.
+
+DVC records the PID of every running ``dvc repro`` in ``.dvc/tmp/rwlock`` and removes the entries of
+processes that no longer exist (``psutil.pid_exists``). A SIGKILLed run that its parent has not yet reaped
+is a zombie: its PID still "exists", so the next ``tpgrpo run`` stops with "is busy, it is being blocked
+by (PID ...)" although nothing holds the lock. ``tpgrpo run`` clears the lock only when every PID in it
+is gone or a zombie; a live PID (even one reused by an unrelated process) keeps it.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Callable
+
+RWLOCK = Path(".dvc") / "tmp" / "rwlock"
+
+
+def pid_state(pid: int) -> str | None:
+    """The process state letter of ``pid`` from ``/proc/PID/stat`` ('R', 'S', 'Z', ...); None if gone."""
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except (FileNotFoundError, ProcessLookupError, PermissionError):
+        return None
+    # The command name (field 2) is in parentheses and may itself hold spaces or ')': split after the last.
+    return stat.rpartition(")")[2].split()[0]
+
+
+def lock_pids(lock: dict) -> list[int]:
+    """Every PID a DVC rwlock dict names: ``{"write": {path: info}, "read": {path: [info, ...]}}``,
+    each ``info`` being ``{"pid": int, "cmd": str}``. Sorted, without repeats."""
+    infos = list(lock.get("write", {}).values())
+    for readers in lock.get("read", {}).values():
+        infos.extend(readers)
+    return sorted({int(info["pid"]) for info in infos})
+
+
+def stale_pids(lock: dict, state: Callable[[int], str | None] = pid_state) -> list[int] | None:
+    """The PIDs of a lock that may be cleared, or None when it must be kept.
+
+    Returns the (non-empty) PID list when every PID is gone (``state`` None) or a zombie (``'Z'``);
+    None when the lock names no PID or any PID is alive.
+    """
+    pids = lock_pids(lock)
+    if not pids or any(state(pid) not in (None, "Z") for pid in pids):
+        return None
+    return pids
+
+
+def clear_stale_lock(root: Path, state: Callable[[int], str | None] = pid_state) -> str | None:
+    """Remove ``root/.dvc/tmp/rwlock`` when :func:`stale_pids` allows it; return a one-line note, or None.
+
+    An unreadable lock file is left for DVC to report.
+    """
+    path = Path(root) / RWLOCK
+    try:
+        lock = json.loads(path.read_text())
+        pids = stale_pids(lock, state)
+    except (FileNotFoundError, ValueError, TypeError, KeyError, AttributeError):
+        return None
+    if pids is None:
+        return None
+    path.unlink(missing_ok=True)
+    return (f"removed stale DVC lock {RWLOCK} (PID {', '.join(map(str, pids))} no longer running: "
+            "a killed run's leftovers)")
