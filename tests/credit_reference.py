@@ -42,7 +42,11 @@ def trajectory_credit(q: list[float], mode: str) -> dict:
 
 
 def reference_credit(rewards: list[list[float]], group_ids: list[int], mode: str, balance: str) -> dict:
-    """Turning points (after balancing) and step rewards for a whole table, with plain loops."""
+    """Turning points (after balancing) and step rewards for a whole table, with plain loops.
+
+    Balancing (spec section 5): a group with P positive- and M negative-trend turning points, P > 0 and
+    M > 0, keeps min(P, M) of each sign (largest |D| first); a group with one sign or none keeps all.
+    """
     per_traj = [trajectory_credit(row, mode) for row in rewards]
     candidates = [list(t["tp"]) for t in per_traj]
     kept = [list(t["tp"]) for t in per_traj]
@@ -55,6 +59,8 @@ def reference_credit(rewards: list[list[float]], group_ids: list[int], mode: str
                 for k, is_tp in enumerate(t["tp"]):
                     if is_tp:
                         (pos if t["D"] > 0 else neg).append((-abs(t["D"]), n, k))
+            if not pos or not neg:
+                continue  # one sign (or none): the group keeps its turning points unchanged
             m = min(len(pos), len(neg))
             for side in (pos, neg):
                 side.sort()  # largest |D| first, then trajectory index, then step

@@ -2,9 +2,12 @@
 
 from __future__ import annotations
 
+import random
+from collections import Counter
+
 import pytest
 import torch
-from hypothesis import given, settings
+from hypothesis import event, example, given, settings
 from hypothesis import strategies as st
 
 from tpgrpo.advantages import group_advantages
@@ -39,13 +42,69 @@ def reward_tables(draw, max_rows=10, max_k=6):
     return rows, groups
 
 
-@settings(max_examples=150, deadline=None)
-@given(reward_tables(), st.sampled_from([torch.float64, torch.float32]))
-def test_matches_plain_loop_reference(table, dtype):
-    rows, groups = table
+GROUP_KINDS = ("pos", "neg", "none", "mixed", "raw")
+
+
+def shape_group(rows: list[list[float]], kind: str, k: int) -> list[list[float]]:
+    """One prompt group's rows (each ``K+1`` rewards), reshaped so its turning points have a chosen sign.
+
+    A row's turning points all carry the sign of its trend ``D``, and mirroring a row (``-q``) mirrors
+    its credit. ``pos``/``neg``: rows with the other trend sign are mirrored and a strictly monotone row
+    of the wanted sign is added (a turning point at k = 0 in ``tp_unconstrained``, and in ``tp`` when
+    K >= 2), so the group's turning points share ONE sign. ``none``: every row gets ``Q_K = Q_0``
+    (D = 0: no alignment, and ``d_0 (R_fin - Q_1) = -d_0^2 <= 0``), so the group has NO turning point.
+    ``mixed``: adds a rising and a falling monotone row (both signs). ``raw``: rows as drawn.
+    """
+    monotone = [i / 4 for i in range(k + 1)]
+    if kind in ("pos", "neg"):
+        want = 1 if kind == "pos" else -1
+        out = [[-v for v in row] if (row[-1] - row[0]) * want < 0 else list(row) for row in rows]
+        return out + [[want * v for v in monotone]]
+    if kind == "none":
+        return [row[:-1] + [row[0]] for row in rows]
+    if kind == "mixed":
+        return [list(row) for row in rows] + [monotone, [-v for v in monotone]]
+    return [list(row) for row in rows]
+
+
+def assemble_groups(shaped: list[list[list[float]]], labels: list[int], order: list[int]):
+    """``(rows, group_ids)`` of the concatenated groups, rows interleaved by the permutation ``order``."""
+    flat = [(row, labels[g]) for g, rows in enumerate(shaped) for row in rows]
+    flat = [flat[i] for i in order]
+    return [row for row, _ in flat], [gid for _, gid in flat]
+
+
+@st.composite
+def shaped_tables(draw, max_groups=4, max_rows=4, max_k=6):
+    """``(rows, group_ids)`` whose groups are built to have one-sign, no, or both-sign turning points."""
+    k = draw(st.integers(1, max_k))
+    values = draw(st.sampled_from([st.sampled_from([0.0, 0.25, 0.5, 1.0]), st.integers(-8, 8).map(lambda i: i / 4),
+                                   st.floats(-5, 5, allow_nan=False, allow_subnormal=False)]))
+    row = st.lists(values, min_size=k + 1, max_size=k + 1)
+    kinds = draw(st.lists(st.sampled_from(GROUP_KINDS), min_size=1, max_size=max_groups))
+    shaped = [shape_group(draw(st.lists(row, min_size=0, max_size=max_rows)), kind, k) for kind in kinds]
+    shaped = [rows if rows else [[0.0] * (k + 1)] for rows in shaped]
+    labels = draw(st.lists(st.integers(-50, 50), min_size=len(kinds), max_size=len(kinds), unique=True))
+    order = draw(st.permutations(range(sum(len(rows) for rows in shaped))))
+    return assemble_groups(shaped, labels, list(order))
+
+
+def sign_structure(candidate: list[list[bool]], trend: list[float], groups: list[int]) -> Counter:
+    """Count groups by the signs of their candidate turning points: ``both``, ``one`` or ``none``."""
+    counts = Counter()
+    for g in set(groups):
+        signs = {trend[n] > 0 for n, row in enumerate(candidate) if groups[n] == g for is_tp in row if is_tp}
+        counts["both" if len(signs) == 2 else "one" if signs else "none"] += 1
+    return counts
+
+
+def _check_against_reference(rows, groups, dtype) -> Counter:
+    """Assert ``compute_credit`` (and the advantages) equal the plain-loop reference in every mode;
+    returns the groups' sign structures (``sign_structure``) summed over the two tp modes."""
     rewards = torch.tensor(rows, dtype=dtype)
     rows = rewards.double().tolist()  # the reference sees exactly the values credit sees
     gids = torch.tensor(groups)
+    structure = Counter()
     for mode in CREDIT_MODES:
         for balance in BALANCE_MODES:
             got = compute_credit(rewards, gids, mode=mode, balance=balance)
@@ -57,15 +116,51 @@ def test_matches_plain_loop_reference(table, dtype):
             assert torch.equal(got.incremental, torch.tensor(ref["d"], dtype=torch.float64).to(dtype))
             assert torch.equal(got.aggregated, torch.tensor(ref["B"], dtype=torch.float64).to(dtype))
             assert torch.equal(got.trend, torch.tensor(ref["D"], dtype=torch.float64).to(dtype))
+            if mode.startswith("tp") and balance == "group":
+                structure += sign_structure(ref["candidate"], ref["D"], groups)
             if dtype == torch.float64:
                 for global_std in (False, True):
                     adv = group_advantages(got.step_reward, gids, global_std=global_std)
                     expected = reference_advantages(ref["step_reward"], groups, global_std=global_std)
                     torch.testing.assert_close(adv, torch.tensor(expected, dtype=torch.float64), rtol=1e-7, atol=1e-9)
+    return structure
+
+
+# Hand-made: a one-sign group (kept whole), a group without turning points, and both signs.
+@example(table=([[0.0, 0.1, 0.2], [0.0, 0.3, 0.6], [0.0, 0.0, 0.0]], [1, 1, 2]), dtype=torch.float64)
+@example(table=([[0.0, -0.1, -0.2], [0.0, 0.3, 0.6], [0.0, 0.2, 0.4]], [5, 5, 5]), dtype=torch.float64)
+@example(table=([[0.0, 0.0, 1.0], [0.0, 1.0, 0.0]], [0, 0]), dtype=torch.float32)
+@settings(max_examples=150, deadline=None)
+@given(st.one_of(reward_tables(), shaped_tables()), st.sampled_from([torch.float64, torch.float32]))
+def test_matches_plain_loop_reference(table, dtype):
+    rows, groups = table
+    words = {"both": "both turning-point signs", "one": "one turning-point sign", "none": "no turning point"}
+    for name in sorted(_check_against_reference(rows, groups, dtype)):
+        event(f"has a group with {words[name]}")  # shown by pytest --hypothesis-show-statistics
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_matches_reference_on_groups_built_for_each_sign_structure(seed):
+    """Seeded (not shrinkable, but certain): one-sign and empty groups really occur, many times."""
+    rng = random.Random(seed)
+    total = Counter()
+    for _ in range(40):
+        k = rng.randint(1, 6)
+        grid = rng.random() < 0.5
+        draw = (lambda: rng.randint(-8, 8) / 4) if grid else (lambda: rng.uniform(-5, 5))
+        kinds = [rng.choice(GROUP_KINDS) for _ in range(rng.randint(1, 4))]
+        shaped = [shape_group([[draw() for _ in range(k + 1)] for _ in range(rng.randint(1, 4))], kind, k)
+                  for kind in kinds]
+        labels = rng.sample(range(-50, 50), len(kinds))
+        order = list(range(sum(len(rows) for rows in shaped)))
+        rng.shuffle(order)
+        rows, groups = assemble_groups(shaped, labels, order)
+        total += _check_against_reference(rows, groups, rng.choice([torch.float64, torch.float32]))
+    assert total["one"] >= 20 and total["none"] >= 10 and total["both"] >= 20, total
 
 
 @settings(max_examples=100, deadline=None)
-@given(reward_tables(max_rows=12, max_k=8))
+@given(st.one_of(reward_tables(max_rows=12, max_k=8), shaped_tables()))
 def test_random_invariants(table):
     rows, groups = table
     # Exact signed grid values so that |B| > |d| cannot be blurred by rounding.
@@ -86,7 +181,11 @@ def test_random_invariants(table):
             pos = rows_g[:, None] & (res.trend > 0)[:, None]
             neg = rows_g[:, None] & (res.trend < 0)[:, None]
             n_pos, n_neg = int((tp & pos).sum()), int((tp & neg).sum())
-            assert n_pos == n_neg == min(int((cand & pos).sum()), int((cand & neg).sum()))
+            c_pos, c_neg = int((cand & pos).sum()), int((cand & neg).sum())
+            if c_pos and c_neg:  # both signs: balanced
+                assert n_pos == n_neg == min(c_pos, c_neg)
+            else:  # one sign or none: the group's turning points stay as they are
+                assert torch.equal(tp & rows_g[:, None], cand & rows_g[:, None])
             for side in (pos, neg):
                 kept, dropped = d_abs[tp & side], d_abs[cand & ~tp & side]
                 if kept.numel() and dropped.numel():
@@ -184,10 +283,28 @@ def test_balancing_keeps_equal_counts_and_prefers_large_trend():
     # One negative -> keep one positive: the largest |D| (0.8), the tie going to the smaller index.
     assert res.turning_point[:, 0].tolist() == [False, True, False, True, False]
     assert res.step_reward[2].tolist() == pytest.approx([0.25, 0.25])  # dropped: back to d_k
-    # Groups are balanced separately; a group with one sign only keeps none.
+    # Groups are balanced separately; a group whose turning points share one sign keeps them all.
     res = _credit(rows + [up(0.9)], mode="tp", balance="group", groups=[1, 1, 1, 1, 1, 2])
-    assert res.turning_point[:, 0].tolist() == [False, True, False, True, False, False]
+    assert res.turning_point[:, 0].tolist() == [False, True, False, True, False, True]
+    assert res.step_reward[5].tolist() == pytest.approx([0.9, 0.45])  # B_0 = 0.9 replaces d_0 = 0.45
     assert _credit(rows, mode="tp", balance="none").turning_point[:, 0].all()
+
+
+def test_one_sign_or_no_turning_points_leave_a_group_unchanged():
+    # Spec section 5 (the release): balance only where a group has turning points of both signs.
+    def up(D):
+        return [0.0, D / 2, D]
+
+    for sign in (1, -1):
+        rows = [up(sign * 0.2), up(sign * 0.7), [0.0, 0.0, 0.0], up(sign * 0.4)]
+        for mode in ("tp", "tp_unconstrained"):
+            res = _credit(rows, mode=mode, balance="group", groups=[3, 3, 3, 3])
+            assert res.turning_point.tolist() == res.candidate_turning_point.tolist()
+            assert res.turning_point[:, 0].tolist() == [True, True, False, True]
+            assert torch.equal(res.step_reward, _credit(rows, mode=mode, balance="none").step_reward)
+    flat = [[0.0, 0.0, 1.0], [0.5, 1.0, 0.5]]  # no turning point at all in tp
+    res = _credit(flat, mode="tp", balance="group", groups=[0, 0])
+    assert not res.turning_point.any() and torch.equal(res.step_reward, res.incremental)
 
 
 def test_bad_inputs_raise():

@@ -94,10 +94,12 @@ def balance_turning_points(tp: torch.Tensor, trend: torch.Tensor, group_ids: tor
         group_ids: ``(N,)`` integer prompt-group ids (any values, need not be contiguous).
 
     Returns: ``(N, K)`` bool, the kept turning points. Per group, with P positive and M negative
-    candidates, ``min(P, M)`` of each sign are kept: all of the smaller side and, of the larger side,
-    those with the largest ``|D|``; ties in ``|D|`` go to the smaller (trajectory index, step), i.e.
-    row-major order. Balancing within a prompt group (not the release's per-GPU batch) keeps the
-    result independent of how the work is split over processes (spec section 5).
+    candidates: where P > 0 and M > 0, ``min(P, M)`` of each sign are kept: all of the smaller side
+    and, of the larger side, those with the largest ``|D|``; ties in ``|D|`` go to the smaller
+    (trajectory index, step), i.e. row-major order. Where P == 0 or M == 0 (one sign, or none) the
+    group's turning points are kept unchanged, as the release does (spec section 5). Balancing within
+    a prompt group (not the release's per-GPU batch) keeps the result independent of how the work is
+    split over processes.
     """
     rows, cols = tp.nonzero(as_tuple=True)  # row-major, i.e. ascending (trajectory, step)
     if rows.numel() == 0:
@@ -113,8 +115,10 @@ def balance_turning_points(tp: torch.Tensor, trend: torch.Tensor, group_ids: tor
     counts = torch.bincount(bucket, minlength=2 * num_groups)
     starts = torch.cumsum(counts, 0) - counts
     rank = torch.arange(order.numel(), device=tp.device) - starts[bucket[order]]
-    quota = torch.minimum(counts[0::2], counts[1::2])  # (num_groups,)
-    keep_sorted = rank < quota[bucket[order] // 2]
+    quota = torch.minimum(counts[0::2], counts[1::2])  # (num_groups,); 0 where a group has one sign
+    one_sign = quota == 0  # nothing to balance against: keep every turning point of the group
+    group_sorted = bucket[order] // 2
+    keep_sorted = (rank < quota[group_sorted]) | one_sign[group_sorted]
     kept = torch.zeros_like(tp)
     kept[rows[order], cols[order]] = keep_sorted
     return kept
