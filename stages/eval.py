@@ -2,6 +2,7 @@
 
 The same seeds are used at every iteration (and for the base model), so curves compare paired samples.
 Writes ``eval.json``: mean reward and strict accuracy under the eval reward, and the training reward.
+With ``update.ema`` the policy scored is the EMA of the LoRA weights (``weights: ema``), else the adapter.
 """
 
 from __future__ import annotations
@@ -11,6 +12,7 @@ from pathlib import Path
 from tpgrpo.artifacts import IterationPaths, require, write_json
 from tpgrpo.config import Config
 from tpgrpo.distributed import chunk_bar, current, group_chunks, run_chunks, warn_if_idle
+from tpgrpo.errors import PipelineError
 from tpgrpo.pipeline import check_finite, load_policy, resolve, stopwatch
 
 
@@ -57,6 +59,26 @@ def evaluate(cfg: Config, root: Path, backend, label: str, artifact: Path) -> di
     return out
 
 
+def policy_to_score(cfg: Config, root: Path, iteration: int) -> tuple[object, str]:
+    """The backend with the weights iteration ``iteration`` is scored with, and their name.
+
+    With ``update.ema`` the EMA of the LoRA weights (``policy/ema``, spec section 7) replaces the raw
+    adapter, as ``tpgrpo export --ema`` hands out; a policy without it is a one-line error.
+    """
+    from tpgrpo.export import EMA_FOLDER
+    from tpgrpo.policy import WEIGHTS_FILE, load_lora_weights, read_adapter_weights
+
+    if not cfg.update.ema:
+        return load_policy(cfg, root, iteration + 1), "adapter"
+    folder = IterationPaths(root, iteration).policy / EMA_FOLDER
+    if not (folder / WEIGHTS_FILE).is_file():  # checked before the model loads: fail fast
+        raise PipelineError(f"update.ema is true but {folder / WEIGHTS_FILE} is missing (the policy was "
+                            f"trained with update.ema false: re-run `tpgrpo stage update --iter {iteration}`)")
+    backend = load_policy(cfg, root, iteration + 1)
+    load_lora_weights(backend, read_adapter_weights(folder))
+    return backend, "ema"
+
+
 def run(cfg: Config, iteration: int, root: Path) -> dict:
     paths = IterationPaths(root, iteration)
     metrics: dict = {"iteration": iteration}
@@ -65,8 +87,8 @@ def run(cfg: Config, iteration: int, root: Path) -> dict:
     with stopwatch(metrics):
         if scheduled:
             require(paths.policy, f"policy of iteration {iteration}: run its update first")
-            metrics.update(evaluate(cfg, root, load_policy(cfg, root, iteration + 1), f"iteration {iteration}",
-                                    paths.eval_metrics) or {})
+            backend, metrics["weights"] = policy_to_score(cfg, root, iteration)
+            metrics.update(evaluate(cfg, root, backend, f"iteration {iteration}", paths.eval_metrics) or {})
     if not current().is_main:  # the main process writes eval.json
         return metrics
     metrics["evaluated"] = scheduled

@@ -1,0 +1,86 @@
+"""The eval stage: which weights it scores (EMA), and its per-image table."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import yaml
+from typer.testing import CliRunner
+
+from conftest import tiny_params
+from tpgrpo.cli import app
+
+runner = CliRunner()
+
+
+def run_ok(root, name, iteration=None):
+    args = ["stage", name, "--params", str(root / "params.yaml")]
+    if iteration is not None:
+        args += ["--iter", str(iteration)]
+    result = runner.invoke(app, args)
+    assert result.exit_code == 0, result.output
+    return result
+
+
+def set_params(root, **sections):
+    (root / "params.yaml").write_text(yaml.safe_dump(tiny_params(**sections), sort_keys=False))
+
+
+def train_one_iteration(root):
+    for name in ("rollout", "probe", "credit", "update"):
+        run_ok(root, name, 0)
+
+
+@pytest.fixture
+def ema_project(tiny_project):
+    # 8 optimizer steps: the EMA (updated every 8th step) moves away from the initial weights at once.
+    set_params(tiny_project, update={"ema": True, "optimizer_steps_per_iter": 8, "micro_batch": 4, "lr": 5e-2})
+    train_one_iteration(tiny_project)
+    return tiny_project
+
+
+def _direct_eval(root, tmp_path, ema: bool) -> dict:
+    """Evaluate iteration 0's policy without the stage: the raw adapter, or the EMA adapter loaded by hand."""
+    from stages.eval import evaluate
+    from tpgrpo.config import load_config
+    from tpgrpo.export import adapter_folder
+    from tpgrpo.pipeline import load_policy
+    from tpgrpo.policy import load_lora_weights, read_adapter_weights
+
+    cfg = load_config(root / "params.yaml")
+    backend = load_policy(cfg, root, 1)
+    if ema:
+        load_lora_weights(backend, read_adapter_weights(adapter_folder(root, 0, ema=True)))
+    return evaluate(cfg, root, backend, "direct", tmp_path / f"direct-{ema}.json")
+
+
+def test_eval_scores_the_ema_weights_when_update_ema_is_on(ema_project, tmp_path):
+    root = ema_project
+    run_ok(root, "eval", 0)
+    stage = json.loads((root / "data" / "iters" / "0000" / "eval.json").read_text())
+    raw, ema = _direct_eval(root, tmp_path, ema=False), _direct_eval(root, tmp_path, ema=True)
+    assert raw["train_reward"] != ema["train_reward"]  # the EMA weights really are other weights
+    assert stage["train_reward"] == ema["train_reward"]
+    assert stage["eval_reward"] == ema["eval_reward"]
+    assert stage["weights"] == "ema"
+
+
+def test_eval_scores_the_raw_adapter_when_update_ema_is_off(tiny_project, tmp_path):
+    root = tiny_project
+    train_one_iteration(root)
+    run_ok(root, "eval", 0)
+    stage = json.loads((root / "data" / "iters" / "0000" / "eval.json").read_text())
+    assert stage["weights"] == "adapter"
+    assert stage["train_reward"] == _direct_eval(root, tmp_path, ema=False)["train_reward"]
+
+
+def test_eval_with_ema_on_but_a_policy_without_ema_is_a_one_line_error(tiny_project):
+    root = tiny_project
+    train_one_iteration(root)  # update.ema false: no policy/ema
+    set_params(root, update={"ema": True})
+    result = runner.invoke(app, ["stage", "eval", "--iter", "0", "--params", str(root / "params.yaml")])
+    assert result.exit_code != 0
+    assert "update.ema is true" in result.output and "policy/ema" in result.output
+    assert [line.startswith("error:") for line in result.output.splitlines() if line.strip()] == [True]
+    assert not (root / "data" / "iters" / "0000" / "eval.json").exists()
