@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from tpgrpo.loss import approx_kl, clip_fraction, kl_to_reference, policy_loss, ppo_clip_loss
-from tpgrpo.sampling import sde_step
+from tpgrpo.sampling import sde_std, sde_step
 
 
 def _policy(seed=0, batch=6):
@@ -73,6 +73,22 @@ def test_kl_term():
     torch.testing.assert_close(kl_to_reference(shifted, m, std.view(3, 1, 1, 1)), kl)
     # Deterministic steps (std == 0) contribute 0, not inf/NaN.
     assert torch.equal(kl_to_reference(shifted, m, torch.zeros(3)), torch.zeros(3))
+
+
+@pytest.mark.parametrize("s, std", [(0.8, 1.4), (1.0, 3.5)])
+def test_kl_of_hand_made_means_is_the_spec_formula(s, std):
+    # Spec section 7: KL = mean((m_theta - m_ref)^2) / (2 std^2), std = eta sqrt(s / (1 - s~)), no
+    # sqrt(-dt). eta = 0.7, s_1 = 0.96: s = 0.8 -> 0.7 sqrt(0.8 / 0.2) = 1.4; s = 1 uses s~ = s_1 in the
+    # denominator only -> 0.7 sqrt(1 / 0.04) = 3.5. The same std for sde and cps (update passes sde_std).
+    m_ref = torch.zeros(2, 1, 2, 2)
+    m_theta = torch.tensor([[0.3, 0.1, -0.3, 0.1], [0.2, 0.2, 0.2, -0.2]]).view(2, 1, 2, 2)
+    mean_sq = torch.tensor([0.05, 0.04])  # (0.09 + 0.01 + 0.09 + 0.01) / 4, 4 * 0.04 / 4
+    by_hand = mean_sq / (2 * std**2)
+    kl_std = sde_std(torch.tensor([s, s]), 0.96, 0.7)
+    torch.testing.assert_close(kl_std, torch.tensor([std, std]))
+    torch.testing.assert_close(kl_to_reference(m_theta, m_ref, kl_std), by_hand)
+    res = policy_loss(torch.zeros(2), torch.zeros(2), torch.ones(2), 0.1, m_theta, m_ref, kl_std, kl_beta=0.5)
+    torch.testing.assert_close(res.kl, by_hand.mean())
 
 
 def test_policy_loss_combines_ppo_and_kl():

@@ -7,7 +7,7 @@ import math
 import pytest
 import torch
 
-from tpgrpo.sampling import cps_step, ode_step, sde_step, sde_window, stochastic_step
+from tpgrpo.sampling import cps_step, ode_step, sde_std, sde_step, sde_window, stochastic_step
 from tpgrpo.schedule import flow_sigmas
 
 # SD3.5-M's training schedule: T = 10, shift = 3.
@@ -86,6 +86,22 @@ def test_sde_sigma_one_rule_uses_s1_in_denominator_only():
     a = sde_step(x, v, 0.5, 0.4, eta, 0.9, noise=x)
     b = sde_step(x, v, 0.5, 0.4, eta, 0.1, noise=x)
     assert torch.equal(a.prev_sample, b.prev_sample) and torch.equal(a.log_prob, b.log_prob)
+
+
+def test_sde_std_is_the_step_std_without_sqrt_dt():
+    # The KL scale of spec section 7: the sde std of section 2 before the sqrt(-dt) factor.
+    x, v = _xv(batch=len(STEPS), seed=11)
+    s, s_next = SIGMAS[:-1], SIGMAS[1:]
+    kl_std = sde_std(s, S1, 0.7)
+    assert kl_std.shape == (len(STEPS),) and kl_std.dtype == torch.float32
+    out = sde_step(x, v, s, s_next, 0.7, S1, noise=torch.zeros_like(x))
+    torch.testing.assert_close(kl_std * torch.sqrt(s - s_next), out.std)
+    assert float(sde_std(1.0, S1, 0.7)) == pytest.approx(0.7 * math.sqrt(1.0 / (1 - S1)))  # s_1 below only
+    assert float(sde_std(0.5, 0.1, 0.7)) == pytest.approx(0.7)  # away from s == 1, s_1 does not matter
+    assert torch.equal(sde_std(s, S1, 0.0), torch.zeros(len(STEPS)))
+    for bad in ((0.0, S1), (1.2, S1), (1.0, 1.0)):
+        with pytest.raises(ValueError, match="sigma"):
+            sde_std(bad[0], bad[1], 0.7)
 
 
 def test_cps_mean_matches_literal_formula():

@@ -105,6 +105,35 @@ def test_update_raises_positive_and_lowers_negative_log_probs(kind):
     assert delta[sign > 0].mean() > 0 > delta[sign < 0].mean(), delta
 
 
+@pytest.mark.parametrize("kind", ["sde", "cps"])
+def test_kl_metric_uses_the_sde_std_without_sqrt_dt(kind):
+    """Spec section 7: KL_k = mean((mean_theta - mean_ref)^2) / (2 std_k^2), std_k = eta sqrt(s / (1 - s~))
+    for both step kinds (the release's scale, so its kl_beta carries over), on one pre-step chunk."""
+    backend, embeds = make_policy()  # random LoRA weights: the policy's mean differs from the reference's
+    batch = rollout(backend, embeds, kind)
+    expected = []
+    with torch.no_grad():
+        for k in range(K):
+            x, s = batch.latents[:, k], batch.sigmas[:, k]
+            emb, g = embeds.select(batch.prompt_index), sampling(kind).guidance_scale
+
+            def mean(v):
+                return stochastic_step(kind, x, v, s, batch.sigmas[:, k + 1], 0.7, sigma_at_one=batch.sigma_at_one,
+                                       prev_sample=batch.latents[:, k + 1]).mean
+
+            theta = mean(backend.velocity(x, s, emb, g))
+            with policy.reference_mode(backend):
+                ref = mean(backend.velocity(x, s, emb, g))
+            s_tilde = torch.where(s == 1, torch.tensor(batch.sigma_at_one), s)
+            std = 0.7 * torch.sqrt(s / (1 - s_tilde))  # no sqrt(-dt), whatever the step kind
+            expected.append((theta - ref).pow(2).mean((1, 2, 3)) / (2 * std**2))
+    cfg = dataclasses.replace(UPD, kl_beta=1e-2, optimizer_steps_per_iter=1)
+    metrics = update_policy(backend, embeds, batch, torch.ones(8, K), sampling(kind), cfg,
+                            make_optimizer(backend, cfg), seed=0)
+    want = float(torch.stack(expected).mean())
+    assert want > 0 and metrics["kl"] == pytest.approx(want, rel=1e-4)
+
+
 def test_zero_advantage_samples_are_dropped():
     backend, embeds = make_policy()
     batch = rollout(backend, embeds, "sde")

@@ -106,7 +106,7 @@ class UpdateConfig:
     lr: float = 3e-4  # AdamW learning rate
     weight_decay: float = 1e-4  # AdamW weight decay
     clip_range: float = 1e-4  # PPO ratio clip eps
-    kl_beta: float = 0.0  # weight of the KL to the adapter-disabled reference
+    kl_beta: float = 0.0  # weight of the KL to the reference; release's scale: std without sqrt(-dt)
     optimizer_steps_per_iter: int = 2  # optimizer steps per iteration (gradient accumulation)
     epochs: int = 1  # passes over the iteration's transitions; the optimizer steps are split evenly over them
     micro_batch: int = 32  # transitions per backward pass (memory knob)

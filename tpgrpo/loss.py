@@ -64,12 +64,14 @@ def ppo_clip_loss(log_prob: torch.Tensor, old_log_prob: torch.Tensor, advantages
 
 
 def kl_to_reference(mean_theta: torch.Tensor, mean_ref: torch.Tensor, std: torch.Tensor) -> torch.Tensor:
-    """Per-sample KL of the step Gaussian to the reference policy's, ``(B,)`` (spec section 7).
+    """Per-sample KL term to the reference policy, ``(B,)`` (spec section 7).
 
-    ``KL = mean((mean_theta - mean_ref)^2 over non-batch dims) / (2 std^2)``: the per-element KL of two
-    Gaussians with the same ``std``. ``mean_*`` are ``(B, ...)``; ``std`` is ``(B,)`` or broadcastable
-    ``(B, 1, ...)`` -- the scale ``x'`` is drawn with, i.e. ``StepOutput.std``. Where ``std == 0`` (a
-    deterministic step, which has no policy to regularise) the KL is defined as 0 rather than inf.
+    ``KL_k = mean((mean_theta - mean_ref)^2 over non-batch dims) / (2 std_k^2)``. ``mean_*`` are
+    ``(B, ...)``; ``std`` is ``(B,)`` or broadcastable ``(B, 1, ...)``: the spec's ``std_k``, i.e.
+    ``tpgrpo.sampling.sde_std(s_k, s_1, eta)`` = ``eta sqrt(s / (1 - s~))`` WITHOUT the ``sqrt(-dt)``
+    factor, for both step kinds, as the release computes it (so its ``kl_beta`` = 1e-4 carries over).
+    It is not ``StepOutput.std``: for ``sde`` this value is the exact Gaussian KL per element times
+    ``-dt``. Where ``std == 0`` (``eta = 0``: no policy to regularise) the KL is defined as 0, not inf.
     """
     _check_same_shape(mean_theta=mean_theta, mean_ref=mean_ref)
     std = std.reshape(-1).float()
@@ -98,7 +100,8 @@ def policy_loss(log_prob, old_log_prob, advantages, clip_range: float, mean_thet
 
     Args: as ``ppo_clip_loss``; for the KL term also ``mean_theta`` (current step mean, ``(B, ...)``),
     ``mean_ref`` (the same with the LoRA adapter disabled, no gradient needed) and ``std`` (``(B,)``,
-    ``StepOutput.std``), and ``kl_beta >= 0`` (1e-4 in the release). With ``kl_beta == 0`` the
+    ``sampling.sde_std(s_k, s_1, eta)``, see ``kl_to_reference``), and ``kl_beta >= 0`` (1e-4 in the
+    release). With ``kl_beta == 0`` the
     reference may be omitted; ``kl`` is then computed if given (for logging) and 0 otherwise.
     """
     if not (math.isfinite(kl_beta) and kl_beta >= 0):

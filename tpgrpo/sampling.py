@@ -52,8 +52,8 @@ class StepOutput:
             with respect to the velocity).
         std: ``(B,)`` float32, the standard deviation of that Gaussian, per element, i.e. the actual
             scale multiplying ``z``: ``std_sde * sqrt(-dt)`` for ``sde`` and ``s_{k+1} sin(eta pi/2)``
-            for ``cps``. 0 means the step was deterministic. This is the ``std_k`` of the spec's KL
-            term (section 7), so that ``kl_to_reference`` is the true Gaussian KL per element.
+            for ``cps``. 0 means the step was deterministic. It is NOT the ``std_k`` of the spec's KL
+            term (section 7): that is ``sde_std`` (no ``sqrt(-dt)``) for both step kinds.
     """
 
     prev_sample: torch.Tensor
@@ -98,6 +98,31 @@ def _flat_mean(t: torch.Tensor) -> torch.Tensor:
     return t.flatten(1).mean(dim=1)
 
 
+def sde_std(sigma, sigma_at_one, eta: float) -> torch.Tensor:
+    """Flow-GRPO's ``std = eta * sqrt(s / (1 - s~))`` (spec section 2), float32, WITHOUT ``sqrt(-dt)``.
+
+    ``s~ = s`` except ``s~ = sigma_at_one`` (the schedule's second sigma ``s_1``) where ``s == 1``, in
+    the denominator only. ``sde_step`` draws ``x'`` with ``sde_std * sqrt(-dt)``; this factor alone is
+    the ``std_k`` of the KL term (spec section 7) for BOTH step kinds, as the release computes it, so
+    the release's ``kl_beta`` carries over.
+
+    Args:
+        sigma: float, 0-d or ``(B,)`` (or any shape) tensor of noise levels in ``(0, 1]``.
+        sigma_at_one: ``s_1`` (float or tensor broadcastable to ``sigma``); must be < 1 where ``s == 1``.
+        eta: noise level >= 0.
+
+    Returns: float32 tensor of ``sigma``'s shape (on its device), unitless like the sigmas.
+    """
+    s = torch.as_tensor(sigma, dtype=torch.float32)
+    s_one = torch.as_tensor(sigma_at_one, dtype=torch.float32, device=s.device)
+    if not bool(((s > 0) & (s <= 1)).all()):
+        raise ValueError(f"sigma must lie in (0, 1] for the sde std, got {s.flatten()[:8].tolist()}")
+    s_tilde = torch.where(s == 1, s_one, s)
+    if not bool((s_tilde < 1).all()):
+        raise ValueError("sigma_at_one must be < 1 (the schedule's second sigma s_1)")
+    return eta * torch.sqrt(s / (1 - s_tilde))
+
+
 def sde_step(x, v, sigma, sigma_next, eta: float, sigma_at_one, noise=None, prev_sample=None,
              generator=None) -> StepOutput:
     """Flow-GRPO's stochastic step (spec section 2, ``sde``), in float32.
@@ -124,11 +149,7 @@ def sde_step(x, v, sigma, sigma_next, eta: float, sigma_at_one, noise=None, prev
     s, s_next = _step_sigmas(x, v, sigma, sigma_next, eta)
     x, v = x.float(), v.float()
     dt = s_next - s
-    s_one = _as_batch_sigma(sigma_at_one, x)
-    s_tilde = torch.where(s == 1, s_one, s)
-    if not bool((s_tilde < 1).all()):
-        raise ValueError("sigma_at_one must be < 1 (the schedule's second sigma s_1)")
-    std = eta * torch.sqrt(s / (1 - s_tilde))
+    std = sde_std(s, _as_batch_sigma(sigma_at_one, x), eta)
     mean = x + (v + std**2 / (2 * s) * (x + (1 - s) * v)) * dt
     scale = std * torch.sqrt(-dt)  # (B, 1, ...): the Gaussian's std per element
     z = _draw_noise(x, noise, prev_sample, generator)

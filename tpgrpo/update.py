@@ -19,7 +19,7 @@ from tpgrpo.distributed import Dist, even_slice, sum_gradients
 from tpgrpo.errors import PipelineError
 from tpgrpo.loss import policy_loss
 from tpgrpo.policy import LoraEMA, lora_parameters, reference_mode, save_adapter
-from tpgrpo.sampling import stochastic_step
+from tpgrpo.sampling import sde_std, stochastic_step
 
 TRAINING_STATE_FILE = "training_state.pt"
 EMA_FOLDER = "ema"
@@ -202,10 +202,13 @@ def _run_chunk(run: _Pass, chunk, ctx: str, stats: _Stats, ratio_dev: torch.Tens
         n_idx, k_idx = n_all[start:start + mb], k_all[start:start + mb]
         out, mean_ref = _forward(run.backend, run.embeds, batch, n_idx, k_idx, run.sampling_cfg,
                                  reference=update_cfg.kl_beta > 0)
+        # The KL's std_k is the sde std without sqrt(-dt) for both step kinds (spec section 7).
+        kl_std = None if mean_ref is None else sde_std(
+            batch.sigmas[n_idx, k_idx], batch.sigma_at_one, run.sampling_cfg.noise_level).to(out.mean.device)
         lo = policy_loss(out.log_prob, batch.old_log_probs[n_idx, k_idx].to(out.log_prob.device),
                          run.adv[n_idx, k_idx].to(out.log_prob.device), update_cfg.clip_range,
                          mean_theta=out.mean if mean_ref is not None else None, mean_ref=mean_ref,
-                         std=out.std if mean_ref is not None else None, kl_beta=update_cfg.kl_beta)
+                         std=kl_std, kl_beta=update_cfg.kl_beta)
         if not bool(torch.isfinite(lo.loss)):
             raise PipelineError(f"update{ctx}: non-finite loss ({float(lo.loss)}) in micro-batch "
                                 f"{start // mb + 1} (window steps "
