@@ -1,7 +1,10 @@
 """Stage eval: ODE sampling of held-out prompts with the policy that iteration ``--iter`` produced.
 
 The same seeds are used at every iteration (and for the base model), so curves compare paired samples.
-Writes ``eval.json``: mean reward and strict accuracy under the eval reward, and the training reward.
+Writes ``eval.json``: mean reward and strict accuracy under the eval reward, and the training reward, and
+``eval.parquet``: per image (prompt_id, prompt, sample, seed) its reward and strict result under both, so
+two runs on the same eval params compare image by image (``tpgrpo.compare``). An iteration that is not
+evaluated (``eval.every``) writes the table with no rows.
 With ``update.ema`` the policy scored is the EMA of the LoRA weights (``weights: ema``), else the adapter.
 """
 
@@ -9,20 +12,30 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import numpy as np
+
 from tpgrpo.artifacts import IterationPaths, require, write_json
+from tpgrpo.compare import EVAL_TABLE_COLUMNS
 from tpgrpo.config import Config
 from tpgrpo.distributed import chunk_bar, current, group_chunks, run_chunks, warn_if_idle
 from tpgrpo.errors import PipelineError
-from tpgrpo.pipeline import check_finite, load_policy, resolve, stopwatch
+from tpgrpo.pipeline import check_finite, load_policy, provenance, resolve, stopwatch, write_parquet
+
+EVAL_TABLE = "eval.parquet"  # beside eval.json: one row per (held-out prompt, eval seed)
+BASELINE_TABLE = "baseline_eval.parquet"  # beside baseline_eval.json, the same rows for the base model
 
 
-def evaluate(cfg: Config, root: Path, backend, label: str, artifact: Path) -> dict | None:
-    """Mean reward and strict accuracy of ``backend`` on the held-out prompts (ODE, eval.num_steps).
+def eval_images(cfg: Config, root: Path, backend, label: str, artifact: Path):
+    """Per-image results of ``backend`` on the held-out prompts (ODE, eval.num_steps), a DataFrame with
+    ``EVAL_TABLE_COLUMNS`` (one row per prompt and eval seed, prompt order then sample order).
 
     Prompts (each with its ``samples_per_prompt`` seeds) are cut into chunks of at most
     ``rollout.batch_size`` images, spread over the processes; per-image rewards are merged on the main
-    process (part files next to ``artifact``), which returns the metrics; other processes return None.
+    process (part files next to ``artifact``), which returns the table; other processes return None.
+    Non-finite rewards are a one-line error.
     """
+    import pandas as pd
+
     from tpgrpo.sample import evaluation_seeds, sample_ode
     from tpgrpo.tasks.prompts import load_prompts
     from tpgrpo.tasks.rewards import build_reward
@@ -50,13 +63,42 @@ def evaluate(cfg: Config, root: Path, backend, label: str, artifact: Path) -> di
         merged = run_chunks(dist, artifact, len(chunks), compute, f"eval of {label}", progress=progress)
     if merged is None:
         return None
-    out = {"images": len(batch_metas), "forward_passes": len(batch_metas) * cfg.eval.num_steps,
-           "processes": dist.world}
     for key, name in rewards:
         check_finite(f"reward {name}", merged[f"{key}_reward"], f"eval of {label}")
-        out[f"{key}_reward"] = float(merged[f"{key}_reward"].mean())
-        out[f"{key}_strict_accuracy"] = float(merged[f"{key}_strict"].mean())
+    frame = pd.DataFrame({
+        "prompt_id": [str(m["id"]) for m in batch_metas], "prompt": [m["prompt"] for m in batch_metas],
+        "sample": np.tile(np.arange(S, dtype=np.int64), len(metas)), "seed": np.asarray(seeds, dtype=np.int64),
+        **{f"{k}_{what}": merged[f"{k}_{what}"] for k, _ in rewards for what in ("reward", "strict")}})
+    return frame.astype(EVAL_TABLE_COLUMNS)[list(EVAL_TABLE_COLUMNS)]
+
+
+def summarize(cfg: Config, frame) -> dict:
+    """eval.json's numbers from a per-image table: mean reward and strict accuracy per reward."""
+    out = {"images": len(frame), "forward_passes": len(frame) * cfg.eval.num_steps, "processes": current().world}
+    for key in ("eval", "train"):
+        out[f"{key}_reward"] = float(frame[f"{key}_reward"].mean())
+        out[f"{key}_strict_accuracy"] = float(frame[f"{key}_strict"].mean())
     return out
+
+
+def evaluate(cfg: Config, root: Path, backend, label: str, artifact: Path) -> dict | None:
+    """Mean reward and strict accuracy of ``backend`` on the held-out prompts (main process; else None)."""
+    frame = eval_images(cfg, root, backend, label, artifact)
+    return None if frame is None else summarize(cfg, frame)
+
+
+def write_table(cfg: Config, path: Path, frame, iteration: int, stage: str, weights: str) -> None:
+    """The per-image table as Parquet, atomically, with provenance and the rewards' names."""
+    meta = {**provenance(cfg, iteration, stage), "eval_reward": cfg.task.eval_reward,
+            "train_reward": cfg.task.reward, "weights": weights}
+    write_parquet(path, frame, meta)
+
+
+def empty_table():
+    """The per-image table of an iteration that is not evaluated (a DVC output must exist)."""
+    import pandas as pd
+
+    return pd.DataFrame({c: pd.Series(dtype=t) for c, t in EVAL_TABLE_COLUMNS.items()})
 
 
 def policy_to_score(cfg: Config, root: Path, iteration: int) -> tuple[object, str]:
@@ -84,14 +126,19 @@ def run(cfg: Config, iteration: int, root: Path) -> dict:
     metrics: dict = {"iteration": iteration}
     every = cfg.eval.every
     scheduled = every > 0 and (iteration + 1) % every == 0
+    frame, weights = None, None
     with stopwatch(metrics):
         if scheduled:
             require(paths.policy, f"policy of iteration {iteration}: run its update first")
-            backend, metrics["weights"] = policy_to_score(cfg, root, iteration)
-            metrics.update(evaluate(cfg, root, backend, f"iteration {iteration}", paths.eval_metrics) or {})
-    if not current().is_main:  # the main process writes eval.json
+            backend, weights = policy_to_score(cfg, root, iteration)
+            frame = eval_images(cfg, root, backend, f"iteration {iteration}", paths.eval_metrics)
+    if not current().is_main:  # the main process writes eval.json and eval.parquet
         return metrics
+    if scheduled:
+        metrics.update({"weights": weights, **summarize(cfg, frame)})
     metrics["evaluated"] = scheduled
+    write_table(cfg, paths.folder / EVAL_TABLE, empty_table() if frame is None else frame, iteration, "eval",
+                weights or "none")
     write_json(paths.eval_metrics, metrics)
     return metrics
 
@@ -101,9 +148,10 @@ def run_baseline(cfg: Config, root: Path) -> dict:
     metrics: dict = {"iteration": -1}
     out = root / "data" / "iters" / "baseline_eval.json"
     with stopwatch(metrics):
-        result = evaluate(cfg, root, load_policy(cfg, root, 0), "base", out)
-    if result is None:  # not the main process
+        frame = eval_images(cfg, root, load_policy(cfg, root, 0), "base", out)
+    if frame is None:  # not the main process
         return metrics
-    metrics.update(result)
+    metrics.update(summarize(cfg, frame))
+    write_table(cfg, out.with_name(BASELINE_TABLE), frame, -1, "baseline", "base")
     write_json(out, metrics)
     return metrics

@@ -84,3 +84,47 @@ def test_eval_with_ema_on_but_a_policy_without_ema_is_a_one_line_error(tiny_proj
     assert "update.ema is true" in result.output and "policy/ema" in result.output
     assert [line.startswith("error:") for line in result.output.splitlines() if line.strip()] == [True]
     assert not (root / "data" / "iters" / "0000" / "eval.json").exists()
+
+
+def test_eval_and_baseline_write_paired_per_image_tables(tiny_project):
+    import pandas as pd
+    import pyarrow.parquet as pq
+
+    from tpgrpo.compare import EVAL_TABLE_COLUMNS, compare_tables, read_eval_table
+
+    root = tiny_project
+    train_one_iteration(root)
+    run_ok(root, "eval", 0)
+    run_ok(root, "baseline")
+    iters = root / "data" / "iters"
+    tables = {name: read_eval_table(iters / f) for name, f in
+              (("iter", "0000/eval.parquet"), ("base", "baseline_eval.parquet"))}
+    metrics = {"iter": json.loads((iters / "0000" / "eval.json").read_text()),
+               "base": json.loads((iters / "baseline_eval.json").read_text())}
+    for name, table in tables.items():
+        assert list(table.columns) == list(EVAL_TABLE_COLUMNS)
+        assert len(table) == 4 == metrics[name]["images"]  # 2 prompts x 2 seeds
+        assert table["seed"].is_unique and table["sample"].tolist() == [0, 1, 0, 1]
+        assert table["eval_reward"].mean() == pytest.approx(metrics[name]["eval_reward"], abs=1e-12)
+        assert table["train_reward"].mean() == pytest.approx(metrics[name]["train_reward"], abs=1e-12)
+        assert table["eval_strict"].mean() == pytest.approx(metrics[name]["eval_strict_accuracy"], abs=1e-12)
+    keys = ["prompt_id", "prompt", "sample", "seed"]
+    pd.testing.assert_frame_equal(tables["iter"][keys], tables["base"][keys])  # the same eval noise
+    meta = pq.read_schema(iters / "0000" / "eval.parquet").metadata
+    assert meta[b"tpgrpo.stage"] == b"eval" and meta[b"tpgrpo.weights"] == b"adapter"
+    assert pq.read_schema(iters / "baseline_eval.parquet").metadata[b"tpgrpo.stage"] == b"baseline"
+    gain = compare_tables(tables["iter"], tables["base"], "train_reward", n_boot=200)
+    assert gain["mean_diff"] == pytest.approx(metrics["iter"]["train_reward"] - metrics["base"]["train_reward"])
+    assert gain["lo"] <= gain["mean_diff"] <= gain["hi"]
+
+
+def test_an_iteration_not_evaluated_writes_an_empty_table(tiny_project):
+    from tpgrpo.compare import EVAL_TABLE_COLUMNS, read_eval_table
+
+    root = tiny_project
+    set_params(root, eval={"every": 2})
+    train_one_iteration(root)
+    run_ok(root, "eval", 0)
+    table = read_eval_table(root / "data" / "iters" / "0000" / "eval.parquet")
+    assert len(table) == 0 and list(table.columns) == list(EVAL_TABLE_COLUMNS)
+    assert not json.loads((root / "data" / "iters" / "0000" / "eval.json").read_text())["evaluated"]
