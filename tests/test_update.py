@@ -14,7 +14,7 @@ from tpgrpo.models.tiny import TinyConfig, build_tiny
 from tpgrpo.sampling import ode_step, stochastic_step
 from tpgrpo.schedule import flow_sigmas
 from tpgrpo.update import (TransitionBatch, load_training_state, make_optimizer, save_policy,
-                           update_policy)
+                           select_transitions, update_policy)
 
 TINY = TinyConfig(image_size=16, patch_size=4, num_layers=2, num_heads=2, head_dim=8, text_layers=1,
                   text_hidden=16, text_heads=2, text_intermediate=32, max_length=8)
@@ -134,6 +134,17 @@ def test_kl_metric_uses_the_sde_std_without_sqrt_dt(kind):
     assert want > 0 and metrics["kl"] == pytest.approx(want, rel=1e-4)
 
 
+def test_select_transitions_drops_whole_zero_samples_only():
+    # Spec section 6: only a sample whose advantage is 0 at EVERY window step may be dropped; a kept
+    # sample keeps all its transitions, zeros included (its KL term counts, the loss mean includes it).
+    adv = torch.tensor([[0.0, 1.5, 0.0], [0.0, 0.0, 0.0], [-2.0, 0.0, 3.0], [0.0, 0.0, 0.0]])
+    n_idx, k_idx = select_transitions(adv, seed=7)
+    assert sorted(zip(n_idx.tolist(), k_idx.tolist())) == [(0, 0), (0, 1), (0, 2), (2, 0), (2, 1), (2, 2)]
+    again = select_transitions(adv, seed=7)
+    assert torch.equal(again[0], n_idx) and torch.equal(again[1], k_idx)  # the shuffle is seeded
+    assert select_transitions(torch.zeros(2, 3), seed=0)[0].numel() == 0
+
+
 def test_zero_advantage_samples_are_dropped():
     backend, embeds = make_policy()
     batch = rollout(backend, embeds, "sde")
@@ -141,7 +152,20 @@ def test_zero_advantage_samples_are_dropped():
     adv[0, 1], adv[3] = 1.0, -1.0
     opt = make_optimizer(backend, UPD)
     metrics = update_policy(backend, embeds, batch, adv, sampling(), UPD, opt, seed=0)
-    assert metrics["num_transitions"] == 1 + K and metrics["num_samples"] == 2
+    assert metrics["num_transitions"] == 2 * K and metrics["num_samples"] == 2
+
+
+def test_policy_loss_is_the_mean_over_every_transition_of_kept_samples():
+    """Sample 0 has A = 0 at two of its steps: those transitions count in the loss mean (and the KL)."""
+    backend, embeds = make_policy()
+    batch = rollout(backend, embeds, "sde")
+    adv = torch.zeros(8, K)
+    adv[0, 1], adv[3] = 2.0, torch.tensor([1.0, -1.0, 0.5])
+    cfg = dataclasses.replace(UPD, optimizer_steps_per_iter=1, micro_batch=64)
+    metrics = update_policy(backend, embeds, batch, adv, sampling(), cfg, make_optimizer(backend, cfg), seed=0)
+    # First pass: rho == 1, so the PPO loss is -mean(A) over the kept transitions: -(2 + 0.5) / (2 K).
+    assert metrics["policy_loss"] == pytest.approx(-(2.0 + 0.5) / (2 * K), abs=1e-5)
+    assert metrics["num_transitions"] == 2 * K
 
 
 @pytest.mark.parametrize("where", ["advantages", "latents", "velocity"])

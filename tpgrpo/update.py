@@ -14,6 +14,7 @@ from typing import Any, Callable
 
 import torch
 
+from tpgrpo.advantages import informative_samples
 from tpgrpo.artifacts import atomic_path
 from tpgrpo.distributed import Dist, even_slice, sum_gradients
 from tpgrpo.errors import PipelineError
@@ -248,12 +249,14 @@ def _after_stats(run: _Pass, n_idx, k_idx) -> dict:
 
 
 def select_transitions(advantages: torch.Tensor, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """``(n_idx, k_idx)`` of all transitions with nonzero advantage, shuffled by ``seed``, ``(M,)`` each.
+    """``(n_idx, k_idx)`` of every transition of the kept samples, shuffled by ``seed``, ``(M,)`` each.
 
-    Transitions with ``A == 0`` carry no policy-gradient signal; in particular samples whose advantage
-    is 0 at every step are dropped entirely (spec section 6).
+    ``advantages`` is ``(N, K)``. Only a sample whose advantage is 0 at every window step is dropped
+    (spec section 6); a kept sample keeps all K transitions, ``A == 0`` ones included: they add no
+    policy gradient but their KL term counts and they are in the loss's mean (the denominator M).
     """
-    n_idx, k_idx = (advantages != 0).nonzero(as_tuple=True)
+    keep = informative_samples(advantages)
+    n_idx, k_idx = keep[:, None].expand_as(advantages).nonzero(as_tuple=True)
     perm = torch.randperm(n_idx.numel(), generator=torch.Generator().manual_seed(int(seed)))
     return n_idx[perm], k_idx[perm]
 
@@ -264,7 +267,8 @@ def update_policy(backend, embeds, batch: TransitionBatch, advantages: torch.Ten
                   iteration: int | None = None, after_sample: int = 64, dist: Dist | None = None) -> dict:
     """One iteration's policy step on ``batch``; returns a dict of metrics (floats, ints, one list).
 
-    The nonzero-advantage transitions (``advantages`` ``(N, K)``), shuffled with ``seed`` (None: drawn
+    Every transition of the samples with a nonzero advantage at some step (``advantages`` ``(N, K)``,
+    ``select_transitions``), shuffled with ``seed`` (None: drawn
     from torch's global generator, so ``torch.manual_seed`` before the call fixes it too; pass it when
     several processes run), are split into ``optimizer_steps_per_iter`` near-equal chunks; each chunk's
     gradient is the mean of the PPO loss (+ ``kl_beta`` KL to the adapter-disabled reference) over its
