@@ -40,6 +40,11 @@ def test_shipped_params_load_and_match_documented_defaults(raw):
     (lambda r: r["credit"].update(global_std=1), "credit.global_std = 1: expected bool"),
     (lambda r: r["sampling"].update(window_size=11), "expected <= sampling.num_steps (10)"),
     (lambda r: r["sampling"].update(window_size=0), "sampling.window_size = 0"),
+    # An sde step at the last step (s -> 0) would leave noise in the final latent.
+    (lambda r: r["sampling"].update(step_kind="sde", window_size=10),
+     "sampling.window_start + sampling.window_size = 10 with sampling.step_kind = sde: expected <= 9"),
+    (lambda r: r["sampling"].update(step_kind="sde", window_start=3, window_size=7),
+     "sampling.window_start + sampling.window_size = 10 with sampling.step_kind = sde: expected <= 9"),
 ])
 def test_bad_params_give_one_line_error_naming_the_key(raw, mutate, expected):
     bad = copy.deepcopy(raw)
@@ -49,6 +54,23 @@ def test_bad_params_give_one_line_error_naming_the_key(raw, mutate, expected):
     message = str(info.value)
     assert expected in message
     assert "\n" not in message
+
+
+@pytest.mark.parametrize("kind, start, size, ok", [
+    ("sde", 0, 9, True),    # the shipped default: steps 0..8 SDE, step 9 ODE
+    ("sde", 1, 8, True),
+    ("sde", 0, 10, False),  # sde noise in the final latent
+    ("cps", 0, 10, True),   # cps is deterministic at the last step (s_{k+1} = 0)
+    ("cps", 2, 8, True),
+])
+def test_a_window_reaching_the_last_step_is_allowed_for_cps_only(raw, kind, start, size, ok):
+    changed = copy.deepcopy(raw)
+    changed["sampling"].update(step_kind=kind, window_start=start, window_size=size)
+    if ok:
+        assert config_from_dict(changed).sampling.window_size == size
+    else:
+        with pytest.raises(ConfigError, match=r"sampling.window_size .*step_kind = sde: expected <= 9"):
+            config_from_dict(changed)
 
 
 def test_int_accepted_for_float_and_overrides(tmp_path, raw):

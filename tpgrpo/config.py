@@ -276,6 +276,13 @@ def _check_consistency(cfg: Config) -> None:
             f"expected <= sampling.num_steps ({s.num_steps})")
     if s.window_size < 1:
         raise ConfigError("params: sampling.window_size = 0: expected at least one stochastic step")
+    if s.step_kind == "sde" and s.window_start + s.window_size == s.num_steps:
+        # An sde step at the last step (s -> 0) leaves noise std * sqrt(s) in the final latent;
+        # cps is deterministic there (its noise is s_{k+1} sin(.) = 0), so it may reach the end.
+        raise ConfigError(
+            f"params: sampling.window_start + sampling.window_size = {s.window_start + s.window_size} with "
+            f"sampling.step_kind = sde: expected <= {s.num_steps - 1} (sampling.num_steps - 1; an sde step "
+            "at the last step puts noise into the final latent; cps may reach it)")
     u = cfg.update
     if u.optimizer_steps_per_iter % u.epochs:
         raise ConfigError(
