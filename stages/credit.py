@@ -13,14 +13,16 @@ import pandas as pd
 import torch
 
 from tpgrpo.advantages import group_advantages
-from tpgrpo.artifacts import IterationPaths, write_json
+from tpgrpo.artifacts import IterationPaths, read_table, write_json, write_table
 from tpgrpo.config import Config
 from tpgrpo.credit import compute_credit
-from tpgrpo.pipeline import check_finite, provenance, read_parquet, stopwatch, write_parquet
+from tpgrpo.pipeline import check_finite, provenance, stopwatch
+from tpgrpo.schemas import CREDIT, PROBE
 
 
 def credit_table(probe: pd.DataFrame, cfg: Config) -> pd.DataFrame:
-    """From the long probe table (rows (trajectory, step 0..K)) to the credit table (steps 0..K-1)."""
+    """From the long probe table (rows (trajectory, step 0..K), checked against ``schemas.PROBE``) to the
+    credit table (steps 0..K-1, ``schemas.CREDIT``)."""
     probe = probe.sort_values(["trajectory", "step"], kind="stable")
     N = probe["trajectory"].nunique()
     K1 = len(probe) // N
@@ -47,11 +49,11 @@ def run(cfg: Config, iteration: int, root: Path) -> dict:
     paths = IterationPaths(root, iteration)
     metrics: dict = {"iteration": iteration}
     with stopwatch(metrics):
-        probe = read_parquet(paths.probe, "probe.parquet: run the probe stage first")
-        check_finite("probe reward", probe["reward"], str(paths.probe))
+        probe = read_table(paths.probe, PROBE, "probe.parquet: run the probe stage first")
         table = credit_table(probe, cfg)
         check_finite("advantage", table["advantage"], f"credit of iteration {iteration}")
-        write_parquet(paths.credit, table, provenance(cfg, iteration, "credit"))
+        N, K1 = probe["trajectory"].nunique(), probe["step"].nunique()
+        write_table(paths.credit, table, CREDIT, provenance(cfg, iteration, "credit"), trajectories=N, steps=K1 - 1)
     tp_by_step = table.groupby("step")["turning_point"].mean()
     metrics.update({
         "mode": cfg.credit.mode, "turning_point_rate": float(table["turning_point"].mean()),

@@ -12,21 +12,13 @@ import numpy as np
 import pandas as pd
 import torch
 
-from tpgrpo.artifacts import IterationPaths, require, write_json
+from tpgrpo.artifacts import IterationPaths, read_trajectories, write_json, write_table
 from tpgrpo.config import Config
 from tpgrpo.distributed import chunk_bar, current, group_chunks, run_chunks, warn_if_idle
-from tpgrpo.pipeline import check_finite, load_policy, prompt_embeddings, provenance, stopwatch, write_parquet
+from tpgrpo.pipeline import check_finite, load_policy, prompt_embeddings, provenance, stopwatch
+from tpgrpo.schemas import PROBE
 from tpgrpo.tasks.rewards import build_reward
 from tpgrpo.trajectory import complete_window_states
-
-
-def read_trajectories(path: Path, lazy: tuple[str, ...] = ()) -> tuple[dict, dict]:
-    """The arrays of a ``trajectories.zarr`` as numpy (those named in ``lazy`` as zarr arrays, read when
-    sliced), and its attributes."""
-    import zarr
-
-    group = zarr.open_group(str(require(path, "trajectories.zarr: run the rollout stage first")), mode="r")
-    return {name: arr if name in lazy else arr[:] for name, arr in group.arrays()}, dict(group.attrs)
 
 
 def run(cfg: Config, iteration: int, root: Path) -> dict:
@@ -63,7 +55,7 @@ def run(cfg: Config, iteration: int, root: Path) -> dict:
             return metrics
         check_finite(f"reward {attrs['reward']}", merged["reward"], f"probe of iteration {iteration}")
         frame = probe_table(arrays, metas, merged["reward"], merged["strict"])
-        write_parquet(paths.probe, frame, provenance(cfg, iteration, "probe"))
+        write_table(paths.probe, frame, PROBE, provenance(cfg, iteration, "probe"), trajectories=N, steps=K1)
     d = np.diff(frame["reward"].to_numpy().reshape(N, K1), axis=1)
     metrics.update({"forward_passes": int(merged["passes"].sum()), "reward_calls": N * K, "states": N * K,
                     "zero_increment_fraction": float((d == 0).mean()),
@@ -74,7 +66,8 @@ def run(cfg: Config, iteration: int, root: Path) -> dict:
 
 
 def probe_table(arrays: dict, metas: list[dict], rewards: np.ndarray, strict: np.ndarray) -> pd.DataFrame:
-    """Long table: rows (trajectory, step) for step 0..K; rewards/strict (N, K) for steps 0..K-1."""
+    """Long table (``schemas.PROBE``): rows (trajectory, step) for step 0..K; rewards/strict (N, K) for
+    steps 0..K-1."""
     N, K1 = arrays["sigmas"].shape
     reward = np.concatenate([rewards, arrays["final_reward"][:, None]], axis=1)
     strict_all = np.concatenate([strict, arrays["final_strict"][:, None]], axis=1)

@@ -1,7 +1,8 @@
 """Stage rollout: sample prompts_per_iter x group_size trajectories with the current policy.
 
 Writes ``trajectories.zarr`` (states around the SDE window, old log-probs, sigmas, seeds, final
-rewards; dimensions and units in the attributes) and ``rollout.json`` (metrics).
+rewards; schema ``tpgrpo.schemas.TRAJECTORY_ARRAYS``, dimensions and meanings in the attributes) and
+``rollout.json`` (metrics).
 """
 
 from __future__ import annotations
@@ -11,7 +12,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from tpgrpo.artifacts import IterationPaths, atomic_path, write_json
+from tpgrpo.artifacts import IterationPaths, write_json, write_zarr
 from tpgrpo.config import Config
 from tpgrpo.distributed import chunk_bar, current, group_chunks, run_chunks, warn_if_idle
 from tpgrpo.pipeline import (check_finite, load_policy, prompt_embeddings, provenance, sampler_spec, select_prompts,
@@ -19,17 +20,6 @@ from tpgrpo.pipeline import (check_finite, load_policy, prompt_embeddings, prove
 from tpgrpo.seeds import sample_seed
 from tpgrpo.tasks.rewards import build_reward
 from tpgrpo.trajectory import rollout
-
-ARRAY_DOCS = {
-    "states": ("trajectory, state, channel, height, width", "latent z_k before window step k; z_K after the last"),
-    "log_probs": ("trajectory, window_step", "old log-prob of each window step (sampler's convention)"),
-    "sigmas": ("trajectory, state", "noise level of each stored state, unitless in [0, 1]"),
-    "seeds": ("trajectory",), "prompt_index": ("trajectory", "row of attrs['prompts']"),
-    "sample": ("trajectory", "index within its prompt group"),
-    "final_reward": ("trajectory", "reward of the final image, R_fin"),
-    "final_strict": ("trajectory", "all clauses right"),
-}
-
 
 def run(cfg: Config, iteration: int, root: Path) -> dict:
     paths = IterationPaths(root, iteration)
@@ -96,17 +86,3 @@ def _metrics(arrays: dict, spec, n: int, cfg_doubles_batch: bool) -> dict:
     return {"mean_reward": float(arrays["final_reward"].mean()),
             "strict_accuracy": float(arrays["final_strict"].mean()), "trajectories": n, "forward_passes": n * T,
             "cfg_doubled": cfg_doubles_batch and spec.guidance_scale != 1.0}
-
-
-def write_zarr(path: Path, arrays: dict[str, np.ndarray], attrs: dict) -> None:
-    """Write the trajectory store atomically; each array gets its dimension names and meaning."""
-    import zarr
-
-    with atomic_path(path) as tmp:
-        group = zarr.open_group(str(tmp), mode="w")
-        for name, data in arrays.items():
-            chunks = (min(64, data.shape[0]),) + data.shape[1:]
-            arr = group.create_array(name, data=data, chunks=chunks)
-            doc = ARRAY_DOCS[name]
-            arr.attrs.update({"dims": doc[0].split(", "), "meaning": doc[-1]})
-        group.attrs.update(attrs)

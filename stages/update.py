@@ -14,19 +14,18 @@ import numpy as np
 import torch
 from tqdm import tqdm
 
-from stages.probe import read_trajectories
-from tpgrpo.artifacts import IterationPaths, require, write_json
+from tpgrpo.artifacts import IterationPaths, read_table, read_trajectories, require, write_json
 from tpgrpo.config import Config, UpdateConfig
 from tpgrpo.distributed import current
-from tpgrpo.pipeline import (check_finite, load_policy, prompt_embeddings, read_parquet, sampling_from_attrs,
-                             stopwatch)
+from tpgrpo.pipeline import load_policy, prompt_embeddings, sampling_from_attrs, stopwatch
 from tpgrpo.policy import LoraEMA
+from tpgrpo.schemas import CREDIT
 from tpgrpo.seeds import sample_seed
 from tpgrpo.update import TransitionBatch, load_training_state, make_optimizer, save_policy, update_policy
 
 
 def advantage_matrix(credit, n: int, k: int) -> torch.Tensor:
-    """(N, K) advantages from the long credit table (rows (trajectory, step))."""
+    """(N, K) advantages from the long credit table (rows (trajectory, step), as ``read_table`` checks)."""
     table = credit.sort_values(["trajectory", "step"], kind="stable")
     if len(table) != n * k:
         raise ValueError(f"credit.parquet has {len(table)} rows; expected {n} trajectories x {k} steps")
@@ -75,10 +74,12 @@ def run(cfg: Config, iteration: int, root: Path) -> dict:
     dist = current()
     with stopwatch(metrics):
         arrays, attrs = read_trajectories(paths.trajectories)
-        credit = read_parquet(paths.credit, "credit.parquet: run the credit stage first")
         N, K1 = arrays["states"].shape[:2]
+        metas = attrs["prompts"]
+        credit = read_table(  # rows must be this store's trajectories x window steps, in its prompt groups
+            paths.credit, CREDIT, "credit.parquet: run the credit stage first", trajectories=N, steps=K1 - 1,
+            expect={"sample": arrays["sample"], "prompt_id": [metas[p]["id"] for p in arrays["prompt_index"]]})
         advantages = advantage_matrix(credit, N, K1 - 1)
-        check_finite("advantage", advantages.numpy(), str(paths.credit))
         backend = load_policy(cfg, root, iteration, trainable=True)
         optimizer = make_optimizer(backend, cfg.update)
         ema = LoraEMA(backend) if cfg.update.ema else None

@@ -151,7 +151,7 @@ def test_nan_reward_is_refused_and_leaves_no_credit_table(tiny_project):
     probe.loc[5, "reward"] = np.nan
     probe.to_parquet(path)
     result = stage(root, "credit", 0)
-    assert result.exit_code != 0 and "non-finite" in result.output and "probe reward" in result.output
+    assert result.exit_code != 0 and "non-finite" in result.output and "column 'reward'" in result.output
     assert not (iteration_dir(root, 0) / "credit.parquet").exists()
     assert not list(iteration_dir(root, 0).glob(".credit*"))  # no temp leftovers
 

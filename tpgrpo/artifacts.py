@@ -1,4 +1,5 @@
-"""Where each iteration's artifacts live, and writing them atomically (temp path, then rename).
+"""Where each iteration's artifacts live, writing them atomically (temp path, then rename), and reading
+them back checked against their schemas (:mod:`tpgrpo.schemas`).
 
 Layout under the project root::
 
@@ -23,6 +24,8 @@ from pathlib import Path
 from typing import Any, Iterator
 
 from tpgrpo.errors import PipelineError
+from tpgrpo.schemas import (TRAJECTORY_ARRAYS, ArtifactError, TableSchema, check_embeddings, check_table,
+                            check_trajectories, conform_arrays)
 
 
 @dataclass(frozen=True)
@@ -96,5 +99,110 @@ def write_json(path: Path, payload: dict[str, Any]) -> None:
         tmp.write_text(json.dumps(payload, indent=2, sort_keys=True) + "\n")
 
 
+def _first_line(exc: BaseException) -> str:
+    text = str(exc).strip()
+    return text.splitlines()[0] if text else type(exc).__name__
+
+
 def read_json(path: Path, what: str) -> dict[str, Any]:
-    return json.loads(require(path, what).read_text())
+    try:
+        return json.loads(require(path, what).read_text())
+    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+        raise ArtifactError(f"{path}: not readable JSON ({_first_line(exc)})") from None
+
+
+def write_table(path: Path, frame, schema: TableSchema, metadata: dict[str, str], **structure) -> None:
+    """Write a pandas DataFrame that follows ``schema`` (checked, exactly its columns) to Parquet atomically,
+    with ``metadata`` in the Parquet schema. ``structure``: ``trajectories`` / ``steps`` / ``expect`` as in
+    :func:`tpgrpo.schemas.check_table`.
+
+    Nothing time-dependent goes in, so two runs with the same params give byte-identical files.
+    """
+    write_parquet(path, check_table(frame, schema, f"{path} (being written)", exact=True, **structure), metadata)
+
+
+def write_parquet(path: Path, frame, metadata: dict[str, str]) -> None:
+    """Write a DataFrame to Parquet atomically, with ``metadata`` (as ``tpgrpo.<key>``) in the schema.
+    Tables with a schema go through :func:`write_table`."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    table = pa.Table.from_pandas(frame, preserve_index=False)
+    meta = dict(table.schema.metadata or {})
+    meta.update({f"tpgrpo.{k}".encode(): str(v).encode() for k, v in metadata.items()})
+    with atomic_path(path) as tmp:
+        pq.write_table(table.replace_schema_metadata(meta), tmp)
+
+
+def read_table(path: Path, schema: TableSchema, what: str, **structure):
+    """Read a Parquet table and check it against ``schema`` (see :func:`tpgrpo.schemas.check_table`):
+    a missing, unreadable or non-conforming file is one :class:`ArtifactError` line naming it."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    try:
+        table = pq.read_table(require(path, what))
+    except (pa.ArrowException, OSError, ValueError) as exc:
+        reason = _first_line(exc).replace(f"Could not open Parquet input source '{path}': ", "")
+        raise ArtifactError(f"{path}: not a readable Parquet file ({reason})") from None
+    return check_table(table.to_pandas(), schema, str(path), **structure)
+
+
+def write_zarr(path: Path, arrays: dict, attrs: dict) -> None:
+    """Write the trajectory store atomically after checking it against its schema; each array gets its
+    dimension names and meaning as attributes."""
+    import zarr
+
+    check_trajectories(arrays, attrs, f"{path} (being written)")
+    arrays = conform_arrays(arrays)
+    docs = {spec.name: spec for spec in TRAJECTORY_ARRAYS}
+    with atomic_path(path) as tmp:
+        group = zarr.open_group(str(tmp), mode="w")
+        for name, data in arrays.items():
+            chunks = (min(64, data.shape[0]),) + data.shape[1:]
+            arr = group.create_array(name, data=data, chunks=chunks)
+            arr.attrs.update({"dims": list(docs[name].dims), "meaning": docs[name].meaning})
+        group.attrs.update(attrs)
+
+
+def read_trajectories(path: Path, lazy: tuple[str, ...] = ()) -> tuple[dict, dict]:
+    """The arrays of a ``trajectories.zarr`` as numpy (those named in ``lazy`` as zarr arrays, read when
+    sliced) and its attributes, checked against the schema (one :class:`ArtifactError` line if not)."""
+    import zarr
+
+    require(path, "trajectories.zarr: run the rollout stage first")
+    try:  # any failure of the reader on a damaged store is reported as such, with the reader's reason
+        group = zarr.open_group(str(path), mode="r")
+        arrays = {name: arr if name in lazy else arr[:] for name, arr in group.arrays()}
+        attrs = dict(group.attrs)
+    except Exception as exc:  # noqa: BLE001
+        raise ArtifactError(f"{path}: not a readable Zarr group ({_first_line(exc)})") from None
+    check_trajectories(arrays, attrs, str(path), loaded=tuple(n for n in arrays if n not in lazy))
+    return arrays, attrs
+
+
+def write_embeddings(path: Path, tensors: dict, metadata: dict[str, str]) -> None:
+    """Write prompt embeddings (``{field: tensor (P, ...)}``) and their metadata, checked, atomically."""
+    from safetensors.torch import save_file
+
+    check_embeddings({k: tuple(t.shape) for k, t in tensors.items()}, metadata, f"{path} (being written)")
+    with atomic_path(path) as tmp:
+        save_file({k: t.detach().cpu().contiguous() for k, t in tensors.items()}, str(tmp), metadata=metadata)
+
+
+def read_embeddings(path: Path, key: dict[str, str]) -> dict | None:
+    """The tensors of a prompt-embeddings file (on the CPU) when its metadata equals ``key``, else None.
+    A file that is unreadable or does not follow the schema is one :class:`ArtifactError` line."""
+    from safetensors import safe_open
+
+    try:  # any failure of the reader on a damaged file is reported as such
+        with safe_open(str(path), framework="pt", device="cpu") as f:
+            metadata = f.metadata() or {}
+            check_embeddings({k: tuple(f.get_slice(k).get_shape()) for k in f.keys()}, metadata, str(path))
+            if metadata != key:
+                return None
+            return {name: f.get_tensor(name) for name in f.keys()}
+    except ArtifactError:
+        raise
+    except Exception as exc:  # noqa: BLE001
+        raise ArtifactError(f"{path}: not a readable safetensors file ({_first_line(exc)})") from None

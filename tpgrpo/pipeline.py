@@ -1,7 +1,7 @@
-"""What the stages share: prompts of an iteration, the policy of an iteration, tables with provenance.
+"""What the stages share: prompts of an iteration, the policy of an iteration, provenance of artifacts.
 
-Stages (``stages/*.py``) stay thin: they read inputs, call these helpers and the maths, and write outputs
-with :mod:`tpgrpo.artifacts`.
+Stages (``stages/*.py``) stay thin: they read inputs, call these helpers and the maths, and read and write
+artifacts with :mod:`tpgrpo.artifacts` (checked against :mod:`tpgrpo.schemas`).
 """
 
 from __future__ import annotations
@@ -16,12 +16,12 @@ from typing import Any, Iterator
 import numpy as np
 
 from tpgrpo import __version__
-from tpgrpo.artifacts import IterationPaths, atomic_path, require
+from tpgrpo.artifacts import IterationPaths, read_embeddings, require, write_embeddings
+from tpgrpo.artifacts import write_parquet  # noqa: F401 - stages/eval.py imports it from here
 from tpgrpo.config import Config
 from tpgrpo.errors import PipelineError
+from tpgrpo.schemas import EMBEDDING_FIELDS
 from tpgrpo.seeds import sample_seed
-
-EMBEDDING_FIELDS = ("embeds", "pooled", "uncond_embeds", "uncond_pooled")  # PromptEmbeddings' tensors
 
 
 def resolve(root: Path, path: str) -> Path:
@@ -108,37 +108,19 @@ def prompt_embeddings(cfg: Config, root: Path, iteration: int, backend, prompts:
     path = IterationPaths(root, iteration).prompt_embeds
     key = {"prompts": json.dumps(list(prompts)), "model": cfg.params_hash(["model"])}
     if not write and path.is_file():
-        cached = _read_embeddings(path, key, backend.device)
+        cached = read_embeddings(path, key)
         if cached is not None:
-            return cached
+            from tpgrpo.models.base import PromptEmbeddings
+
+            return PromptEmbeddings(**{name: cached[name].to(backend.device) if name in cached else None
+                                       for name in EMBEDDING_FIELDS})
     embeds = backend.encode_prompts(list(prompts))
     if hasattr(backend, "free_text_encoders"):
         backend.free_text_encoders()
     if write and current().is_main:
-        _write_embeddings(path, embeds, key)
+        write_embeddings(path, {name: getattr(embeds, name) for name in EMBEDDING_FIELDS
+                                if getattr(embeds, name) is not None}, key)
     return embeds
-
-
-def _write_embeddings(path: Path, embeds, metadata: dict[str, str]) -> None:
-    from safetensors.torch import save_file
-
-    tensors = {name: getattr(embeds, name).detach().cpu().contiguous() for name in EMBEDDING_FIELDS
-               if getattr(embeds, name) is not None}
-    with atomic_path(path) as tmp:
-        save_file(tensors, str(tmp), metadata=metadata)
-
-
-def _read_embeddings(path: Path, key: dict[str, str], device):
-    """The cached ``PromptEmbeddings`` on ``device``, or None when the file is for other prompts/params."""
-    from safetensors import safe_open
-
-    from tpgrpo.models.base import PromptEmbeddings
-
-    with safe_open(str(path), framework="pt", device="cpu") as f:
-        if f.metadata() != key:
-            return None
-        tensors = {name: f.get_tensor(name).to(device) for name in f.keys()}
-    return PromptEmbeddings(**{name: tensors.get(name) for name in EMBEDDING_FIELDS})
 
 
 def provenance(cfg: Config, iteration: int, stage: str) -> dict[str, str]:
@@ -153,27 +135,6 @@ def provenance(cfg: Config, iteration: int, stage: str) -> dict[str, str]:
         "config_hash": cfg.params_hash(STAGE_PARAMS[stage]), "torch_version": torch.__version__,
         "python_version": platform.python_version(),
     }
-
-
-def write_parquet(path: Path, frame, metadata: dict[str, str]) -> None:
-    """Write a pandas DataFrame to Parquet atomically, with ``metadata`` in the schema.
-
-    Nothing time-dependent goes in, so two runs with the same params give byte-identical files.
-    """
-    import pyarrow as pa
-    import pyarrow.parquet as pq
-
-    table = pa.Table.from_pandas(frame, preserve_index=False)
-    meta = dict(table.schema.metadata or {})
-    meta.update({f"tpgrpo.{k}".encode(): str(v).encode() for k, v in metadata.items()})
-    with atomic_path(path) as tmp:
-        pq.write_table(table.replace_schema_metadata(meta), tmp)
-
-
-def read_parquet(path: Path, what: str):
-    import pandas as pd
-
-    return pd.read_parquet(require(path, what))
 
 
 def check_finite(name: str, values: Any, where: str) -> None:

@@ -234,18 +234,27 @@ def _validate_compositional(meta: dict) -> None:
 
 
 def load_prompts(path: str | os.PathLike) -> list[dict]:
-    """Read and validate a prompt JSONL file; a bad row raises ValueError('<file>:<line>: key ...')."""
-    metas = []
-    with open(path, encoding="utf-8") as f:
-        for lineno, line in enumerate(f, start=1):
-            if not line.strip():
-                continue
-            try:
-                meta = json.loads(line)
-                validate_meta(meta)
-            except json.JSONDecodeError as e:
-                raise ValueError(f"{path}:{lineno}: key '<row>': invalid JSON ({e.msg})") from None
-            except ValueError as e:
-                raise ValueError(f"{path}:{lineno}: {e}") from None
-            metas.append(meta)
+    """Read and validate a prompt JSONL file; a bad row raises ``ArtifactError('<file>:<line>: key ...')``
+    (a ValueError, and a PipelineError the CLI prints as one line)."""
+    from tpgrpo.schemas import ArtifactError
+
+    try:
+        lines = Path(path).read_text(encoding="utf-8").split("\n")
+    except UnicodeDecodeError as e:
+        raise ArtifactError(f"{path}: not UTF-8 text ({e.reason} at byte {e.start})") from None
+    metas, seen = [], {}
+    for lineno, line in enumerate(lines, start=1):
+        if not line.strip():
+            continue
+        try:
+            meta = json.loads(line)
+            validate_meta(meta)
+        except json.JSONDecodeError as e:
+            raise ArtifactError(f"{path}:{lineno}: key '<row>': invalid JSON ({e.msg})") from None
+        except ValueError as e:
+            raise ArtifactError(f"{path}:{lineno}: {e}") from None
+        if meta["id"] in seen:  # ids name the prompt groups of the credit stage: two prompts, one group
+            raise ArtifactError(f"{path}:{lineno}: key 'id': {meta['id']!r} already on line {seen[meta['id']]}")
+        seen[meta["id"]] = lineno
+        metas.append(meta)
     return metas
