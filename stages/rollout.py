@@ -45,8 +45,9 @@ def run(cfg: Config, iteration: int, root: Path) -> dict:
                      for b in np.array_split(rows, -(-len(rows) // cfg.rollout.batch_size))]
             images = backend.decode(torch.cat([p.final for p in parts]))
             scored = _score(reward, images, [metas[p] for p in prompt_index[rows]])
-            return {"states": torch.cat([p.states for p in parts]).numpy(),
-                    "log_probs": torch.cat([p.log_probs for p in parts]).numpy(),
+            # The trajectories live on the model's device; they come to the CPU here, to be written.
+            return {"states": torch.cat([p.states for p in parts]).cpu().numpy(),
+                    "log_probs": torch.cat([p.log_probs for p in parts]).cpu().numpy(),
                     "final_reward": scored.reward.astype(np.float64), "final_strict": scored.strict.astype(bool)}
 
         with chunk_bar(dist, f"rollout {iteration}") as progress:

@@ -7,6 +7,10 @@ fits ``v(x_s, s, prompt) ~ noise - x0`` at ``x_s = (1 - s) x0 + s noise``, ``s ~
 an unconditional model. The text encoder trains jointly. Everything random comes from ``seed``
 (numpy for data, a torch Generator for noise), so a run with ``steps`` is reproducible bit for bit;
 a ``minutes`` budget makes the step count (and so the lr schedule) depend on the machine's speed.
+
+Devices as in ``tpgrpo.trajectory``: the model and every tensor of a step live on ``device``; the data
+(numpy) and the noise (a CPU generator) are drawn on the CPU and moved there, so a seed gives the same
+draws on any device; the weights are saved from wherever they are.
 """
 
 from __future__ import annotations
@@ -65,8 +69,8 @@ def lr_at(progress: float, lr: float, warmup: float, min_ratio: float = 0.1) -> 
 def flow_loss(backend, x0, prompts: list[str], generator, dropout: float = 0.0):
     """Rectified-flow MSE ``mean |v(x_s, s) - (noise - x0)|^2`` for a batch, with gradient.
 
-    ``x0`` is ``(B, C, H, W)`` in [-1, 1]; noise, ``s`` and the dropout draw come from
-    ``generator`` (a CPU ``torch.Generator``) in that fixed order.
+    ``x0`` is ``(B, C, H, W)`` in [-1, 1] on the backend's device; noise, ``s`` and the dropout draw come
+    from ``generator`` (a CPU ``torch.Generator``) in that fixed order and are moved to ``x0``'s device.
     """
     import torch
 
@@ -129,7 +133,7 @@ def pretrain(out_dir, *, seed: int = 0, minutes: float | None = None, steps: int
              tasks: Sequence[str] = ("compositional", "text"), log_every: int = 50,
              config=None, ema_decay: float = 0.995, dropout: float = 0.1,
              save_every_minutes: float | None = 10.0, data: DataFn | None = None,
-             num_threads: int | None = None) -> dict:
+             num_threads: int | None = None, device: str = "cpu") -> dict:
     """Train a tiny model from scratch and save it (EMA weights) atomically to ``out_dir``.
 
     Args:
@@ -148,11 +152,12 @@ def pretrain(out_dir, *, seed: int = 0, minutes: float | None = None, steps: int
         save_every_minutes: also save every so many minutes (``complete: false`` in pretrain.json).
         data: optional data source (see ``DataFn``) replacing the rendered task prompts.
         num_threads: ``torch.set_num_threads`` if given.
+        device: torch device to train on (e.g. ``cuda``); the same seed gives the same draws everywhere.
     Returns: the ``pretrain.json`` dict (steps, minutes, seed, final_loss, config, ...).
     """
     import torch
 
-    from tpgrpo.models.tiny import TinyConfig, build_tiny
+    from tpgrpo.models.tiny import TinyBackend, TinyConfig, build_tiny
 
     if minutes is None and steps is None:
         raise ValueError("pretrain needs a budget: give minutes and/or steps")
@@ -163,7 +168,9 @@ def pretrain(out_dir, *, seed: int = 0, minutes: float | None = None, steps: int
     hparams = {"batch_size": batch_size, "lr": lr, "warmup": warmup, "weight_decay": weight_decay,
                "tasks": list(tasks), "ema_decay": ema_decay, "dropout": dropout,
                "t_sampling": "logit_normal(0,1)", "grad_clip": 1.0, "custom_data": data is not None}
-    run = _Run(build_tiny(config, seed=seed), Path(out_dir), seed, hparams, steps, minutes)
+    built = build_tiny(config, seed=seed)  # initialised on the CPU: the same weights on any device
+    backend = TinyBackend(built.transformer, built.text_encoder, built.tokenizer, config, device=device)
+    run = _Run(backend, Path(out_dir), seed, hparams, steps, minutes)
     draw = data or task_data(tasks, image_size=config.image_size)
     rng = np.random.default_rng(seed)
     last_save = time.monotonic()
@@ -263,8 +270,9 @@ def pretrain_command(
     minutes: Annotated[Optional[float], typer.Option(help="wall-clock budget, minutes")] = None,
     steps: Annotated[Optional[int], typer.Option(help="optimizer steps; stops at whichever budget ends first")] = None,
     batch_size: Annotated[int, typer.Option(help="images per optimizer step")] = 64,
+    device: Annotated[str, typer.Option(help="torch device to train on, e.g. cuda")] = "cpu",
 ) -> None:
     """Pretrain the embedded tiny text-to-image model on rendered task images."""
     if minutes is None and steps is None:
         raise typer.BadParameter("give --minutes or --steps")
-    pretrain(out_dir, seed=seed, minutes=minutes, steps=steps, batch_size=batch_size)
+    pretrain(out_dir, seed=seed, minutes=minutes, steps=steps, batch_size=batch_size, device=device)

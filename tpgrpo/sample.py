@@ -2,7 +2,8 @@
 
 Sampling is Euler on the flow ODE over ``flow_sigmas(num_steps, shift)`` with classifier-free
 guidance; a sample depends only on its prompt and its seed (not on the batch it runs in, up to
-float round-off of batched matmuls).
+float round-off of batched matmuls). Devices as in ``tpgrpo.trajectory``: the step maths runs on
+``backend.device`` in float32; images come back as CPU numpy arrays.
 """
 
 from __future__ import annotations
@@ -29,6 +30,7 @@ def sample_ode(backend, prompts: Sequence[str], seeds: Sequence[int], num_steps:
 
     from tpgrpo.sampling import ode_step
     from tpgrpo.schedule import flow_sigmas
+    from tpgrpo.trajectory import velocity_at
 
     prompts, seeds = list(prompts), [int(s) for s in seeds]
     if len(prompts) != len(seeds):
@@ -41,10 +43,9 @@ def sample_ode(backend, prompts: Sequence[str], seeds: Sequence[int], num_steps:
         for start in range(0, len(prompts), batch_size):
             chunk = prompts[start:start + batch_size]
             embeds = backend.encode_prompts(chunk)
-            x = backend.initial_noise(seeds[start:start + batch_size])
+            x = backend.initial_noise(seeds[start:start + batch_size]).to(backend.device, torch.float32)
             for s, s_next in zip(sigmas[:-1], sigmas[1:]):
-                v = backend.velocity(x, s, embeds, guidance_scale)
-                x = ode_step(x, v, s, s_next)
+                x = ode_step(x, velocity_at(backend, x, s, embeds, guidance_scale), s, s_next)
             out.append(backend.decode(x))
     if not out:
         h, w = backend.latent_shape[1:]

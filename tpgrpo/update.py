@@ -150,7 +150,9 @@ def _forward(backend, embeds, batch, n_idx, k_idx, sampling_cfg, reference: bool
     """Re-score transitions ``(n_idx[i], k_idx[i])`` under the current policy.
 
     Returns ``(StepOutput, mean_ref or None)``; the step output carries the gradient, the reference
-    mean (adapter disabled, ``reference=True``) does not. Shapes ``(B,)`` / ``(B, C, H, W)``.
+    mean (adapter disabled, ``reference=True``) does not. Shapes ``(B,)`` / ``(B, C, H, W)``. The batch
+    stays on the CPU; only these transitions move to ``backend.device``, where the step maths runs
+    (the device rule of ``tpgrpo.trajectory``); the outputs are on that device.
     """
     dev = backend.device
     x = batch.latents[n_idx, k_idx].to(dev)
