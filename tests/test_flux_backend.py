@@ -65,6 +65,22 @@ def test_shapes_and_the_guidance_embedding_instead_of_cfg(backend):
     assert backend.decode(x).shape == (2, RESOLUTION, RESOLUTION, 3)
 
 
+def test_bf16_transformer_gets_fp32_sigmas_as_timesteps(flux_model_dir):
+    """The timestep goes in as fp32 sigma (FLUX's transformer multiplies by 1000 itself), not rounded by us;
+    FluxTransformer2DModel then casts it to its own dtype, exactly as it does under FluxPipeline."""
+    half = load_backend("flux", flux_model_dir, dtype="bf16", resolution=RESOLUTION)
+    seen = []
+    hook = half.transformer.register_forward_pre_hook(lambda m, args, kw: seen.append(kw["timestep"]),
+                                                      with_kwargs=True)
+    sigma = torch.tensor([0.9231, 0.4567])
+    try:
+        with torch.no_grad():
+            half.velocity(half.initial_noise([1, 2]), sigma, half.encode_prompts(PROMPTS), 3.5)
+    finally:
+        hook.remove()
+    assert len(seen) == 1 and seen[0].dtype == torch.float32 and torch.equal(seen[0], sigma)
+
+
 def test_ode_sampling_matches_the_stock_pipeline(backend, flux_model_dir):
     """Same packed noise, same sigmas, guidance 3.5: our sampler + decode == FluxPipeline."""
     from diffusers import FluxPipeline

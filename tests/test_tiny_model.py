@@ -220,3 +220,25 @@ def test_evaluate_prompts_breaks_down_per_kind(backend, monkeypatch):
     assert out["reward_mean"] == pytest.approx(out["images"].mean() / 255.0)
     # an image's seed depends on its prompt id and sample index only
     assert evaluation_seeds(1, metas[1:2], 2) == evaluation_seeds(1, metas, 2)[2:4]
+
+
+def test_bf16_model_gets_fp32_timesteps_equal_to_1000_sigma():
+    """As diffusers' StableDiffusion3Pipeline does: the timestep is not rounded to the weights' dtype
+    (bf16 would turn 923.1 into 924); the transformer's sinusoidal embedding takes it in fp32."""
+    from tpgrpo.models.tiny import TinyBackend
+
+    built = build_tiny(CONFIG, seed=0, words=WORDS, charset=CHARSET)
+    half = TinyBackend(built.transformer, built.text_encoder, built.tokenizer, CONFIG, dtype=torch.bfloat16)
+    seen = []
+    hook = half.transformer.register_forward_pre_hook(lambda m, args, kw: seen.append(kw["timestep"]),
+                                                      with_kwargs=True)
+    sigma = torch.tensor([0.9231, 0.4567])
+    try:
+        with torch.no_grad():
+            v = half.velocity(half.initial_noise([1, 2]), sigma, half.encode_prompts(PROMPTS[:2]), 4.5)
+    finally:
+        hook.remove()
+    assert v.dtype == torch.float32
+    assert len(seen) == 1 and seen[0].dtype == torch.float32
+    assert torch.equal(seen[0], torch.cat([sigma, sigma]) * 1000.0)  # [uncond; cond], exactly 1000 sigma
+    assert float(seen[0][0]) != float((sigma[0] * 1000.0).to(torch.bfloat16))  # what the old cast gave

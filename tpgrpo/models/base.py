@@ -83,7 +83,9 @@ class FlowBackend(abc.ABC):
         transformer: the ``torch.nn.Module`` that predicts velocities (where LoRA goes).
         lora_target_modules: module names (peft ``target_modules``) for LoRA on ``transformer``.
         device: the ``torch.device`` the modules live on.
-        dtype: the modules' ``torch.dtype``; inputs and outputs of ``velocity`` stay float32.
+        dtype: the modules' ``torch.dtype``; inputs and outputs of ``velocity`` stay float32, and so does
+            the timestep handed to the transformer (as diffusers' SD3 pipeline passes it: never rounded
+            to a bf16 ``dtype``, which would turn 923.1 into 924).
         kind: short name of the backend (``"tiny"``, ``"sd3"``, ...).
         cfg_doubles_batch: whether guidance runs the transformer on a doubled ``[uncond; cond]`` batch
             (classifier-free guidance); False for FLUX's distilled guidance embedding.

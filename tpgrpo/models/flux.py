@@ -118,7 +118,9 @@ class FluxBackend(LatentBackend):
         out = self.transformer(
             hidden_states=pack_latents(x.to(self.device, self.dtype)),
             encoder_hidden_states=embeds.embeds.to(self.dtype), pooled_projections=embeds.pooled.to(self.dtype),
-            timestep=s.to(self.dtype),  # FLUX's transformer multiplies by 1000 itself (FluxPipeline: t / 1000)
+            # sigma in fp32, not rounded here; FLUX's transformer casts it to its own dtype and multiplies by
+            # 1000 itself, which is what it gets under FluxPipeline (t / 1000) too.
+            timestep=s,
             guidance=guidance,
             txt_ids=torch.zeros(embeds.embeds.shape[1], 3, device=self.device, dtype=self.dtype),
             img_ids=img_ids, return_dict=False)[0]

@@ -107,7 +107,9 @@ class TinyBackend(FlowBackend):
             hidden_states=x.to(self.dtype),
             encoder_hidden_states=hidden.to(self.dtype),
             pooled_projections=pooled.to(self.dtype),
-            timestep=(sigma * 1000.0).to(self.dtype),  # SD3's time embedding expects 1000 * sigma
+            # SD3's time embedding expects 1000 * sigma, in fp32 as StableDiffusion3Pipeline passes it (its
+            # sinusoidal projection runs in fp32; a bf16 cast would round 923.1 to 924).
+            timestep=sigma.float() * 1000.0,
             return_dict=False,
         )[0]
         return out.float()
