@@ -162,7 +162,8 @@ class FakeCudaBackend(FlowBackend):
         return _tag(self.inner.encode_images(images))
 
     def predict(self, x, sigma, hidden, pooled):
-        args = [_on_cuda(f"predict {n}", t) for n, t in zip(("x", "sigma", "hidden", "pooled"), (x, sigma, hidden, pooled))]
+        names = ("x", "sigma", "hidden", "pooled")
+        args = [_on_cuda(f"predict {n}", t) for n, t in zip(names, (x, sigma, hidden, pooled))]
         return _tag(self.inner.predict(*args))
 
 
