@@ -181,13 +181,63 @@ def read_trajectories(path: Path, lazy: tuple[str, ...] = ()) -> tuple[dict, dic
     return arrays, attrs
 
 
+_SAFETENSORS_DTYPES = {"float64": "F64", "float32": "F32", "float16": "F16", "bfloat16": "BF16", "int64": "I64",
+                       "int32": "I32", "int16": "I16", "int8": "I8", "uint8": "U8", "bool": "BOOL",
+                       "float8_e4m3fn": "F8_E4M3", "float8_e5m2": "F8_E5M2"}
+
+
+def save_safetensors(tensors: dict, path: Path, metadata: dict[str, str] | None = None) -> None:
+    """Write ``tensors`` in the safetensors format, byte-identical for identical inputs in any process.
+
+    ``safetensors.torch.save_file`` serialises its header from a Rust hash map, whose order (of the
+    metadata, and so the bytes) changes from process to process; DVC would then see a changed output.
+    Here the header is JSON with sorted keys: 8-byte little-endian header length, the header (padded with
+    spaces to a multiple of 8), then each tensor's raw little-endian bytes, larger item sizes first, then
+    by name (so every tensor's offset is a multiple of its item size), with no holes.
+    """
+    import struct
+    import sys
+
+    import torch
+
+    if sys.byteorder != "little":  # the format stores little-endian bytes; raw tensor memory is native
+        raise NotImplementedError("save_safetensors writes native bytes: a little-endian machine is needed")
+    cpu = {name: t.detach().cpu().contiguous() for name, t in tensors.items()}
+    header: dict[str, Any] = {"__metadata__": dict(metadata)} if metadata else {}
+    chunks, offset = [], 0
+    for name in sorted(cpu, key=lambda n: (-cpu[n].element_size(), n)):
+        t = cpu[name]
+        dtype = _SAFETENSORS_DTYPES.get(str(t.dtype).removeprefix("torch."))
+        if dtype is None:
+            raise ValueError(f"tensor {name!r}: dtype {t.dtype} has no safetensors code here")
+        data = t.reshape(-1).view(torch.uint8).numpy().tobytes() if t.numel() else b""
+        header[name] = {"dtype": dtype, "shape": list(t.shape), "data_offsets": [offset, offset + len(data)]}
+        chunks.append(data)
+        offset += len(data)
+    text = json.dumps(header, sort_keys=True, separators=(",", ":")).encode()
+    text += b" " * (-len(text) % 8)
+    with open(path, "wb") as f:
+        f.write(struct.pack("<Q", len(text)) + text)
+        for data in chunks:
+            f.write(data)
+
+
+def canonicalize_safetensors(path: Path) -> None:
+    """Rewrite a safetensors file (e.g. one a library wrote) with :func:`save_safetensors`: same tensors and
+    metadata, deterministic bytes."""
+    from safetensors import safe_open
+
+    with safe_open(str(path), framework="pt", device="cpu") as f:
+        metadata = f.metadata()
+        tensors = {name: f.get_tensor(name) for name in f.keys()}
+    save_safetensors(tensors, path, metadata)
+
+
 def write_embeddings(path: Path, tensors: dict, metadata: dict[str, str]) -> None:
     """Write prompt embeddings (``{field: tensor (P, ...)}``) and their metadata, checked, atomically."""
-    from safetensors.torch import save_file
-
     check_embeddings({k: tuple(t.shape) for k, t in tensors.items()}, metadata, f"{path} (being written)")
     with atomic_path(path) as tmp:
-        save_file({k: t.detach().cpu().contiguous() for k, t in tensors.items()}, str(tmp), metadata=metadata)
+        save_safetensors(tensors, tmp, metadata)
 
 
 def read_embeddings(path: Path, key: dict[str, str]) -> dict | None:

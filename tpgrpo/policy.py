@@ -5,7 +5,8 @@ adapter folder loads both through peft (``attach_lora(..., adapter_dir=folder)``
 peft ``adapter_config.json`` and sets the weights with ``set_peft_model_state_dict``) and through a
 stock diffusers pipeline (``pipe.load_lora_weights(folder)``).
 
-Adapter folder layout (written atomically, temp folder + rename):
+Adapter folder layout (written atomically, temp folder + rename; byte-identical for identical weights in
+any process: safetensors header and set-valued config lists in sorted order):
     ``pytorch_lora_weights.safetensors``  LoRA weights, keys ``transformer.<module>.lora_{A,B}.weight``
                                           (+ the LoraConfig as diffusers' adapter metadata)
     ``adapter_config.json``               the peft ``LoraConfig`` (rank, alpha, target modules)
@@ -22,7 +23,7 @@ from typing import Iterator
 
 import torch
 
-from tpgrpo.artifacts import atomic_path
+from tpgrpo.artifacts import atomic_path, canonicalize_safetensors
 
 ADAPTER_NAME = "default"
 WEIGHTS_FILE = "pytorch_lora_weights.safetensors"  # diffusers' LORA_WEIGHT_NAME_SAFE
@@ -156,8 +157,22 @@ def save_adapter(backend, folder, state_dict: dict[str, torch.Tensor] | None = N
         tmp.mkdir(parents=True)
         SD3LoraLoaderMixin.save_lora_weights(tmp, transformer_lora_layers=weights,
                                       transformer_lora_adapter_metadata=_metadata(config))
+        canonicalize_safetensors(tmp / WEIGHTS_FILE)  # the library's header order changes per process
         config.save_pretrained(str(tmp))
+        _sort_set_lists(tmp / CONFIG_FILE, config)
     return folder
+
+
+def _sort_set_lists(path: Path, config) -> None:
+    """Rewrite peft's ``adapter_config.json`` with every set-valued field (``target_modules``, ...) as a
+    sorted list: peft writes ``list(set)``, whose order changes from process to process."""
+    import json
+
+    data = json.loads(path.read_text())
+    for key, value in config.to_dict().items():
+        if isinstance(value, set) and key in data:
+            data[key] = sorted(value, key=str)
+    path.write_text(json.dumps(data, indent=2, sort_keys=True))
 
 
 @contextmanager
