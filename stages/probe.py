@@ -1,7 +1,11 @@
-"""Stage probe: ODE-complete every stored intermediate state, decode, score (spec section 4).
+"""Stage probe: score every stored intermediate state, Q_k (spec section 4), as ``probe.completion`` says.
 
 Writes ``probe.parquet``: one row per (trajectory, step), step 0..K; the row with step K holds the
-rollout's final reward (that state was completed by the rollout itself and is not scored twice).
+rollout's final reward (that state was completed by the rollout itself and is not scored twice). The
+Parquet metadata key ``tpgrpo.completion`` names the mode that made the table (``tpgrpo.probe_modes``):
+``exact`` / ``ode:M`` complete each state with the model, ``x0`` scores the rollout's one-step estimates
+(decodes and reward calls only), ``none`` (``credit.mode: flow_grpo``, whose credit needs only R_fin)
+writes R_fin for every state without loading a model or a reward.
 """
 
 from __future__ import annotations
@@ -10,59 +14,110 @@ from pathlib import Path
 
 import numpy as np
 import pandas as pd
-import torch
 
 from tpgrpo.artifacts import IterationPaths, read_trajectories, write_json, write_table
 from tpgrpo.config import Config
-from tpgrpo.distributed import chunk_bar, current, group_chunks, run_chunks, warn_if_idle
-from tpgrpo.pipeline import check_finite, load_policy, prompt_embeddings, provenance, stopwatch
-from tpgrpo.schemas import PROBE
-from tpgrpo.tasks.rewards import build_reward
-from tpgrpo.trajectory import complete_window_states
+from tpgrpo.distributed import chunk_bar, current, group_chunks, local_device, run_chunks, warn_if_idle
+from tpgrpo.errors import PipelineError
+from tpgrpo.models import load_backend  # light: the backends import torch and diffusers when one loads
+from tpgrpo.pipeline import check_finite, load_policy, prompt_embeddings, provenance, resolve, stopwatch
+from tpgrpo.probe_modes import NONE, Completion, parse_completion
+from tpgrpo.schemas import PROBE, PROBE_COMPLETION_KEY
+
+
+def completion_of(cfg: Config) -> Completion:
+    """The probe's mode: none for flow_grpo credit (it reads only R_fin), else ``probe.completion``."""
+    return NONE if cfg.credit.mode == "flow_grpo" else parse_completion(cfg.probe.completion)
 
 
 def run(cfg: Config, iteration: int, root: Path) -> dict:
     paths = IterationPaths(root, iteration)
     metrics: dict = {"iteration": iteration}
     dist = current()
+    completion = completion_of(cfg)
     with stopwatch(metrics):
-        arrays, attrs = read_trajectories(paths.trajectories, lazy=("states",))
-        metas = attrs["prompts"]
-        reward = build_reward(attrs["reward"], cfg, root)  # the rollout's reward spec, this run's folders
-        backend = load_policy(cfg, root, iteration)
+        arrays, attrs = read_trajectories(paths.trajectories, lazy=("states", "x0_estimates"))
         N, K1 = arrays["states"].shape[:2]
-        K, G = K1 - 1, int(attrs["group_size"])
-        rows = torch.from_numpy(arrays["prompt_index"]).long()
-        prompt_embeds = prompt_embeddings(cfg, root, iteration, backend, [m["prompt"] for m in metas])
-        sigmas = torch.tensor(attrs["schedule_sigmas"], dtype=torch.float32)
-        chunks = group_chunks(N // G, G * K, cfg.probe.batch_size)  # at most probe.batch_size states a chunk
-        warn_if_idle(dist, len(chunks), "probe.batch_size")
-
-        def compute(c: int) -> dict:  # chunk c: whole groups, the same shapes on any process count
-            a, b = chunks[c][0] * G, chunks[c][1] * G
-            final, passes = complete_window_states(
-                backend, torch.from_numpy(np.asarray(arrays["states"][a:b])), prompt_embeds.select(rows[a:b]),
-                sigmas, attrs["window_start"], attrs["guidance_scale"], cfg.probe.batch_size)
-            images = backend.decode(final)
-            scored = reward(images, [metas[p] for p in rows[a:b].repeat_interleave(K).tolist()])
-            return {"reward": scored.reward.reshape(b - a, K), "strict": scored.strict.reshape(b - a, K),
-                    "passes": np.array([passes], dtype=np.int64)}
-
-        with chunk_bar(dist, f"probe {iteration}") as progress:
-            merged = run_chunks(dist, paths.probe, len(chunks), compute, f"probe of iteration {iteration}",
-                                progress=progress)
-        if merged is None:  # not the main process: its parts are written, the main process merges
-            return metrics
-        check_finite(f"reward {attrs['reward']}", merged["reward"], f"probe of iteration {iteration}")
-        frame = probe_table(arrays, metas, merged["reward"], merged["strict"])
-        write_table(paths.probe, frame, PROBE, provenance(cfg, iteration, "probe"), trajectories=N, steps=K1)
+        K = K1 - 1
+        if completion.kind == "none":  # Flow-GRPO's credit: every state scored as the final image
+            merged = {"reward": np.repeat(arrays["final_reward"][:, None], K, axis=1),
+                      "strict": np.repeat(arrays["final_strict"][:, None], K, axis=1),
+                      "passes": np.zeros(1, dtype=np.int64)}
+            chunks = 0
+            if not dist.is_main:
+                return metrics
+        else:
+            merged, chunks = _score_states(cfg, iteration, root, arrays, attrs, completion)
+            if merged is None:  # not the main process: its parts are written, the main process merges
+                return metrics
+            check_finite(f"reward {attrs['reward']}", merged["reward"], f"probe of iteration {iteration}")
+        frame = probe_table(arrays, attrs["prompts"], merged["reward"], merged["strict"])
+        meta = {**provenance(cfg, iteration, "probe"), PROBE_COMPLETION_KEY: completion.name}
+        write_table(paths.probe, frame, PROBE, meta, trajectories=N, steps=K1)
+    scored = 0 if completion.kind == "none" else N * K
     d = np.diff(frame["reward"].to_numpy().reshape(N, K1), axis=1)
-    metrics.update({"forward_passes": int(merged["passes"].sum()), "reward_calls": N * K, "states": N * K,
-                    "zero_increment_fraction": float((d == 0).mean()),
-                    "mean_q0": float(frame.loc[frame.step == 0, "reward"].mean()),
-                    "processes": dist.world, "chunks": len(chunks)})
+    metrics.update({"completion": completion.name, "forward_passes": int(merged["passes"].sum()),
+                    "reward_calls": scored, "decodes": scored, "states": scored,
+                    # no state was scored in mode none: its Q_k are R_fin by definition, not measurements
+                    "zero_increment_fraction": float((d == 0).mean()) if scored else None,
+                    "mean_q0": float(frame.loc[frame.step == 0, "reward"].mean()) if scored else None,
+                    "processes": dist.world, "chunks": chunks})
     write_json(paths.probe_metrics, metrics)
     return metrics
+
+
+def _score_states(cfg: Config, iteration: int, root: Path, arrays: dict, attrs: dict, completion: Completion):
+    """Q_k for k < K of every trajectory: ``({"reward", "strict"}: (N, K), "passes": (chunks,)) `` merged
+    on the main process (None on the others), and the number of chunks."""
+    import torch
+
+    from tpgrpo.tasks.rewards import build_reward
+    from tpgrpo.trajectory import complete_window_states
+
+    dist = current()
+    metas = attrs["prompts"]
+    reward = build_reward(attrs["reward"], cfg, root)  # the rollout's reward spec, this run's folders
+    if completion.kind == "x0" and "x0_estimates" not in arrays:
+        raise PipelineError(f"{IterationPaths(root, iteration).trajectories} has no x0_estimates: probe.completion "
+                            "x0 scores the rollout's own estimates; rerun the rollout with probe.completion x0")
+    backend, prompt_embeds = _load(cfg, iteration, root, metas, completion)
+    N, K1 = arrays["states"].shape[:2]
+    K, G = K1 - 1, int(attrs["group_size"])
+    rows = torch.from_numpy(arrays["prompt_index"]).long()
+    sigmas = torch.tensor(attrs["schedule_sigmas"], dtype=torch.float32)
+    chunks = group_chunks(N // G, G * K, cfg.probe.batch_size)  # at most probe.batch_size states a chunk
+    warn_if_idle(dist, len(chunks), "probe.batch_size")
+
+    def compute(c: int) -> dict:  # chunk c: whole groups, the same shapes on any process count
+        a, b = chunks[c][0] * G, chunks[c][1] * G
+        if completion.kind == "x0":  # the rollout's z_k - s_k v_k: decode and score, no transformer pass
+            x0 = np.asarray(arrays["x0_estimates"][a:b])
+            final, passes = torch.from_numpy(x0.reshape(-1, *x0.shape[2:])).to(backend.device), 0
+        else:
+            final, passes = complete_window_states(
+                backend, torch.from_numpy(np.asarray(arrays["states"][a:b])), prompt_embeds.select(rows[a:b]),
+                sigmas, attrs["window_start"], attrs["guidance_scale"], cfg.probe.batch_size,
+                max_steps=completion.max_steps)
+        images = backend.decode(final)
+        scored = reward(images, [metas[p] for p in rows[a:b].repeat_interleave(K).tolist()])
+        return {"reward": scored.reward.reshape(b - a, K), "strict": scored.strict.reshape(b - a, K),
+                "passes": np.array([passes], dtype=np.int64)}
+
+    with chunk_bar(dist, f"probe {iteration}") as progress:
+        merged = run_chunks(dist, IterationPaths(root, iteration).probe, len(chunks), compute,
+                            f"probe of iteration {iteration}", progress=progress)
+    return merged, len(chunks)
+
+
+def _load(cfg: Config, iteration: int, root: Path, metas: list[dict], completion: Completion):
+    """The backend (and prompt embeddings) a mode needs. ``x0`` only decodes: the base model without the
+    policy's LoRA (which sits on the transformer alone) and no embeddings."""
+    if completion.kind == "x0":
+        m = cfg.model
+        return load_backend(m.kind, resolve(root, m.path), local_device(m.device, current()), m.dtype,
+                            resolution=m.resolution), None
+    backend = load_policy(cfg, root, iteration)
+    return backend, prompt_embeddings(cfg, root, iteration, backend, [m["prompt"] for m in metas])
 
 
 def probe_table(arrays: dict, metas: list[dict], rewards: np.ndarray, strict: np.ndarray) -> pd.DataFrame:

@@ -38,17 +38,22 @@ def run(cfg: Config, iteration: int, root: Path) -> dict:
         embeds = prompt_embeddings(cfg, root, iteration, backend, [m["prompt"] for m in metas], write=True)
         chunks = group_chunks(len(metas), G, cfg.rollout.batch_size)
         warn_if_idle(dist, len(chunks), "rollout.batch_size")
+        keep_x0 = cfg.probe.completion == "x0"  # the probe then scores these instead of running the model
 
         def compute(c: int) -> dict:  # chunk c: whole groups, the same shapes on any process count
             rows = np.arange(chunks[c][0] * G, chunks[c][1] * G)
-            parts = [rollout(backend, embeds.select(torch.as_tensor(prompt_index[b])), [seeds[i] for i in b], spec)
+            parts = [rollout(backend, embeds.select(torch.as_tensor(prompt_index[b])), [seeds[i] for i in b], spec,
+                             keep_x0=keep_x0)
                      for b in np.array_split(rows, -(-len(rows) // cfg.rollout.batch_size))]
             images = backend.decode(torch.cat([p.final for p in parts]))
             scored = _score(reward, images, [metas[p] for p in prompt_index[rows]])
             # The trajectories live on the model's device; they come to the CPU here, to be written.
-            return {"states": torch.cat([p.states for p in parts]).cpu().numpy(),
-                    "log_probs": torch.cat([p.log_probs for p in parts]).cpu().numpy(),
-                    "final_reward": scored.reward.astype(np.float64), "final_strict": scored.strict.astype(bool)}
+            out = {"states": torch.cat([p.states for p in parts]).cpu().numpy(),
+                   "log_probs": torch.cat([p.log_probs for p in parts]).cpu().numpy(),
+                   "final_reward": scored.reward.astype(np.float64), "final_strict": scored.strict.astype(bool)}
+            if keep_x0:
+                out["x0_estimates"] = torch.cat([p.x0_estimates for p in parts]).cpu().numpy()
+            return out
 
         with chunk_bar(dist, f"rollout {iteration}") as progress:
             merged = run_chunks(dist, paths.trajectories, len(chunks), compute, f"rollout of iteration {iteration}",
@@ -63,6 +68,8 @@ def run(cfg: Config, iteration: int, root: Path) -> dict:
             "sample": sample.astype(np.int32), "final_reward": merged["final_reward"],
             "final_strict": merged["final_strict"],
         }
+        if keep_x0:
+            arrays["x0_estimates"] = merged["x0_estimates"]
         attrs = {"prompts": metas, "schedule_sigmas": spec.sigmas.tolist(), "group_size": G,
                  "num_steps": spec.num_steps, "shift": cfg.sampling.shift,
                  "window_start": spec.window_start, "window_size": spec.window_size,

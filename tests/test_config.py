@@ -25,6 +25,7 @@ def test_shipped_params_load_and_match_documented_defaults(raw):
     assert (cfg.sampling.num_steps, cfg.sampling.window_size, cfg.sampling.window_start) == (10, 9, 0)
     assert cfg.sampling.noise_level == 0.7 and cfg.sampling.guidance_scale == 4.5
     assert cfg.credit.mode == "tp"
+    assert cfg.probe.completion == "exact"  # the spec's completion until a cheap mode is shown to keep the reward
 
 
 @pytest.mark.parametrize("mutate, expected", [
@@ -33,6 +34,7 @@ def test_shipped_params_load_and_match_documented_defaults(raw):
     (lambda r: r.pop("probe"), "missing section probe"),
     (lambda r: r.update(extra={}), "unknown section 'extra'"),
     (lambda r: r["credit"].update(mode="tpp"), "credit.mode = 'tpp': expected one of"),
+    (lambda r: r["probe"].update(completion="ode:0"), "probe.completion = 'ode:0': expected exact, x0 or ode:M"),
     (lambda r: r["rollout"].update(group_size="8"), "rollout.group_size = '8': expected int"),
     (lambda r: r["rollout"].update(group_size=1), "rollout.group_size = 1: expected >= 2"),
     (lambda r: r["update"].update(lr=-1.0), "update.lr = -1.0: expected a value > 0"),

@@ -89,6 +89,9 @@ class RolloutConfig:
 @dataclass(frozen=True)
 class ProbeConfig:
     batch_size: int = 128  # states per forward pass during ODE completion
+    # How a state is scored (tpgrpo.probe_modes): exact (the rest of the schedule) | ode:M (at most M Euler
+    # steps, re-spaced) | x0 (z_k - s_k v_k from the rollout's own velocity: no transformer pass)
+    completion: str = "exact"
 
 
 @dataclass(frozen=True)
@@ -214,6 +217,13 @@ def _coerce(key: str, value: Any, kind: type) -> Any:
 
 
 def _check_range(key: str, value: Any) -> None:
+    if key == "probe.completion":
+        from tpgrpo.probe_modes import EXPECTED, parse_completion  # no torch: a few pure functions
+
+        try:
+            parse_completion(value)
+        except ValueError:
+            raise ConfigError(f"params: {key} = {value!r}: expected {EXPECTED}") from None
     if key in CHOICES and value not in CHOICES[key]:
         raise ConfigError(f"params: {key} = {value!r}: expected one of {', '.join(CHOICES[key])}")
     if key in POSITIVE and value <= 0:

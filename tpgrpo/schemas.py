@@ -58,10 +58,13 @@ PROBE = TableSchema("probe.parquet", "state", (
     Column("seed", "int", "the trajectory's noise seed", per_trajectory=True),
     Column("step", "int", "stored state k (0..K); state K is the final latent"),
     Column("sigma", "float", "noise level of state k, unitless in [0, 1]", finite=True),
-    Column("reward", "float", "Q_k: reward of the ODE completion of state k (k = K: the rollout's R_fin)",
-           finite=True),
+    Column("reward", "float", "Q_k: reward of state k completed as the metadata's tpgrpo.completion says "
+           "(k = K: the rollout's R_fin; completion none: R_fin at every k)", finite=True),
     Column("strict", "bool", "all clauses of the prompt right in that completion"),
 ))
+
+# probe.parquet's metadata key (stored as tpgrpo.completion): exact | ode:M | x0 | none (tpgrpo.probe_modes).
+PROBE_COMPLETION_KEY = "completion"
 
 CREDIT = TableSchema("credit.parquet", "window", (
     _TRAJECTORY, _PROMPT_ID, _SAMPLE,
@@ -173,6 +176,7 @@ class ArraySpec:
     dtype: str
     meaning: str
     finite: bool = False  # checked on write and on an eager read (not for lazily read arrays)
+    optional: bool = False  # written only by some settings (absent otherwise)
 
 
 TRAJECTORIES_FILE = "trajectories.zarr"
@@ -188,6 +192,8 @@ TRAJECTORY_ARRAYS = (
     ArraySpec("sample", ("trajectory",), "int32", "index within its prompt group"),
     ArraySpec("final_reward", ("trajectory",), "float64", "reward of the final image, R_fin", finite=True),
     ArraySpec("final_strict", ("trajectory",), "bool", "all clauses right in the final image"),
+    ArraySpec("x0_estimates", ("trajectory", "window_step", "channel", "height", "width"), "float32",
+              "z_k - s_k v_k with the rollout's guided velocity at z_k (probe.completion x0 only)", optional=True),
 )
 TRAJECTORY_ATTRS = ("prompts", "schedule_sigmas", "group_size", "num_steps", "shift", "window_start",
                     "window_size", "step_kind", "noise_level", "guidance_scale", "reward")
@@ -204,6 +210,8 @@ def check_trajectories(arrays: dict, attrs: dict, source: str, loaded: bool = Tr
     sizes: dict[str, tuple[int, str]] = {}
     for spec in TRAJECTORY_ARRAYS:
         if spec.name not in arrays:
+            if spec.optional:
+                continue
             _fail(source, f"missing array '{spec.name}' ({spec.meaning})")
         arr = arrays[spec.name]
         if len(arr.shape) != len(spec.dims) or np.dtype(arr.dtype).kind not in _kind(spec.dtype):
@@ -240,7 +248,8 @@ def _check_trajectory_structure(arrays: dict, attrs: dict, sizes: dict, source: 
 
 def conform_arrays(arrays: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
     """The arrays in their declared dtypes and order (for writing; ``check_trajectories`` first)."""
-    return {spec.name: np.ascontiguousarray(arrays[spec.name], dtype=spec.dtype) for spec in TRAJECTORY_ARRAYS}
+    return {spec.name: np.ascontiguousarray(arrays[spec.name], dtype=spec.dtype) for spec in TRAJECTORY_ARRAYS
+            if spec.name in arrays}
 
 
 EMBEDDINGS_FILE = "prompt_embeds.safetensors"
