@@ -65,7 +65,7 @@ def run_stage(root: Path, name: str, threads: int) -> float:
 def measure(root: Path, processes: int, threads: int, repeats: int) -> dict:
     """Best-of-``repeats`` rollout and update throughput at this process count."""
     set_processes(root, processes)
-    d = root / "data" / "iters" / "0000"
+    d = root / "data" / "iters" / "0001"
     best: dict = {}
     for _ in range(repeats):
         cmd_s = run_stage(root, "rollout", threads)

@@ -5,7 +5,7 @@
 
 1. Pipeline: copies ``params.yaml``, ``data/base`` (the embedded model) and ``data/prompts`` into a temporary
    project with ``model.device`` and ``reward_models.device`` set to ``--device`` and ``eval.every: 1`` (so
-   the iteration is evaluated), then runs ``tpgrpo stage rollout|probe|credit|update|eval --iter 0`` through
+   the iteration is evaluated), then runs ``tpgrpo stage rollout|probe|credit|update|eval --iter 1`` through
    the CLI, one process per stage as ``dvc repro`` would, and a 2-step ``tpgrpo pretrain --device``. Each
    must exit 0 and write its artifacts. ``--smoke`` also shrinks the iteration (2 prompts x 4 samples, T = 4).
 2. Cost: ``bench/bench_sd3.py --full`` (SD3.5-M config, random weights, 512 px, bf16, T = 10, window 9;
@@ -103,10 +103,10 @@ def stage_note(name: str, folder: Path) -> str:
 def pipeline_check(device: str, smoke: bool, tmp: Path) -> list[dict]:
     """Step 1: the iteration's stages and a short pretraining, each through the CLI in its own process."""
     params = make_project(tmp / "project", device, smoke)
-    folder = tmp / "project" / "data" / "iters" / "0000"
+    folder = tmp / "project" / "data" / "iters" / "0001"
     rows = []
     for name in STAGES:
-        row = run_step(f"stage {name}", [sys.executable, "-m", "tpgrpo", "stage", name, "--iter", "0",
+        row = run_step(f"stage {name}", [sys.executable, "-m", "tpgrpo", "stage", name, "--iter", "1",
                                           "--params", str(params)], BUDGET_S["stage"])
         missing = [a for a in ARTIFACTS[name] if not (folder / a).exists()]
         if row["ok"] and missing:

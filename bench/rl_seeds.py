@@ -122,9 +122,9 @@ def extra_evaluations(results: dict, folders: dict, eval_seeds: list[int]) -> No
         for eval_seed in eval_seeds:
             cfg = load_config(folder / "params.yaml", overrides={"eval.seed": eval_seed})
             if eval_seed not in base:
-                base[eval_seed] = evaluate(cfg, folder, load_policy(cfg, folder, 0), "base",
+                base[eval_seed] = evaluate(cfg, folder, load_policy(cfg, folder, 1), "base",
                                            scratch)["eval_reward"]
-            policy = load_policy(cfg, folder, cfg.train.iterations)
+            policy = load_policy(cfg, folder, cfg.train.iterations + 1)  # the final policy N
             final = evaluate(cfg, folder, policy, "final", scratch)["eval_reward"]
             extra[eval_seed] = [base[eval_seed], final]
             print(f"seed {seed}, eval seed {eval_seed}: base {base[eval_seed]:.3f} final {final:.3f}", flush=True)

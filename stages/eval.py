@@ -36,7 +36,7 @@ def eval_images(cfg: Config, root: Path, backend, label: str, artifact: Path):
     """
     import pandas as pd
 
-    from tpgrpo.sample import evaluation_seeds, sample_ode
+    from tpgrpo.generate import evaluation_seeds, sample_ode
     from tpgrpo.tasks.prompts import load_prompts
     from tpgrpo.tasks.rewards import build_reward
 
@@ -125,7 +125,7 @@ def run(cfg: Config, iteration: int, root: Path) -> dict:
     paths = IterationPaths(root, iteration)
     metrics: dict = {"iteration": iteration}
     every = cfg.eval.every
-    scheduled = every > 0 and (iteration + 1) % every == 0
+    scheduled = every > 0 and iteration % every == 0
     frame, weights = None, None
     with stopwatch(metrics):
         if scheduled:
@@ -148,7 +148,7 @@ def run_baseline(cfg: Config, root: Path) -> dict:
     metrics: dict = {"iteration": -1}
     out = root / "data" / "iters" / "baseline_eval.json"
     with stopwatch(metrics):
-        frame = eval_images(cfg, root, load_policy(cfg, root, 0), "base", out)
+        frame = eval_images(cfg, root, load_policy(cfg, root, 1), "base", out)  # iteration 1 samples the base model
     if frame is None:  # not the main process
         return metrics
     metrics.update(summarize(cfg, frame))

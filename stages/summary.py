@@ -1,7 +1,9 @@
-"""Stage summary: one row per iteration of every stage's metrics, for `dvc plots show` and README tables.
+"""Stage summary: the run at a glance, for `dvc metrics show`, `dvc plots show` and the README's figures.
 
-Writes ``data/metrics/history.csv`` (x = iteration; the base model is iteration -1) and
-``data/metrics/summary.json`` (first vs last evaluation).
+Writes under ``data/metrics/``: ``history.csv`` (one row per iteration of every stage's metrics; the base
+model is iteration 0), ``eval_curve.csv`` (base + every evaluated iteration), ``train_curve.csv`` (one row
+per iteration) and ``summary.json`` (the dozen numbers a user scans, the run's only DVC metric), then the
+figures in ``data/reports/`` (:mod:`tpgrpo.figures`, also ``tpgrpo plot``).
 """
 
 from __future__ import annotations
@@ -13,6 +15,7 @@ import pandas as pd
 
 from tpgrpo.artifacts import IterationPaths, atomic_path, read_json, write_json
 from tpgrpo.config import Config
+from tpgrpo.figures import make_figures
 
 COLUMNS = {
     "rollout": ["mean_reward", "strict_accuracy", "wall_seconds", "forward_passes"],
@@ -22,12 +25,18 @@ COLUMNS = {
                "first_pass_ratio_max_dev", "policy_loss", "grad_norm", "wall_seconds", "forward_passes"],
     "eval": ["eval_reward", "eval_strict_accuracy", "train_reward", "wall_seconds"],
 }
+STAGES = tuple(COLUMNS)
+
+
+def baseline_path(root: Path) -> Path:
+    return root / "data" / "iters" / "baseline_eval.json"
 
 
 def history(cfg: Config, root: Path) -> pd.DataFrame:
-    base = read_json(root / "data" / "iters" / "baseline_eval.json", "baseline eval: run the baseline stage")
-    rows = [{"iteration": -1, **{f"eval_{k}": base.get(k) for k in COLUMNS["eval"]}}]
-    for i in range(cfg.train.iterations):
+    """One row per iteration (``iteration`` 1..N) plus the base model's row (``iteration`` 0)."""
+    base = read_json(baseline_path(root), "baseline eval: run the baseline stage")
+    rows = [{"iteration": 0, **{f"eval_{k}": base.get(k) for k in COLUMNS["eval"]}}]
+    for i in range(1, cfg.train.iterations + 1):
         paths = IterationPaths(root, i)
         row: dict = {"iteration": i}
         for stage, keys in COLUMNS.items():
@@ -39,22 +48,57 @@ def history(cfg: Config, root: Path) -> pd.DataFrame:
     return pd.DataFrame(rows)
 
 
+def eval_curve(frame: pd.DataFrame) -> pd.DataFrame:
+    """Base model (iteration 0) and every evaluated iteration: held-out reward and strict accuracy."""
+    rows = frame.dropna(subset=["eval_eval_reward"])
+    return pd.DataFrame({"iteration": rows["iteration"].astype(int), "eval_reward": rows["eval_eval_reward"],
+                         "strict_accuracy": rows["eval_eval_strict_accuracy"],
+                         "train_reward": rows["eval_train_reward"]})
+
+
+def train_curve(frame: pd.DataFrame) -> pd.DataFrame:
+    """Per iteration: the rollout's reward, turning-point rate, approx KL after the update, wall seconds."""
+    rows = frame[frame["iteration"] > 0]
+    walls = rows[[f"{s}_wall_seconds" for s in STAGES]].fillna(0.0).sum(axis=1)
+    return pd.DataFrame({"iteration": rows["iteration"].astype(int), "train_reward": rows["rollout_mean_reward"],
+                         "turning_point_rate": rows["credit_turning_point_rate"],
+                         "approx_kl_after": rows["update_approx_kl_after"], "wall_seconds": walls})
+
+
+def headline(evals: pd.DataFrame, train: pd.DataFrame) -> dict:
+    """The numbers `dvc metrics show` prints: base / latest / best held-out reward and strict accuracy,
+    the latest training reward, turning-point rate and approx KL, mean wall seconds per iteration."""
+    base, trained = evals.iloc[0], evals.iloc[1:]
+    latest = trained.iloc[-1] if len(trained) else base
+    best = trained.loc[trained["eval_reward"].idxmax()] if len(trained) else base
+    last = train.iloc[-1]
+    r = lambda x: round(float(x), 4)  # noqa: E731 - 4 decimals: the eval's noise is ~1e-2
+    return {
+        "iterations": int(last["iteration"]),
+        "held_out": {"base": r(base["eval_reward"]), "latest": r(latest["eval_reward"]),
+                     "best": r(best["eval_reward"]), "best_iter": int(best["iteration"])},
+        "strict": {"base": r(base["strict_accuracy"]), "latest": r(latest["strict_accuracy"]),
+                   "best": r(trained["strict_accuracy"].max() if len(trained) else base["strict_accuracy"])},
+        "train_reward": r(last["train_reward"]), "tp_rate": r(last["turning_point_rate"]),
+        "approx_kl": float(f"{float(last['approx_kl_after']):.3g}"),
+        "s_per_iter": round(float(train["wall_seconds"].mean()), 1),
+    }
+
+
+def _write_csv(path: Path, frame: pd.DataFrame) -> None:
+    with atomic_path(path) as tmp:
+        frame.to_csv(tmp, index=False)
+
+
 def run(cfg: Config, iteration: int | None, root: Path) -> dict:
     frame = history(cfg, root)
     out = root / "data" / "metrics"
-    with atomic_path(out / "history.csv") as tmp:
-        frame.to_csv(tmp, index=False)
-    evaluated = frame.dropna(subset=["eval_eval_reward"])
-    first, last = evaluated.iloc[0], evaluated.iloc[-1]
-    summary = {
-        "base_eval_reward": float(first["eval_eval_reward"]), "final_eval_reward": float(last["eval_eval_reward"]),
-        "eval_reward_gain": float(last["eval_eval_reward"] - first["eval_eval_reward"]),
-        "base_train_reward": float(first["eval_train_reward"]),
-        "final_train_reward": float(last["eval_train_reward"]),
-        "base_strict_accuracy": float(first["eval_eval_strict_accuracy"]),
-        "final_strict_accuracy": float(last["eval_eval_strict_accuracy"]),
-        "iterations": int(cfg.train.iterations),
-    }
+    evals, train = eval_curve(frame), train_curve(frame)
+    _write_csv(out / "history.csv", frame)
+    _write_csv(out / "eval_curve.csv", evals)
+    _write_csv(out / "train_curve.csv", train)
+    summary = headline(evals, train)
     write_json(out / "summary.json", summary)
+    make_figures(cfg, root, frame)
     print(json.dumps(summary, indent=2))
     return summary

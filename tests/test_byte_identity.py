@@ -109,20 +109,20 @@ def test_every_artifact_is_byte_identical_across_processes(tmp_path, seeds):
 
 
 def test_rerunning_the_update_stage_in_a_new_process_gives_the_same_policy_bytes(tiny_project, tmp_path):
-    """The reported case: `tpgrpo stage update --iter 0` run again by hand with unchanged inputs."""
+    """The reported case: `tpgrpo stage update --iter 1` run again by hand with unchanged inputs."""
     from typer.testing import CliRunner
 
     from tpgrpo.cli import app
 
     root = tiny_project
     for name in ("rollout", "probe", "credit"):
-        result = CliRunner().invoke(app, ["stage", name, "--iter", "0", "--params", str(root / "params.yaml")])
+        result = CliRunner().invoke(app, ["stage", name, "--iter", "1", "--params", str(root / "params.yaml")])
         assert result.exit_code == 0, result.output
-    policy = root / "data" / "iters" / "0000" / "policy"
+    policy = root / "data" / "iters" / "0001" / "policy"
     runs = []
     for seed in ("3", "4"):
         env = dict(os.environ, PYTHONHASHSEED=seed, OMP_NUM_THREADS="1", MKL_NUM_THREADS="1", DVC_NO_ANALYTICS="1")
-        run = subprocess.run([sys.executable, "-m", "tpgrpo", "stage", "update", "--iter", "0"], cwd=root, env=env,
+        run = subprocess.run([sys.executable, "-m", "tpgrpo", "stage", "update", "--iter", "1"], cwd=root, env=env,
                              capture_output=True, text=True)
         assert run.returncode == 0, run.stderr[-3000:]
         runs.append(written(policy))

@@ -254,7 +254,7 @@ def test_probe_completion_takes_cpu_states_and_runs_on_the_device(inner):
 
 
 def test_sample_ode_runs_on_the_backend_device(inner):
-    from tpgrpo.sample import sample_ode
+    from tpgrpo.generate import sample_ode
 
     ref = sample_ode(inner, PROMPTS, SEEDS, num_steps=3, batch_size=3)
     with fake_cuda():
@@ -334,11 +334,11 @@ def test_one_iteration_of_every_stage_on_a_gpu_backend(tiny_project, monkeypatch
     cfg = load_config(root / "params.yaml")
     with fake_cuda():
         for module in (stages.rollout, stages.probe, stages.credit, stages.update, stages.eval):
-            module.run(cfg, 0, root)
+            module.run(cfg, 1, root)
         stages.eval.run_baseline(cfg, root)
-    update = json.loads((root / "data" / "iters" / "0000" / "update.json").read_text())
+    update = json.loads((root / "data" / "iters" / "0001" / "update.json").read_text())
     assert update["first_pass_ratio_max_dev"] < 1e-5
-    assert json.loads((root / "data" / "iters" / "0000" / "eval.json").read_text())["evaluated"]
+    assert json.loads((root / "data" / "iters" / "0001" / "eval.json").read_text())["evaluated"]
 
 
 def test_base_report_sampling_runs_on_the_backend_device(tiny_project):

@@ -57,7 +57,7 @@ def run_stage(root: Path, name: str, **extra_env: str) -> subprocess.CompletedPr
 
 
 def iteration_dir(root: Path) -> Path:
-    return root / "data" / "iters" / "0000"
+    return root / "data" / "iters" / "0001"
 
 
 def tree_bytes(folder: Path) -> dict[str, bytes]:

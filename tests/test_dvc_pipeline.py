@@ -9,6 +9,7 @@ import sys
 import time
 from pathlib import Path
 
+import numpy as np
 import pytest
 import yaml
 from conftest import make_tiny_project
@@ -54,22 +55,57 @@ def adapter(root: Path, iteration: int) -> dict:
     return load_file(root / "data" / "iters" / f"{iteration:04d}" / "policy" / "pytorch_lora_weights.safetensors")
 
 
+def check_user_views(root: Path) -> None:
+    """After a run: the figures exist, `dvc metrics show` is one short row, `dvc plots show` draws the named
+    charts, `tpgrpo status` and re-running the last iteration's credit work as documented."""
+    from PIL import Image
+
+    from tpgrpo.dvcfile import PLOTS
+    from tpgrpo.figures import FIGURES
+
+    for name in FIGURES:
+        with Image.open(root / "data" / "reports" / name) as image:
+            assert image.format == "PNG" and min(image.size) > 100
+    shown = subprocess.run([sys.executable, "-m", "dvc", "metrics", "show"], cwd=root, env=env(),
+                           capture_output=True, text=True)
+    lines = [line for line in shown.stdout.splitlines() if line.strip()]
+    assert shown.returncode == 0 and 1 < len(lines) <= 6 and "held_out.latest" in shown.stdout, shown.stdout
+    plots = subprocess.run([sys.executable, "-m", "dvc", "plots", "show", "-o", str(root / "plots_page")],
+                           cwd=root, env=env(), capture_output=True, text=True)
+    page = (root / "plots_page" / "index.html").read_text()
+    assert plots.returncode == 0 and all(next(iter(p)) in page for p in PLOTS), plots.stdout + plots.stderr
+    status = subprocess.run([sys.executable, "-m", "tpgrpo", "status"], cwd=root, env=env(), capture_output=True,
+                            text=True)
+    assert status.returncode == 0 and status.stdout.startswith("iterations: 2 of 2 done (1-2)"), status.stdout
+    before = (root / "data" / "iters" / "0002" / "credit.parquet").read_bytes()
+    again = subprocess.run([sys.executable, "-m", "tpgrpo", "stage", "credit", "--iter", "2"], cwd=root, env=env(),
+                           capture_output=True, text=True)
+    assert again.returncode == 0 and (root / "data" / "iters" / "0002" / "credit.parquet").read_bytes() == before
+    beyond = subprocess.run([sys.executable, "-m", "tpgrpo", "stage", "credit", "--iter", "3"], cwd=root, env=env(),
+                            capture_output=True, text=True)
+    assert beyond.returncode == 2 and "this run has iterations 1..2" in beyond.stderr
+
+
 def test_repro_trains_then_reruns_only_what_changed(tiny_project):
     root = tiny_project
     first = tpgrpo_run(root)
     assert first.returncode == 0, first.stdout[-3000:] + first.stderr[-3000:]
     assert (root / "data" / "metrics" / "history.csv").is_file()
     assert ran(repro(root)) == set()  # nothing changed: nothing runs
+    check_user_views(root)
+    # The by-hand credit re-run rewrote credit.parquet byte for byte: DVC redoes only the summary (whose input,
+    # the stage's JSON log, has a new wall time), neither that credit stage nor anything after it.
+    assert ran(repro(root)) == {"summary"}
 
     set_param(root, "credit", "mode", "flow_grpo")
     rerun = ran(repro(root))
-    assert "credit-0000" in rerun and "update-0000" in rerun
-    assert not any(name.startswith(("rollout-0000", "probe-0000", "baseline")) for name in rerun)
+    assert "credit-0001" in rerun and "update-0001" in rerun
+    assert not any(name.startswith(("rollout-0001", "probe-0001", "baseline")) for name in rerun)
 
     set_param(root, "train", "iterations", 3)
     more = tpgrpo_run(root)
     assert more.returncode == 0, more.stderr[-3000:]
-    assert ran(more.stdout) == {"rollout-0002", "probe-0002", "credit-0002", "update-0002", "eval-0002", "summary"}
+    assert ran(more.stdout) == {"rollout-0003", "probe-0003", "credit-0003", "update-0003", "eval-0003", "summary"}
 
 
 @pytest.fixture(scope="module")
@@ -80,7 +116,7 @@ def clean(tmp_path_factory, tiny_model_dir) -> Path:
     return root
 
 
-@pytest.mark.parametrize("victim", ["rollout-0001", "update-0000"])
+@pytest.mark.parametrize("victim", ["rollout-0002", "update-0001"])
 def test_sigkill_mid_stage_then_rerun_matches_uninterrupted(tiny_project, tmp_path, clean, victim):
     import torch
 
@@ -98,7 +134,57 @@ def test_sigkill_mid_stage_then_rerun_matches_uninterrupted(tiny_project, tmp_pa
     os.killpg(proc.pid, signal.SIGKILL)
     proc.wait()
     assert repro(root)  # the rerun finishes
-    for i in (0, 1):
+    for i in (1, 2):
         assert artifacts(root, i) == artifacts(clean, i)
         a, b = adapter(root, i), adapter(clean, i)
         assert a.keys() == b.keys() and all(torch.allclose(a[k], b[k], atol=1e-6) for k in a)
+
+
+VEGA_PACKAGES = ("vega@5.20.2", "vega-lite@5.2.0", "vega-embed@6.18.2")  # what dvc_render's page loads from a CDN
+
+
+def local_vega(folder: Path) -> dict[str, Path]:
+    """The page's three scripts as local files (``npm pack`` from the npm registry; the CDN is unreachable)."""
+    folder.mkdir(parents=True, exist_ok=True)
+    scripts = {}
+    for spec in VEGA_PACKAGES:
+        name = spec.split("@")[0]
+        subprocess.run(["npm", "pack", spec, "--silent"], cwd=folder, check=True, capture_output=True, timeout=300)
+        tgz = next(folder.glob(f"{name}-[0-9]*.tgz"))
+        subprocess.run(["tar", "xzf", str(tgz), "-C", str(folder), "--one-top-level=" + name], check=True)
+        scripts[spec] = folder / name / "package" / "build" / f"{name}.min.js"
+    return scripts
+
+
+def test_dvc_plots_page_renders_its_named_charts_in_headless_chromium(clean, tmp_path):
+    import re
+    import shutil
+
+    from PIL import Image
+
+    from tpgrpo.dvcfile import PLOTS
+
+    chromium = shutil.which("chromium") or shutil.which("chromium-browser")
+    if chromium is None:
+        pytest.skip("Chromium is not installed (Debian: apt-get install chromium), so the page is not rendered")
+    if shutil.which("npm") is None:
+        pytest.skip("npm is not installed: the page's vega scripts (a CDN, unreachable here) cannot be fetched")
+    out = subprocess.run([sys.executable, "-m", "dvc", "plots", "show", "-o", str(tmp_path / "page")], cwd=clean,
+                         env=env(), capture_output=True, text=True)
+    assert out.returncode == 0, out.stderr
+    page = tmp_path / "page" / "index.html"
+    html = page.read_text()
+    for spec, local in local_vega(tmp_path / "vega").items():
+        html = html.replace(f"https://cdn.jsdelivr.net/npm/{spec}", local.as_uri())
+    assert "cdn.jsdelivr" not in html
+    page.write_text(html)
+    flags = [chromium, "--headless", "--no-sandbox", "--disable-gpu", "--virtual-time-budget=15000"]
+    dom = subprocess.run([*flags, "--dump-dom", page.as_uri()], capture_output=True, text=True, timeout=120).stdout
+    drawn = re.findall(r'<canvas[^>]*class="marks"', dom)
+    assert len(drawn) == len(PLOTS), f"{len(drawn)} charts drawn of {len(PLOTS)}"
+    shot = tmp_path / "page.png"
+    subprocess.run([*flags, f"--screenshot={shot}", "--window-size=1100,2600", page.as_uri()], capture_output=True,
+                   timeout=120)
+    pixels = np.asarray(Image.open(shot).convert("RGB")).astype(int)
+    line_blue = (np.abs(pixels - [76, 120, 168]).sum(axis=2) < 40).sum()  # vega's default series colour #4c78a8
+    assert line_blue > 500, f"only {line_blue} pixels of the series colour: the charts did not draw"

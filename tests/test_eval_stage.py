@@ -29,7 +29,7 @@ def set_params(root, **sections):
 
 def train_one_iteration(root):
     for name in ("rollout", "probe", "credit", "update"):
-        run_ok(root, name, 0)
+        run_ok(root, name, 1)
 
 
 @pytest.fixture
@@ -41,7 +41,7 @@ def ema_project(tiny_project):
 
 
 def _direct_eval(root, tmp_path, ema: bool) -> dict:
-    """Evaluate iteration 0's policy without the stage: the raw adapter, or the EMA adapter loaded by hand."""
+    """Evaluate iteration 1's policy without the stage: the raw adapter, or the EMA adapter loaded by hand."""
     from stages.eval import evaluate
     from tpgrpo.config import load_config
     from tpgrpo.export import adapter_folder
@@ -49,16 +49,16 @@ def _direct_eval(root, tmp_path, ema: bool) -> dict:
     from tpgrpo.policy import load_lora_weights, read_adapter_weights
 
     cfg = load_config(root / "params.yaml")
-    backend = load_policy(cfg, root, 1)
+    backend = load_policy(cfg, root, 2)  # what iteration 2 samples from: policy 1
     if ema:
-        load_lora_weights(backend, read_adapter_weights(adapter_folder(root, 0, ema=True)))
+        load_lora_weights(backend, read_adapter_weights(adapter_folder(root, 1, ema=True)))
     return evaluate(cfg, root, backend, "direct", tmp_path / f"direct-{ema}.json")
 
 
 def test_eval_scores_the_ema_weights_when_update_ema_is_on(ema_project, tmp_path):
     root = ema_project
-    run_ok(root, "eval", 0)
-    stage = json.loads((root / "data" / "iters" / "0000" / "eval.json").read_text())
+    run_ok(root, "eval", 1)
+    stage = json.loads((root / "data" / "iters" / "0001" / "eval.json").read_text())
     raw, ema = _direct_eval(root, tmp_path, ema=False), _direct_eval(root, tmp_path, ema=True)
     assert raw["train_reward"] != ema["train_reward"]  # the EMA weights really are other weights
     assert stage["train_reward"] == ema["train_reward"]
@@ -69,8 +69,8 @@ def test_eval_scores_the_ema_weights_when_update_ema_is_on(ema_project, tmp_path
 def test_eval_scores_the_raw_adapter_when_update_ema_is_off(tiny_project, tmp_path):
     root = tiny_project
     train_one_iteration(root)
-    run_ok(root, "eval", 0)
-    stage = json.loads((root / "data" / "iters" / "0000" / "eval.json").read_text())
+    run_ok(root, "eval", 1)
+    stage = json.loads((root / "data" / "iters" / "0001" / "eval.json").read_text())
     assert stage["weights"] == "adapter"
     assert stage["train_reward"] == _direct_eval(root, tmp_path, ema=False)["train_reward"]
 
@@ -79,11 +79,11 @@ def test_eval_with_ema_on_but_a_policy_without_ema_is_a_one_line_error(tiny_proj
     root = tiny_project
     train_one_iteration(root)  # update.ema false: no policy/ema
     set_params(root, update={"ema": True})
-    result = runner.invoke(app, ["stage", "eval", "--iter", "0", "--params", str(root / "params.yaml")])
+    result = runner.invoke(app, ["stage", "eval", "--iter", "1", "--params", str(root / "params.yaml")])
     assert result.exit_code != 0
     assert "update.ema is true" in result.output and "policy/ema" in result.output
     assert [line.startswith("error:") for line in result.output.splitlines() if line.strip()] == [True]
-    assert not (root / "data" / "iters" / "0000" / "eval.json").exists()
+    assert not (root / "data" / "iters" / "0001" / "eval.json").exists()
 
 
 def test_eval_and_baseline_write_paired_per_image_tables(tiny_project):
@@ -94,12 +94,12 @@ def test_eval_and_baseline_write_paired_per_image_tables(tiny_project):
 
     root = tiny_project
     train_one_iteration(root)
-    run_ok(root, "eval", 0)
+    run_ok(root, "eval", 1)
     run_ok(root, "baseline")
     iters = root / "data" / "iters"
     tables = {name: read_eval_table(iters / f) for name, f in
-              (("iter", "0000/eval.parquet"), ("base", "baseline_eval.parquet"))}
-    metrics = {"iter": json.loads((iters / "0000" / "eval.json").read_text()),
+              (("iter", "0001/eval.parquet"), ("base", "baseline_eval.parquet"))}
+    metrics = {"iter": json.loads((iters / "0001" / "eval.json").read_text()),
                "base": json.loads((iters / "baseline_eval.json").read_text())}
     for name, table in tables.items():
         assert list(table.columns) == list(EVAL_TABLE_COLUMNS)
@@ -110,7 +110,7 @@ def test_eval_and_baseline_write_paired_per_image_tables(tiny_project):
         assert table["eval_strict"].mean() == pytest.approx(metrics[name]["eval_strict_accuracy"], abs=1e-12)
     keys = ["prompt_id", "prompt", "sample", "seed"]
     pd.testing.assert_frame_equal(tables["iter"][keys], tables["base"][keys])  # the same eval noise
-    meta = pq.read_schema(iters / "0000" / "eval.parquet").metadata
+    meta = pq.read_schema(iters / "0001" / "eval.parquet").metadata
     assert meta[b"tpgrpo.stage"] == b"eval" and meta[b"tpgrpo.weights"] == b"adapter"
     assert pq.read_schema(iters / "baseline_eval.parquet").metadata[b"tpgrpo.stage"] == b"baseline"
     gain = compare_tables(tables["iter"], tables["base"], "train_reward", n_boot=200)
@@ -124,7 +124,7 @@ def test_an_iteration_not_evaluated_writes_an_empty_table(tiny_project):
     root = tiny_project
     set_params(root, eval={"every": 2})
     train_one_iteration(root)
-    run_ok(root, "eval", 0)
-    table = read_eval_table(root / "data" / "iters" / "0000" / "eval.parquet")
+    run_ok(root, "eval", 1)
+    table = read_eval_table(root / "data" / "iters" / "0001" / "eval.parquet")
     assert len(table) == 0 and list(table.columns) == list(EVAL_TABLE_COLUMNS)
-    assert not json.loads((root / "data" / "iters" / "0000" / "eval.json").read_text())["evaluated"]
+    assert not json.loads((root / "data" / "iters" / "0001" / "eval.json").read_text())["evaluated"]

@@ -28,7 +28,7 @@ def trained(flux_model_dir, tmp_path_factory):
     """A project after one rollout -> probe -> credit -> update iteration through the CLI (guidance 3.5)."""
     root = make_pipeline_project(tmp_path_factory.mktemp("fluxproj") / "p", flux_model_dir, "flux",
                                  sampling={"guidance_scale": 3.5})
-    run_stages(root, 0)
+    run_stages(root, 1)
     return root
 
 
@@ -85,7 +85,7 @@ def test_ode_sampling_matches_the_stock_pipeline(backend, flux_model_dir):
     """Same packed noise, same sigmas, guidance 3.5: our sampler + decode == FluxPipeline."""
     from diffusers import FluxPipeline
 
-    from tpgrpo.sample import sample_ode
+    from tpgrpo.generate import sample_ode
     from tpgrpo.schedule import flow_sigmas
 
     ours = sample_ode(backend, PROMPTS[:1], [7], num_steps=2, guidance_scale=3.5, shift=3.0)
@@ -124,7 +124,7 @@ def test_bad_model_folders_are_one_line_errors(sd3_model_dir, tmp_path):
 def test_one_iteration_through_the_cli_and_a_bad_path(trained, tmp_path):
     import zarr
 
-    d = trained / "data" / "iters" / "0000"
+    d = trained / "data" / "iters" / "0001"
     store = zarr.open_group(str(d / "trajectories.zarr"), mode="r")
     assert store["states"].shape == (4, 3, 16, RESOLUTION // 8, RESOLUTION // 8)
     assert store.attrs["guidance_scale"] == 3.5
@@ -143,7 +143,7 @@ def test_export_loads_into_a_fresh_stock_pipeline(trained, flux_model_dir, tmp_p
     from tpgrpo.pipeline import load_policy
 
     out = tmp_path / "lora"
-    result = cli("export", "--iter", "0", "--out", str(out), "--params", str(trained / "params.yaml"))
+    result = cli("export", "--iter", "1", "--out", str(out), "--params", str(trained / "params.yaml"))
     assert result.exit_code == 0, result.output
     saved = load_file(out / "pytorch_lora_weights.safetensors")
     assert any(".ff.net.2.lora_B" in k for k in saved)
@@ -153,8 +153,8 @@ def test_export_loads_into_a_fresh_stock_pipeline(trained, flux_model_dir, tmp_p
     check_lora_loads_into_stock_pipeline(pipe, out, saved, PROMPTS[0], num_inference_steps=2, height=RESOLUTION,
                                          width=RESOLUTION, guidance_scale=3.5)
 
-    # The stock pipeline's adapted transformer gives our iteration-1 policy's velocity.
-    policy = load_policy(load_config(trained / "params.yaml"), trained, 1)
+    # The stock pipeline's adapted transformer gives policy 1 (iteration 1's update)'s velocity.
+    policy = load_policy(load_config(trained / "params.yaml"), trained, 2)  # sampled by iteration 2: policy 1
     x, emb = policy.initial_noise([5]), policy.encode_prompts(PROMPTS[:1])
     with torch.no_grad():
         ours = policy.velocity(x, torch.tensor([0.6]), emb, 3.5)

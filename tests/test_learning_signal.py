@@ -21,7 +21,7 @@ runner = CliRunner()
 
 
 def _stage(root, name):
-    result = runner.invoke(app, ["stage", name, "--iter", "0", "--params", str(root / "params.yaml")])
+    result = runner.invoke(app, ["stage", name, "--iter", "1", "--params", str(root / "params.yaml")])
     assert result.exit_code == 0, result.output
 
 
@@ -47,8 +47,8 @@ def _resampled_reward(root) -> tuple[float, float]:
     from tpgrpo.trajectory import rollout
 
     cfg = load_config(root / "params.yaml")
-    arrays, attrs = read_trajectories(root / "data" / "iters" / "0000" / "trajectories.zarr")
-    backend = load_policy(cfg, root, 1)
+    arrays, attrs = read_trajectories(root / "data" / "iters" / "0001" / "trajectories.zarr")
+    backend = load_policy(cfg, root, 2)  # what iteration 2 samples from: policy 1, the update's
     rows = torch.from_numpy(arrays["prompt_index"]).long()
     embeds = backend.encode_prompts([m["prompt"] for m in attrs["prompts"]]).select(rows)
     with torch.no_grad():
@@ -64,7 +64,7 @@ def test_update_raises_the_reward_of_its_own_samples_and_flipped_advantages_lowe
         _stage(root, name)
     flipped = tmp_path / "minus"
     shutil.copytree(root, flipped)
-    credit_path = flipped / "data" / "iters" / "0000" / "credit.parquet"
+    credit_path = flipped / "data" / "iters" / "0001" / "credit.parquet"
     credit = pd.read_parquet(credit_path)
     credit["advantage"] = -credit["advantage"]
     credit.to_parquet(credit_path)

@@ -42,13 +42,13 @@ def test_one_iteration_writes_documented_artifacts(tiny_project):
     import zarr
 
     root = tiny_project
-    run_iteration(root, 0)
-    d = iteration_dir(root, 0)
+    run_iteration(root, 1)
+    d = iteration_dir(root, 1)
     store = zarr.open_group(str(d / "trajectories.zarr"), mode="r")
     N, K = 12, 3
     assert store["states"].shape == (N, K + 1, 3, 32, 32)
     assert store["log_probs"].shape == (N, K) and store["sigmas"].shape == (N, K + 1)
-    assert store["states"].attrs["dims"][0] == "trajectory" and store.attrs["iteration"] == "0"
+    assert store["states"].attrs["dims"][0] == "trajectory" and store.attrs["iteration"] == "1"
     assert len(set(store["seeds"][:].tolist())) == N  # every sample its own seed
 
     probe = pd.read_parquet(d / "probe.parquet")
@@ -81,12 +81,12 @@ def test_probe_q0_is_the_ode_completion_of_the_trajectorys_own_noise(tiny_projec
     """Spec section 4: Q_0 completes z_0 = x_T of the same trajectory (not fresh noise)."""
     from tpgrpo.config import load_config
     from tpgrpo.models import load_backend
-    from tpgrpo.sample import sample_ode
+    from tpgrpo.generate import sample_ode
     from tpgrpo.tasks.rewards import get_reward
 
     root = tiny_project
-    run_iteration(root, 0, ("rollout", "probe"))
-    probe = pd.read_parquet(iteration_dir(root, 0) / "probe.parquet")
+    run_iteration(root, 1, ("rollout", "probe"))
+    probe = pd.read_parquet(iteration_dir(root, 1) / "probe.parquet")
     cfg = load_config(root / "params.yaml")
     backend = load_backend("tiny", root / "data" / "base")
     heads = probe[probe.step == 0].sort_values("trajectory").head(3)
@@ -103,10 +103,10 @@ def test_two_clean_runs_give_byte_identical_tables(tiny_project, tmp_path):
     other = tmp_path / "other"
     shutil.copytree(tiny_project, other)
     for root in (tiny_project, other):
-        run_iteration(root, 0, ("rollout", "probe", "credit"))
+        run_iteration(root, 1, ("rollout", "probe", "credit"))
     for name in ("probe.parquet", "credit.parquet"):
-        a = (iteration_dir(tiny_project, 0) / name).read_bytes()
-        b = (iteration_dir(other, 0) / name).read_bytes()
+        a = (iteration_dir(tiny_project, 1) / name).read_bytes()
+        b = (iteration_dir(other, 1) / name).read_bytes()
         assert a == b, name
 
 
@@ -114,8 +114,8 @@ def test_credit_stage_is_a_pure_function_of_the_probe_table(tiny_project):
     from tpgrpo.credit import compute_credit
 
     root = tiny_project
-    run_iteration(root, 0, ("rollout", "probe", "credit"))
-    d = iteration_dir(root, 0)
+    run_iteration(root, 1, ("rollout", "probe", "credit"))
+    d = iteration_dir(root, 1)
     probe = pd.read_parquet(d / "probe.parquet").sort_values(["trajectory", "step"])
     credit = pd.read_parquet(d / "credit.parquet").sort_values(["trajectory", "step"])
     q = torch.tensor(probe["reward"].to_numpy().reshape(12, 4), dtype=torch.float64)
@@ -126,34 +126,43 @@ def test_credit_stage_is_a_pure_function_of_the_probe_table(tiny_project):
 
 
 def test_stage_out_of_order_fails_with_one_line(tiny_project):
-    result = stage(tiny_project, "credit", 0)
+    result = stage(tiny_project, "credit", 1)
     assert result.exit_code != 0
     lines = [l for l in result.output.splitlines() if l.strip()]
     assert len(lines) == 1 and "probe.parquet" in lines[0] and "missing input" in lines[0]
-    result = stage(tiny_project, "rollout", 1)  # iteration 1 needs iteration 0's policy
-    assert result.exit_code != 0 and "policy of iteration 0" in result.output
+    assert lines[0].endswith("finished iterations: none")
+    result = stage(tiny_project, "rollout", 2)  # iteration 2 needs policy 1 (iteration 1's update)
+    assert result.exit_code != 0 and "policy of iteration 1" in result.output
+
+
+@pytest.mark.parametrize("iteration", [0, 3, -1])
+def test_iteration_outside_the_run_is_one_line_naming_the_run_iterations(tiny_project, iteration):
+    result = stage(tiny_project, "credit", iteration)  # the tiny project trains iterations 1..2
+    lines = [l for l in result.output.splitlines() if l.strip()]
+    assert result.exit_code == 2 and len(lines) == 1
+    assert f"--iter {iteration}" in lines[0] and "iterations 1..2" in lines[0] and "finished: none" in lines[0]
 
 
 def test_bad_params_fail_before_anything_is_written(tiny_project):
     raw = yaml.safe_load((tiny_project / "params.yaml").read_text())
     raw["credit"]["mode"] = "turning"
     (tiny_project / "params.yaml").write_text(yaml.safe_dump(raw))
-    result = stage(tiny_project, "rollout", 0)
+    result = stage(tiny_project, "rollout", 1)
     assert result.exit_code != 0 and "credit.mode = 'turning'" in result.output
     assert not (tiny_project / "data" / "iters").exists()
 
 
 def test_nan_reward_is_refused_and_leaves_no_credit_table(tiny_project):
     root = tiny_project
-    run_iteration(root, 0, ("rollout", "probe"))
-    path = iteration_dir(root, 0) / "probe.parquet"
+    run_iteration(root, 1, ("rollout", "probe"))
+    path = iteration_dir(root, 1) / "probe.parquet"
     probe = pd.read_parquet(path)
     probe.loc[5, "reward"] = np.nan
     probe.to_parquet(path)
-    result = stage(root, "credit", 0)
+    result = stage(root, "credit", 1)
     assert result.exit_code != 0 and "non-finite" in result.output and "column 'reward'" in result.output
-    assert not (iteration_dir(root, 0) / "credit.parquet").exists()
-    assert not list(iteration_dir(root, 0).glob(".credit*"))  # no temp leftovers
+    assert not (iteration_dir(root, 1) / "credit.parquet").exists()
+    assert not list(iteration_dir(root, 1).glob(".credit*"))  # no temp leftovers
 
 
 def test_second_iteration_samples_from_the_updated_policy(tiny_project):
@@ -163,19 +172,19 @@ def test_second_iteration_samples_from_the_updated_policy(tiny_project):
     from tpgrpo.pipeline import load_policy
 
     root = tiny_project
-    run_iteration(root, 0)
-    run_iteration(root, 1, ("rollout",))
-    a = zarr.open_group(str(iteration_dir(root, 0) / "trajectories.zarr"), mode="r")
-    b = zarr.open_group(str(iteration_dir(root, 1) / "trajectories.zarr"), mode="r")
+    run_iteration(root, 1)
+    run_iteration(root, 2, ("rollout",))
+    a = zarr.open_group(str(iteration_dir(root, 1) / "trajectories.zarr"), mode="r")
+    b = zarr.open_group(str(iteration_dir(root, 2) / "trajectories.zarr"), mode="r")
     assert a["seeds"][:].tolist() != b["seeds"][:].tolist()  # seeds depend on the iteration
     cfg = load_config(root / "params.yaml")
-    base, tuned = load_policy(cfg, root, 0), load_policy(cfg, root, 1)
+    base, tuned = load_policy(cfg, root, 1), load_policy(cfg, root, 2)  # what iterations 1 and 2 sample from
     x = torch.randn(2, 3, 32, 32, generator=torch.Generator().manual_seed(0))
     sigma = torch.full((2,), 0.5)
     with torch.no_grad():
         v_base = base.velocity(x, sigma, base.encode_prompts(["a red circle"] * 2), 4.5)
         v_tuned = tuned.velocity(x, sigma, tuned.encode_prompts(["a red circle"] * 2), 4.5)
-    assert not torch.allclose(v_base, v_tuned)  # iteration 1 loads iteration 0's adapter
+    assert not torch.allclose(v_base, v_tuned)  # iteration 2 loads iteration 1's adapter
 
 
 def test_update_epochs_split_the_steps_and_later_passes_see_the_moved_policy(tiny_project):
@@ -183,8 +192,8 @@ def test_update_epochs_split_the_steps_and_later_passes_see_the_moved_policy(tin
     params = yaml.safe_load((root / "params.yaml").read_text())
     params["update"].update(epochs=2, optimizer_steps_per_iter=4)
     (root / "params.yaml").write_text(yaml.safe_dump(params, sort_keys=False))
-    run_iteration(root, 0, ("rollout", "probe", "credit", "update"))
-    update = json.loads((iteration_dir(root, 0) / "update.json").read_text())
+    run_iteration(root, 1, ("rollout", "probe", "credit", "update"))
+    update = json.loads((iteration_dir(root, 1) / "update.json").read_text())
     assert update["epochs"] == 2 and update["optimizer_steps"] == 4
     assert update["first_pass_ratio_max_dev"] < 1e-5  # the first pass still sees fresh data
     first, second = update["approx_kl_per_epoch"]
@@ -199,10 +208,10 @@ def test_update_steps_not_divisible_by_epochs_is_a_one_line_error(tiny_project):
     params = yaml.safe_load((root / "params.yaml").read_text())
     params["update"].update(epochs=3, optimizer_steps_per_iter=4)
     (root / "params.yaml").write_text(yaml.safe_dump(params, sort_keys=False))
-    result = stage(root, "rollout", 0)
+    result = stage(root, "rollout", 1)
     assert result.exit_code != 0
     assert "update.optimizer_steps_per_iter = 4" in result.output and "update.epochs" in result.output
-    assert not (iteration_dir(root, 0) / "trajectories.zarr").exists()
+    assert not (iteration_dir(root, 1) / "trajectories.zarr").exists()
 
 
 def test_gradient_checkpointing_gives_the_same_update(tiny_project, tmp_path):
@@ -211,14 +220,14 @@ def test_gradient_checkpointing_gives_the_same_update(tiny_project, tmp_path):
     from safetensors.torch import load_file
 
     root = tiny_project
-    run_iteration(root, 0, ("rollout", "probe", "credit"))
+    run_iteration(root, 1, ("rollout", "probe", "credit"))
     other = shutil.copytree(root, tmp_path / "checkpointed")
     params = yaml.safe_load((other / "params.yaml").read_text())
     params["update"]["gradient_checkpointing"] = True
     (other / "params.yaml").write_text(yaml.safe_dump(params, sort_keys=False))
     for project in (root, other):
-        run_ok(project, "update", 0)
-    plain, checkpointed = (load_file(iteration_dir(p, 0) / "policy" / "pytorch_lora_weights.safetensors")
+        run_ok(project, "update", 1)
+    plain, checkpointed = (load_file(iteration_dir(p, 1) / "policy" / "pytorch_lora_weights.safetensors")
                            for p in (root, other))
     assert plain.keys() == checkpointed.keys()
     assert any(v.abs().max() > 0 for k, v in plain.items() if "lora_B" in k)  # the update did something

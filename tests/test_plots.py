@@ -72,6 +72,13 @@ def test_turning_point_view_draws_a_curve_per_trajectory_and_marks_turning_point
     assert "prompt a" in ax.get_title()
 
 
+def test_turning_point_view_takes_a_credit_table_with_prompt_ids_as_credit_parquet_has(tmp_path):
+    probe, credit = probe_and_credit()
+    credit = credit.merge(probe[["trajectory", "prompt_id"]].drop_duplicates(), on="trajectory")
+    fig = plots.turning_point_view(probe, credit, tmp_path / "fig1.png", figsize=(6, 4), dpi=60)
+    assert len(fig.axes[0].lines) == 3 + 2 and "prompt a" in fig.axes[0].get_title()
+
+
 def test_turning_point_view_of_a_group_without_turning_points(tmp_path):
     probe, credit = probe_and_credit()
     fig = plots.turning_point_view(probe, credit, tmp_path / "b.png", prompt_id="b")

@@ -109,11 +109,11 @@ def test_dvc_yaml_lists_configured_reward_folders(raw):
     mixed["reward_models"]["pickscore_path"] = "models/PickScore_v1"
     mixed["reward_models"]["geneval_detector_path"] = "models/owlv2"  # not used by any spec: not a dep
     stages = render(config_from_dict(mixed))["stages"]
-    for name in ("rollout-0000", "probe-0000", "eval-0000", "baseline"):
+    for name in ("rollout-0001", "probe-0001", "eval-0001", "baseline"):
         assert "models/PickScore_v1" in stages[name]["deps"] and "tpgrpo/rewards" in stages[name]["deps"]
         assert "models/owlv2" not in stages[name]["deps"]
         assert "reward_models" in stages[name]["params"] and "remote_reward" in stages[name]["params"]
-    assert "models/PickScore_v1" not in stages["update-0000"]["deps"]
+    assert "models/PickScore_v1" not in stages["update-0001"]["deps"]
 
 
 def test_rollout_and_probe_stages_with_a_weighted_reward(tiny_project, tmp_path):
@@ -132,9 +132,9 @@ def test_rollout_and_probe_stages_with_a_weighted_reward(tiny_project, tmp_path)
         params["task"]["reward"] = spec
         (root / "params.yaml").write_text(yaml.safe_dump(params, sort_keys=False))
         for stage in ("rollout", "probe") if label == "mix" else ("rollout",):
-            result = runner.invoke(app, ["stage", stage, "--iter", "0", "--params", str(root / "params.yaml")])
+            result = runner.invoke(app, ["stage", stage, "--iter", "1", "--params", str(root / "params.yaml")])
             assert result.exit_code == 0, result.output
-        stores[label] = zarr.open_group(str(root / "data/iters/0000/trajectories.zarr"), mode="r")
+        stores[label] = zarr.open_group(str(root / "data/iters/0001/trajectories.zarr"), mode="r")
     mix, jpeg, soft = (stores[k]["final_reward"][:] for k in ("mix", "jpeg", "soft"))
     np.testing.assert_array_equal(stores["mix"]["states"][:], stores["jpeg"]["states"][:])
     np.testing.assert_allclose(mix, jpeg + 0.5 * soft, rtol=0, atol=1e-12)
@@ -142,7 +142,7 @@ def test_rollout_and_probe_stages_with_a_weighted_reward(tiny_project, tmp_path)
     assert dict(stores["mix"].attrs["reward"]) == specs["mix"]
     import pandas as pd
 
-    probe = pd.read_parquet(tmp_path / "mix/data/iters/0000/probe.parquet")
+    probe = pd.read_parquet(tmp_path / "mix/data/iters/0001/probe.parquet")
     last = probe[probe.step == probe.step.max()].sort_values("trajectory")["reward"].to_numpy()
     np.testing.assert_array_equal(last, mix)
     assert np.isfinite(probe["reward"]).all() and probe.loc[probe.step == 0, "reward"].nunique() > 1
@@ -183,12 +183,12 @@ def test_a_configured_but_missing_reward_folder_stops_the_stage_before_sampling(
     params["task"]["reward"] = {"geneval_soft": 1.0, "pickscore": 0.5}
     params["reward_models"]["pickscore_path"] = "models/PickScore_v1"
     (tiny_project / "params.yaml").write_text(yaml.safe_dump(params, sort_keys=False))
-    result = CliRunner().invoke(app, ["stage", "rollout", "--iter", "0", "--params", str(tiny_project / "params.yaml")])
+    result = CliRunner().invoke(app, ["stage", "rollout", "--iter", "1", "--params", str(tiny_project / "params.yaml")])
     assert result.exit_code == 2
     line = result.output.strip()
     assert line.startswith("error: params: reward_models.pickscore_path = 'models/PickScore_v1': folder ")
     assert "not found (expected a CLIP save_pretrained folder with config.json" in line and "\n" not in line
-    assert not (tiny_project / "data/iters/0000/trajectories.zarr").exists()
+    assert not (tiny_project / "data/iters/0001/trajectories.zarr").exists()
 
 
 def test_every_registered_name_is_documented_in_params_yaml():

@@ -27,7 +27,7 @@ def backend(sd3_model_dir):
 def trained(sd3_model_dir, tmp_path_factory):
     """A project after one rollout -> probe -> credit -> update iteration through the CLI."""
     root = make_pipeline_project(tmp_path_factory.mktemp("sd3proj") / "p", sd3_model_dir, "sd3")
-    run_stages(root, 0)
+    run_stages(root, 1)
     return root
 
 
@@ -70,7 +70,7 @@ def test_ode_sampling_matches_the_stock_pipeline(backend, sd3_model_dir):
     """Same noise, same sigmas: our encode + CFG velocity + Euler + decode == StableDiffusion3Pipeline."""
     from diffusers import StableDiffusion3Pipeline
 
-    from tpgrpo.sample import sample_ode
+    from tpgrpo.generate import sample_ode
 
     ours = sample_ode(backend, PROMPTS[:1], [7], num_steps=2, guidance_scale=4.5, shift=3.0)
     pipe = StableDiffusion3Pipeline.from_pretrained(sd3_model_dir, local_files_only=True)
@@ -136,7 +136,7 @@ def test_bad_model_folders_are_one_line_errors(sd3_model_dir, flux_model_dir, tm
 def test_one_iteration_through_the_cli_and_a_bad_path(trained, tmp_path):
     import zarr
 
-    d = trained / "data" / "iters" / "0000"
+    d = trained / "data" / "iters" / "0001"
     store = zarr.open_group(str(d / "trajectories.zarr"), mode="r")
     assert store["states"].shape == (4, 3, 16, RESOLUTION // 8, RESOLUTION // 8)
     update = json.loads((d / "update.json").read_text())
@@ -155,18 +155,18 @@ def test_cached_prompt_embeddings_never_load_the_text_encoders(trained):
     from tpgrpo.tasks.prompts import load_prompts
 
     cfg = load_config(trained / "params.yaml")
-    assert IterationPaths(trained, 0).prompt_embeds.is_file()  # the rollout wrote it
-    store = zarr.open_group(str(trained / "data" / "iters" / "0000" / "trajectories.zarr"), mode="r")
+    assert IterationPaths(trained, 1).prompt_embeds.is_file()  # the rollout wrote it
+    store = zarr.open_group(str(trained / "data" / "iters" / "0001" / "trajectories.zarr"), mode="r")
     prompts = [m["prompt"] for m in store.attrs["prompts"]]
-    backend = load_policy(cfg, trained, 0)
-    cached = prompt_embeddings(cfg, trained, 0, backend, prompts)
+    backend = load_policy(cfg, trained, 1)
+    cached = prompt_embeddings(cfg, trained, 1, backend, prompts)
     assert not backend.text_encoders_loaded  # read from the file
     fresh = backend.encode_prompts(prompts)
     assert backend.text_encoders_loaded
     torch.testing.assert_close(cached.embeds, fresh.embeds, atol=0, rtol=0)
     torch.testing.assert_close(cached.pooled, fresh.pooled, atol=0, rtol=0)
     other = load_prompts(trained / cfg.task.train_prompts)[-1]["prompt"]
-    reencoded = prompt_embeddings(cfg, trained, 0, load_policy(cfg, trained, 0), [other])
+    reencoded = prompt_embeddings(cfg, trained, 1, load_policy(cfg, trained, 1), [other])
     assert len(reencoded) == 1  # other prompts than the cache holds: encoded again, not a wrong cache hit
     backend.free_text_encoders()
     assert not backend.text_encoders_loaded
@@ -180,7 +180,7 @@ def test_export_loads_into_a_fresh_stock_pipeline(trained, sd3_model_dir, tmp_pa
     from tpgrpo.pipeline import load_policy
 
     out = tmp_path / "lora"
-    result = cli("export", "--iter", "0", "--out", str(out), "--params", str(trained / "params.yaml"))
+    result = cli("export", "--iter", "1", "--out", str(out), "--params", str(trained / "params.yaml"))
     assert result.exit_code == 0, result.output
     saved = load_file(out / "pytorch_lora_weights.safetensors")
     assert any("lora_B" in k and v.abs().max() > 0 for k, v in saved.items())  # trained, not the zero init
@@ -189,8 +189,8 @@ def test_export_loads_into_a_fresh_stock_pipeline(trained, sd3_model_dir, tmp_pa
     check_lora_loads_into_stock_pipeline(pipe, out, saved, PROMPTS[0], num_inference_steps=2,
                                          height=RESOLUTION, width=RESOLUTION)
 
-    # The stock pipeline's adapted transformer is exactly our iteration-1 policy (same alpha / rank scale).
-    policy = load_policy(load_config(trained / "params.yaml"), trained, 1)
+    # The stock pipeline's adapted transformer is exactly policy 1 (iteration 1's update) (same alpha / rank scale).
+    policy = load_policy(load_config(trained / "params.yaml"), trained, 2)  # sampled by iteration 2: policy 1
     x, emb = policy.initial_noise([5]), policy.encode_prompts(PROMPTS[:1])
     with torch.no_grad():
         ours = policy.predict(x, torch.tensor([0.6]), emb.embeds, emb.pooled)
@@ -201,19 +201,19 @@ def test_export_loads_into_a_fresh_stock_pipeline(trained, sd3_model_dir, tmp_pa
 
 def test_export_ema_and_errors(trained, tmp_path):
     params = str(trained / "params.yaml")
-    policy = trained / "data" / "iters" / "0000" / "policy"
+    policy = trained / "data" / "iters" / "0001" / "policy"
     ema = policy / "ema"  # what an update.ema run writes beside the adapter (here: a stand-in copy)
     ema.mkdir()
     shutil.copy(policy / "pytorch_lora_weights.safetensors", ema)
     shutil.copy(policy / "adapter_config.json", ema)
     try:
-        result = cli("export", "--iter", "0", "--ema", "--out", str(tmp_path / "ema"), "--params", params)
+        result = cli("export", "--iter", "1", "--ema", "--out", str(tmp_path / "ema"), "--params", params)
         assert result.exit_code == 0, result.output
         assert (tmp_path / "ema" / "pytorch_lora_weights.safetensors").read_bytes() == \
             (ema / "pytorch_lora_weights.safetensors").read_bytes()
     finally:
         shutil.rmtree(ema)
-    for args, what in ((["--iter", "5"], "iteration 5 has no policy"), (["--iter", "0", "--ema"], "no EMA adapter")):
+    for args, what in ((["--iter", "5"], "iteration 5 has no policy"), (["--iter", "1", "--ema"], "no EMA adapter")):
         result = cli("export", *args, "--out", str(tmp_path / "x"), "--params", params)
         lines = [line for line in result.output.splitlines() if line.strip()]
         assert result.exit_code != 0 and len(lines) == 1 and what in lines[0], result.output

@@ -19,7 +19,7 @@ from tpgrpo.dvclock import RWLOCK, clear_stale_lock, lock_pids, pid_state, stale
 def lock_of(*pids: int) -> dict:
     """A DVC rwlock naming ``pids``: the first as writer, all as readers."""
     cmd = "dvc repro"
-    return {"write": {"/p/data/iters/0000/trajectories.zarr": {"pid": pids[0], "cmd": cmd}},
+    return {"write": {"/p/data/iters/0001/trajectories.zarr": {"pid": pids[0], "cmd": cmd}},
             "read": {"/p/params.yaml": [{"pid": p, "cmd": cmd} for p in pids]}}
 
 

@@ -9,7 +9,7 @@ import torch
 from tpgrpo.models import load_backend
 from tpgrpo.models.tiny import TinyConfig, build_tiny, load_tiny
 from tpgrpo.models.tokenizer import EOS, PAD, tokenize
-from tpgrpo.sample import sample_ode, save_grid
+from tpgrpo.generate import sample_ode, save_grid
 
 WORDS = "a an the one two three red green blue circle circles square squares left right of and sign that says".split()
 CHARSET = "0123456789AB"
@@ -198,7 +198,7 @@ def test_evaluate_prompts_breaks_down_per_kind(backend, monkeypatch):
     import sys
     import types
 
-    from tpgrpo.sample import evaluate_prompts, evaluation_seeds
+    from tpgrpo.generate import evaluate_prompts, evaluation_seeds
 
     class Result:
         def __init__(self, reward, strict):

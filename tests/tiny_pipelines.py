@@ -143,7 +143,7 @@ def cli(*args: str):
     return CliRunner().invoke(app, [str(a) for a in args])
 
 
-def run_stages(root: Path, iteration: int = 0, names=("rollout", "probe", "credit", "update")) -> None:
+def run_stages(root: Path, iteration: int = 1, names=("rollout", "probe", "credit", "update")) -> None:
     for name in names:
         result = cli("stage", name, "--iter", str(iteration), "--params", str(root / "params.yaml"))
         assert result.exit_code == 0, f"{name}: {result.output}"
@@ -176,6 +176,6 @@ def check_bad_model_path_is_one_line(project: Path, scratch: Path) -> None:
     raw = yaml.safe_load((bad / "params.yaml").read_text())
     raw["model"]["path"] = "data/no-such-model"
     (bad / "params.yaml").write_text(yaml.safe_dump(raw))
-    result = cli("stage", "rollout", "--iter", "0", "--params", str(bad / "params.yaml"))
+    result = cli("stage", "rollout", "--iter", "1", "--params", str(bad / "params.yaml"))
     lines = [line for line in result.output.splitlines() if line.strip()]
     assert result.exit_code != 0 and len(lines) == 1 and "data/no-such-model" in lines[0], result.output

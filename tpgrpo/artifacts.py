@@ -1,14 +1,14 @@
 """Where each iteration's artifacts live, writing them atomically (temp path, then rename), and reading
 them back checked against their schemas (:mod:`tpgrpo.schemas`).
 
-Layout under the project root::
+Iterations are numbered 1..N; policy 0 is the base model. Layout under the project root::
 
     data/iters/0003/trajectories.zarr   rollout: latents, log-probs, sigmas, seeds
     data/iters/0003/prompt_embeds.safetensors  rollout: the iteration's prompt embeddings (probe/update read them)
     data/iters/0003/rollout.json        rollout metrics
     data/iters/0003/probe.parquet       probe: one row per (trajectory, step)
     data/iters/0003/credit.parquet      credit: one row per (trajectory, window step)
-    data/iters/0003/policy/             update: LoRA adapter + optimizer state for iteration 4
+    data/iters/0003/policy/             update: policy 3 (LoRA adapter + optimizer state), what iteration 4 samples from
     data/iters/0003/eval.json           eval metrics
 """
 
@@ -54,7 +54,7 @@ class IterationPaths:
     eval_metrics = property(lambda self: self._file("eval.json"))
 
     def previous(self) -> "IterationPaths | None":
-        return IterationPaths(self.root, self.iteration - 1) if self.iteration > 0 else None
+        return IterationPaths(self.root, self.iteration - 1) if self.iteration > 1 else None
 
 
 def require(path: Path, what: str) -> Path:

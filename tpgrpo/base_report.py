@@ -21,7 +21,7 @@ TASK_REWARDS = {"compositional": ("geneval", "geneval_soft"), "text": ("ocr",)}
 
 def ode_table(backend, cfg: Config, prompts_dir: Path, steps=(10, 40)) -> list[dict]:
     """One row per (task, reward, steps): mean reward and strict accuracy on all held-out prompts."""
-    from tpgrpo.sample import evaluation_seeds, sample_ode
+    from tpgrpo.generate import evaluation_seeds, sample_ode
     from tpgrpo.tasks.prompts import load_prompts
     from tpgrpo.tasks.rewards import get_reward
 
@@ -101,7 +101,7 @@ def write_base_report(cfg: Config, root: Path, out_dir: Path) -> dict:
     from tpgrpo.artifacts import atomic_path, write_json
     from tpgrpo.models import load_backend
     from tpgrpo.pipeline import resolve
-    from tpgrpo.sample import sample_ode, save_grid
+    from tpgrpo.generate import sample_ode, save_grid
     from tpgrpo.tasks.prompts import load_prompts
 
     model_dir = resolve(root, cfg.model.path)

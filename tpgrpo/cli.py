@@ -21,7 +21,8 @@ app.add_typer(stage_app, name="stage")
 STAGES = ("rollout", "probe", "credit", "update", "eval")
 
 ParamsOpt = Annotated[Path, typer.Option("--params", help="params.yaml to read")]
-IterOpt = Annotated[int, typer.Option("--iter", min=0, help="iteration number (0-based)")]
+IterOpt = Annotated[int, typer.Option("--iter", help="iteration 1..train.iterations (iteration i samples from "
+                                     "policy i-1, the base model for i = 1, and writes policy i)")]
 
 
 def _fail(message: str) -> None:
@@ -35,18 +36,31 @@ def _run_stage(name: str, iteration: int | None, params: Path) -> None:
     from tpgrpo.config import ConfigError, load_config
     from tpgrpo.dvcfile import MULTI_PROCESS_STAGES
     from tpgrpo.errors import PipelineError
+    from tpgrpo.status import check_iteration, describe_done, record_stage
 
+    root, cfg = Path(params).resolve().parent, None
     try:
         cfg = load_config(params)
+        check_iteration(cfg, root, iteration)
         import importlib
 
         module = importlib.import_module(f"stages.{name}")
         if name in MULTI_PROCESS_STAGES:  # under `accelerate launch`: join the process group (gloo on CPU)
             label = f"stage {name}" + ("" if iteration is None else f" --iter {iteration}")
             distributed.init(cfg.model.device, cfg.launch.timeout_s, label)
-        module.run(cfg, iteration, root=Path(params).resolve().parent)
+        main = distributed.current().is_main  # one process notes the stage for `tpgrpo status`
+        record_stage(root, name, iteration, "running", enabled=main)
+        module.run(cfg, iteration, root=root)
+        record_stage(root, name, iteration, "done", enabled=main)
     except (ConfigError, PipelineError, FileNotFoundError) as exc:
-        _fail(str(exc))
+        message = str(exc)
+        if iteration is not None and message.startswith("missing input") and cfg is not None:
+            message += f"; finished iterations: {describe_done(root, cfg.train.iterations)}"
+        record_stage(root, name, iteration, "failed", message)
+        _fail(message)
+    except Exception as exc:  # an unexpected error still shows in `tpgrpo status`, then its traceback
+        record_stage(root, name, iteration, "failed", f"{type(exc).__name__}: {exc}")
+        raise
     finally:
         distributed.shutdown()
 
@@ -73,6 +87,36 @@ def baseline_stage(params: ParamsOpt = Path("params.yaml")) -> None:
 def summary_stage(params: ParamsOpt = Path("params.yaml")) -> None:
     """Collect every iteration's metrics into data/metrics/history.csv and summary.json."""
     _run_stage("summary", None, params)
+
+
+@app.command("status")
+def status_command(params: ParamsOpt = Path("params.yaml")) -> None:
+    """One screen: iterations done, the stage running or failed last, held-out reward vs base, disk."""
+    from tpgrpo.config import ConfigError, load_config
+    from tpgrpo.status import status_text
+
+    try:
+        cfg = load_config(params)
+    except ConfigError as exc:
+        _fail(str(exc))
+    typer.echo(status_text(Path(params).resolve().parent, cfg.train.iterations))
+
+
+@app.command("plot")
+def plot_command(params: ParamsOpt = Path("params.yaml")) -> None:
+    """Draw the run's figures into data/reports/ (reward curves, turning points, heat map, before/after)."""
+    from stages.summary import history
+    from tpgrpo.config import ConfigError, load_config
+    from tpgrpo.errors import PipelineError
+    from tpgrpo.figures import make_figures
+
+    root = Path(params).resolve().parent
+    try:
+        cfg = load_config(params)
+        for path in make_figures(cfg, root, history(cfg, root)):
+            typer.echo(str(path))
+    except (ConfigError, PipelineError) as exc:
+        _fail(str(exc))
 
 
 @app.command("dvc-yaml")

@@ -14,9 +14,10 @@ from pathlib import Path
 import yaml
 
 from tpgrpo.config import Config, ConfigError
+from tpgrpo.figures import FIGURES
 
 MODEL_CODE = ["tpgrpo/models", "tpgrpo/trajectory.py", "tpgrpo/sampling.py", "tpgrpo/schedule.py",
-              "tpgrpo/pipeline.py", "tpgrpo/policy.py"]
+              "tpgrpo/pipeline.py", "tpgrpo/policy.py", "tpgrpo/artifacts.py", "tpgrpo/schemas.py"]
 REWARD_CODE = ["tpgrpo/tasks", "tpgrpo/rewards"]
 REWARD_PARAMS = ["reward_models", "remote_reward"]  # read by every stage that scores images
 
@@ -24,20 +25,29 @@ REWARD_PARAMS = ["reward_models", "remote_reward"]  # read by every stage that s
 # the process count never changes an artifact (nor the config hash artifacts carry); the CLI reads
 # launch.timeout_s and the commands below carry launch.num_processes / launch.config_file.
 STAGE_PARAMS = {
-    "rollout": ["model", "task.train_prompts", "task.reward", "sampling", "rollout",
+    "rollout": ["model", "task.train_prompts", "task.reward", "sampling", "rollout", "probe.completion",
                 "update.lora_rank", "update.lora_alpha", "train.seed", *REWARD_PARAMS],
-    "probe": ["model", "probe", "update.lora_rank", "update.lora_alpha", "train.seed", *REWARD_PARAMS],
+    "probe": ["model", "probe", "credit.mode", "update.lora_rank", "update.lora_alpha", "train.seed",
+              *REWARD_PARAMS],
     "credit": ["credit"],
     "update": ["model", "update", "train.seed"],
     "eval": ["model", "task", "sampling", "eval", "rollout.batch_size", "update.lora_rank",
-             "update.lora_alpha", "train.seed", *REWARD_PARAMS],
+             "update.lora_alpha", "update.ema", "train.seed", *REWARD_PARAMS],
     "baseline": ["model", "task", "sampling", "eval", "rollout.batch_size", "update.lora_rank",
                  "update.lora_alpha", *REWARD_PARAMS],
+    "summary": ["model", "task.eval_prompts", "sampling", "eval", "rollout.batch_size", "update.lora_rank",
+                "update.lora_alpha", "train.iterations"],
 }
 # Stages that run on launch.num_processes processes (`accelerate launch`); credit and summary stay single.
 MULTI_PROCESS_STAGES = ("rollout", "probe", "update", "eval", "baseline")
 HEADER = ("# Generated from params.yaml by `tpgrpo dvc-yaml` (`tpgrpo run` does it before `dvc repro`).\n"
           "# Edit params.yaml, not this file.\n")
+
+
+def iterations(cfg: Config) -> range:
+    """The run's iterations, 1..train.iterations: iteration i samples from policy i - 1 (policy 0 is the base
+    model) and its update writes policy i."""
+    return range(1, cfg.train.iterations + 1)
 
 
 def _iter_dir(i: int) -> str:
@@ -52,8 +62,29 @@ def reward_deps(cfg: Config, *specs) -> list[str]:
     return [*REWARD_CODE, *dict.fromkeys(folders)]
 
 
-def _metric(path: str) -> dict:
+def _uncached(path: str) -> dict:
+    """A small output kept in git rather than in DVC's cache (tables and figures users read)."""
     return {path: {"cache": False}}
+
+
+SUMMARY = "data/metrics/summary.json"
+EVAL_CURVE = "data/metrics/eval_curve.csv"    # base model + every evaluated iteration
+TRAIN_CURVE = "data/metrics/train_curve.csv"  # one row per iteration
+# `dvc plots show`: named charts with chosen axes (top-level `plots:` in dvc.yaml).
+PLOTS = [
+    {"held_out_reward": {"title": "Held-out reward (eval reward, ODE at eval.num_steps)", "x": "iteration",
+                         "y": {EVAL_CURVE: ["eval_reward"]}, "x_label": "iteration (0 = base model)",
+                         "y_label": "reward"}},
+    {"held_out_strict_accuracy": {"title": "Held-out strict accuracy", "x": "iteration",
+                                  "y": {EVAL_CURVE: ["strict_accuracy"]}, "x_label": "iteration (0 = base model)",
+                                  "y_label": "strict accuracy"}},
+    {"train_reward": {"title": "Training reward of the rollout (policy i-1's samples)", "x": "iteration",
+                      "y": {TRAIN_CURVE: ["train_reward"]}, "y_label": "reward"}},
+    {"turning_point_rate": {"title": "Turning-point rate (share of window steps)", "x": "iteration",
+                            "y": {TRAIN_CURVE: ["turning_point_rate"]}, "y_label": "rate"}},
+    {"approx_kl": {"title": "Approx KL of the update (last pass)", "x": "iteration",
+                   "y": {TRAIN_CURVE: ["approx_kl_after"]}, "y_label": "approx KL"}},
+]
 
 
 def stage_command(cfg: Config, name: str, iteration: int | None = None) -> str:
@@ -73,7 +104,7 @@ def stage_command(cfg: Config, name: str, iteration: int | None = None) -> str:
 
 def iteration_stages(cfg: Config, i: int) -> dict[str, dict]:
     """The rollout, probe, credit, update and eval stages of iteration ``i``."""
-    d, prev = _iter_dir(i), [f"{_iter_dir(i - 1)}/policy"] if i > 0 else []
+    d, prev = _iter_dir(i), [f"{_iter_dir(i - 1)}/policy"] if i > 1 else []  # policy 0 = the base model
     cmd = lambda name: stage_command(cfg, name, i)  # noqa: E731
     model = [cfg.model.path]
     return {
@@ -81,27 +112,27 @@ def iteration_stages(cfg: Config, i: int) -> dict[str, dict]:
             "cmd": cmd("rollout"), "params": STAGE_PARAMS["rollout"],
             "deps": ["stages/rollout.py", *MODEL_CODE, *reward_deps(cfg, cfg.task.reward), *model,
                      cfg.task.train_prompts, *prev],
-            "outs": [f"{d}/trajectories.zarr", f"{d}/prompt_embeds.safetensors"],
-            "metrics": [_metric(f"{d}/rollout.json")]},
+            "outs": [f"{d}/trajectories.zarr", f"{d}/prompt_embeds.safetensors"]},
         f"probe-{i:04d}": {
             "cmd": cmd("probe"), "params": STAGE_PARAMS["probe"],
             "deps": ["stages/probe.py", *MODEL_CODE, *reward_deps(cfg, cfg.task.reward), *model,
                      f"{d}/trajectories.zarr", f"{d}/prompt_embeds.safetensors", *prev],
-            "outs": [f"{d}/probe.parquet"], "metrics": [_metric(f"{d}/probe.json")]},
+            "outs": [f"{d}/probe.parquet"]},
         f"credit-{i:04d}": {
             "cmd": cmd("credit"), "params": STAGE_PARAMS["credit"],
-            "deps": ["stages/credit.py", "tpgrpo/credit.py", "tpgrpo/advantages.py", f"{d}/probe.parquet"],
-            "outs": [f"{d}/credit.parquet"], "metrics": [_metric(f"{d}/credit.json")]},
+            "deps": ["stages/credit.py", "tpgrpo/credit.py", "tpgrpo/advantages.py", "tpgrpo/artifacts.py",
+                     "tpgrpo/schemas.py", f"{d}/probe.parquet"],
+            "outs": [f"{d}/credit.parquet"]},
         f"update-{i:04d}": {
             "cmd": cmd("update"), "params": STAGE_PARAMS["update"],
             "deps": ["stages/update.py", "tpgrpo/update.py", "tpgrpo/loss.py", *MODEL_CODE, *model,
                      f"{d}/trajectories.zarr", f"{d}/prompt_embeds.safetensors", f"{d}/credit.parquet", *prev],
-            "outs": [f"{d}/policy"], "metrics": [_metric(f"{d}/update.json")]},
+            "outs": [f"{d}/policy"]},
         f"eval-{i:04d}": {
             "cmd": cmd("eval"), "params": STAGE_PARAMS["eval"],
-            "deps": ["stages/eval.py", *MODEL_CODE, *reward_deps(cfg, cfg.task.reward, cfg.task.eval_reward),
+            "deps": ["stages/eval.py", "tpgrpo/compare.py", "tpgrpo/generate.py", *MODEL_CODE, *reward_deps(cfg, cfg.task.reward, cfg.task.eval_reward),
                      *model, cfg.task.eval_prompts, f"{d}/policy"],
-            "metrics": [_metric(f"{d}/eval.json")]},
+            "outs": [_uncached(f"{d}/eval.parquet")]},
     }
 
 
@@ -110,19 +141,28 @@ def render(cfg: Config) -> dict:
     stages: dict[str, dict] = {
         "baseline": {
             "cmd": stage_command(cfg, "baseline"), "params": STAGE_PARAMS["baseline"],
-            "deps": ["stages/eval.py", *MODEL_CODE, *reward_deps(cfg, cfg.task.reward, cfg.task.eval_reward),
+            "deps": ["stages/eval.py", "tpgrpo/compare.py", "tpgrpo/generate.py", *MODEL_CODE, *reward_deps(cfg, cfg.task.reward, cfg.task.eval_reward),
                      cfg.model.path, cfg.task.eval_prompts],
-            "metrics": [_metric("data/iters/baseline_eval.json")]},
+            "outs": [_uncached("data/iters/baseline_eval.parquet")]},
     }
-    for i in range(cfg.train.iterations):
+    for i in iterations(cfg):
         stages.update(iteration_stages(cfg, i))
-    per_iter = [f"{_iter_dir(i)}/{name}.json" for i in range(cfg.train.iterations)
+    per_iter = [f"{_iter_dir(i)}/{name}.json" for i in iterations(cfg)
                 for name in ("rollout", "probe", "credit", "update", "eval")]
+    # Stage JSONs are logs (wall seconds differ run to run), not DVC outputs: re-running a stage by hand with
+    # the same inputs leaves DVC with nothing to redo but this summary. The eval tables (outputs) order it
+    # after every iteration, whose stages all wrote their JSON before its eval ran.
+    evals = [f"{_iter_dir(i)}/eval.parquet" for i in iterations(cfg)]
+    last = _iter_dir(cfg.train.iterations)  # the figures draw its tables and its policy's images
+    last_iteration = [f"{last}/probe.parquet", f"{last}/credit.parquet", f"{last}/policy"]
     stages["summary"] = {
-        "cmd": "tpgrpo stage summary", "deps": ["stages/summary.py", "data/iters/baseline_eval.json", *per_iter],
-        "metrics": [_metric("data/metrics/summary.json")],
-        "plots": [{"data/metrics/history.csv": {"x": "iteration", "cache": False}}]}
-    return {"stages": stages}
+        "cmd": "tpgrpo stage summary", "params": STAGE_PARAMS["summary"],
+        "deps": ["stages/summary.py", "tpgrpo/figures.py", "tpgrpo/plots.py", "data/iters/baseline_eval.json",
+                 "data/iters/baseline_eval.parquet", *per_iter, *evals, *last_iteration],
+        "outs": [_uncached("data/metrics/history.csv"), _uncached(EVAL_CURVE), _uncached(TRAIN_CURVE),
+                 *[_uncached(f"data/reports/{name}") for name in FIGURES]],
+        "metrics": [{SUMMARY: {"cache": False}}]}
+    return {"stages": stages, "plots": PLOTS}
 
 
 class _NoAliasDumper(yaml.SafeDumper):

@@ -65,10 +65,11 @@ def sampling_from_attrs(attrs: dict):
 
 
 def load_policy(cfg: Config, root: Path, iteration: int, trainable: bool = False):
-    """The backend with the LoRA policy that iteration ``iteration`` samples from.
+    """The backend with the LoRA policy that iteration ``iteration`` samples from: policy ``iteration - 1``.
 
-    Iteration 0 samples from the base model (a fresh LoRA is zero at init, so attaching it changes
-    nothing); iteration i > 0 loads the adapter that iteration i - 1's update wrote.
+    Iterations are numbered 1..N. Iteration 1 samples from policy 0, the base model (a fresh LoRA is zero
+    at init, so attaching it changes nothing); iteration i > 1 loads policy i - 1, the adapter that
+    iteration i - 1's update wrote. (The eval of iteration i scores policy i: ``iteration = i + 1``.)
     """
     import torch
 

@@ -90,7 +90,9 @@ def turning_point_view(probe, credit, path: Path, prompt_id=None, title: str | N
     """
     _require_columns(probe, ["trajectory", "prompt_id", "step", "reward"], "probe table")
     _require_columns(credit, ["trajectory", "step", "turning_point", "trend"], "credit table")
-    credit = credit.merge(probe[["trajectory", "prompt_id"]].drop_duplicates(), on="trajectory")
+    # credit.parquet carries prompt_id too: take it from the probe table alone (no _x/_y suffixes).
+    credit = credit.drop(columns=["prompt_id"], errors="ignore").merge(
+        probe[["trajectory", "prompt_id"]].drop_duplicates(), on="trajectory")
     group = _pick_group(credit, prompt_id)
     rows = probe[probe["prompt_id"] == group]
     if rows.empty:

@@ -1,4 +1,6 @@
-"""Deterministic (ODE) sampling with any ``FlowBackend``, prompt-set evaluation and image grids.
+"""Image generation with the ODE sampler (any ``FlowBackend``), prompt-set evaluation and image grids.
+
+Not to be confused with ``tpgrpo.sampling``, the step maths (ODE, SDE and CPS steps, log-probs) this uses.
 
 Sampling is Euler on the flow ODE over ``flow_sigmas(num_steps, shift)`` with classifier-free
 guidance; a sample depends only on its prompt and its seed (not on the batch it runs in, up to

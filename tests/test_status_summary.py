@@ -1,0 +1,114 @@
+"""`tpgrpo status`, the summary's headline numbers and curves, and what dvc.yaml gives `dvc metrics/plots`."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+import pandas as pd
+import pytest
+import yaml
+
+from conftest import tiny_params
+from stages.summary import eval_curve, headline, train_curve
+from tpgrpo.config import config_from_dict
+from tpgrpo.dvcfile import PLOTS, render
+from tpgrpo.errors import PipelineError
+from tpgrpo.status import check_iteration, record_stage, status_text
+
+
+def fake_iteration(root, i, evaluated=False, reward=0.5, stages=("rollout", "probe", "credit", "update", "eval")):
+    folder = root / "data" / "iters" / f"{i:04d}"
+    folder.mkdir(parents=True, exist_ok=True)
+    for stage in stages:
+        payload = {"iteration": i}
+        if stage == "eval":
+            payload.update(evaluated=evaluated, eval_reward=reward, eval_strict_accuracy=reward / 10)
+        (folder / f"{stage}.json").write_text(json.dumps(payload))
+    (folder / "blob.bin").write_bytes(b"x" * 1024 * 1024)
+
+
+def test_status_names_done_iterations_the_last_stage_reward_and_disk(tmp_path):
+    root = tmp_path
+    (root / "data" / "iters").mkdir(parents=True)
+    (root / "data" / "iters" / "baseline_eval.json").write_text(
+        json.dumps({"eval_reward": 0.4, "eval_strict_accuracy": 0.05}))
+    for i in (1, 2, 3):
+        fake_iteration(root, i, evaluated=(i == 2), reward=0.45)
+    fake_iteration(root, 4, stages=("rollout", "probe"))
+    fake_iteration(root, 6)
+    record_stage(root, "probe", 7, "failed", "missing input data/iters/0007/trajectories.zarr")
+    text = status_text(root, planned=12)
+    lines = text.splitlines()
+    assert lines[0] == "iterations: 4 of 12 done (1-3, 6)"
+    assert "iteration 4: partly done (rollout, probe)" in lines[1]
+    assert "probe --iter 7: failed" in text and "error: missing input" in text
+    assert "base 0.400 (strict 0.050) -> iteration 2: 0.450 (strict 0.045), +0.050" in text
+    assert "disk: 5.0 MB in 5 iteration folders" in text
+    assert len(lines) <= 12  # one screen
+
+
+def test_status_says_a_running_stage_whose_process_is_gone_was_killed(tmp_path):
+    record_stage(tmp_path, "update", 3, "running")
+    path = tmp_path / "data" / ".last_stage.json"
+    payload = json.loads(path.read_text())
+    dead = subprocess.Popen([sys.executable, "-c", "pass"])
+    dead.wait()
+    payload["pid"] = dead.pid
+    path.write_text(json.dumps(payload))
+    assert "update --iter 3: killed (its process is gone)" in status_text(tmp_path, planned=3)
+    payload["pid"] = os.getpid()  # alive
+    path.write_text(json.dumps(payload))
+    assert "update --iter 3: running" in status_text(tmp_path, planned=3)
+
+
+@pytest.mark.parametrize("iteration", [0, 13, -2])
+def test_an_iteration_outside_the_run_is_refused_naming_the_run(tmp_path, iteration):
+    fake_iteration(tmp_path, 1)
+    fake_iteration(tmp_path, 2)
+    cfg = config_from_dict(tiny_params(train={"iterations": 12}))
+    with pytest.raises(PipelineError, match=rf"--iter {iteration}: this run has iterations 1\.\.12 .*finished: 1-2\)$"):
+        check_iteration(cfg, tmp_path, iteration)
+    check_iteration(cfg, tmp_path, 12)  # in range: no error (the stage itself says what is missing)
+
+
+def history_frame() -> pd.DataFrame:
+    nan = float("nan")
+    return pd.DataFrame({
+        "iteration": [0, 1, 2, 3, 4],
+        "eval_eval_reward": [0.40, nan, 0.47, nan, 0.45], "eval_eval_strict_accuracy": [0.05, nan, 0.09, nan, 0.1],
+        "eval_train_reward": [0.30, nan, 0.35, nan, 0.36],
+        "rollout_mean_reward": [nan, 0.31, 0.33, 0.34, 0.36], "credit_turning_point_rate": [nan, 0.1, 0.2, 0.1, 0.05],
+        "update_approx_kl_after": [nan, 1e-5, 2e-5, 3e-5, 4.123456e-5],
+        **{f"{s}_wall_seconds": [nan, 10.0, 12.0, 10.0, 12.0] for s in ("rollout", "probe", "credit", "update")},
+        "eval_wall_seconds": [5.0, nan, 6.0, nan, 6.0],
+    })
+
+
+def test_headline_numbers_are_base_latest_best_and_the_latest_training_figures():
+    frame = history_frame()
+    evals, train = eval_curve(frame), train_curve(frame)
+    assert evals["iteration"].tolist() == [0, 2, 4]  # base + evaluated iterations only
+    assert train["iteration"].tolist() == [1, 2, 3, 4]
+    assert train["wall_seconds"].tolist() == [40.0, 54.0, 40.0, 54.0]  # every stage's wall, eval when it ran
+    head = headline(evals, train)
+    assert head["held_out"] == {"base": 0.4, "latest": 0.45, "best": 0.47, "best_iter": 2}
+    assert head["strict"] == {"base": 0.05, "latest": 0.1, "best": 0.1}
+    assert head["train_reward"] == 0.36 and head["tp_rate"] == 0.05 and head["approx_kl"] == 4.12e-5
+    assert head["iterations"] == 4 and head["s_per_iter"] == 47.0
+
+
+def test_dvc_yaml_declares_only_the_summary_as_a_metric_and_named_plots():
+    cfg = config_from_dict(tiny_params(train={"iterations": 3}))
+    stages = render(cfg)["stages"]
+    metrics = [m for stage in stages.values() for m in stage.get("metrics", [])]
+    assert metrics == [{"data/metrics/summary.json": {"cache": False}}]
+    assert list(stages) == ["baseline", *[f"{n}-{i:04d}" for i in (1, 2, 3)
+                                          for n in ("rollout", "probe", "credit", "update", "eval")], "summary"]
+    assert "data/iters/0001/policy" in stages["rollout-0002"]["deps"]
+    assert not any(d.endswith("/policy") for d in stages["rollout-0001"]["deps"])  # iteration 1 samples the base
+    names = [next(iter(p)) for p in render(cfg)["plots"]]
+    assert names == [next(iter(p)) for p in PLOTS] and "held_out_reward" in names and "turning_point_rate" in names
+    assert yaml.safe_load(yaml.safe_dump(render(cfg)))["plots"] == PLOTS
