@@ -1,0 +1,352 @@
+"""The mode comparison: run folders, resume, collection, paired differences, verdicts, report.
+
+Fast tests build run folders by hand (the stage JSONs and per-image eval tables the pipeline writes);
+the slow test trains 2 modes x 2 seeds x 2 iterations of the tiny model through the real CLI.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+import pandas as pd
+import pytest
+import yaml
+from conftest import REPO, make_tiny_project, tiny_params
+
+from tpgrpo import comparison as cmp
+from tpgrpo.compare import EVAL_TABLE_COLUMNS
+from tpgrpo.comparison_results import (Pair, collect, collect_curves, compare_pair, by_variant, paired_difference,
+                                       verdict)
+from tpgrpo.config import ConfigError
+from tpgrpo.errors import PipelineError
+
+PROMPTS, SAMPLES = 6, 2
+SECONDS = {"rollout": 1.0, "probe": 2.0, "credit": 0.5, "update": 1.5}  # per iteration; eval 10 s, left out
+
+
+def eval_table(values) -> pd.DataFrame:
+    """A per-image eval table (PROMPTS x SAMPLES rows) with the given eval_reward values."""
+    values = np.asarray(values, dtype=float)
+    ids = [f"p{i}" for i in range(PROMPTS) for _ in range(SAMPLES)]
+    return pd.DataFrame({
+        "prompt_id": ids, "prompt": [f"prompt {i}" for i in ids], "sample": np.tile(np.arange(SAMPLES), PROMPTS),
+        "seed": np.arange(PROMPTS * SAMPLES) + 100, "eval_reward": values, "eval_strict": values > 0.5,
+        "train_reward": values, "train_strict": values > 0.5}).astype(EVAL_TABLE_COLUMNS)
+
+
+def fake_run(out: Path, variant: str, mode: str, seed: int, rewards: dict[int, np.ndarray], budget: int,
+             planned: int | None = None, family: str = "main", reference: str = "", scale: float = 1.0,
+             overrides: dict | None = None) -> Path:
+    """A finished run folder: run.json, params.yaml, baseline (iteration 0) and iterations 1..max(rewards)
+    with stage JSONs (train seconds = scale x SECONDS) and eval tables (evaluated where ``rewards`` has
+    the iteration)."""
+    folder = out / variant / f"seed{seed}"
+    params = tiny_params(credit={"mode": mode}, train={"seed": seed, "iterations": planned or budget})
+    for key, value in (overrides or {}).items():
+        section, _, name = key.partition(".")
+        params[section][name] = value
+    iters = folder / "data" / "iters"
+    iters.mkdir(parents=True)
+    (folder / "params.yaml").write_text(yaml.safe_dump(params, sort_keys=False))
+    (folder / "run.json").write_text(json.dumps({"variant": variant, "mode": mode, "seed": seed, "family": family,
+                                                 "reference": reference, "overrides": overrides or {}, "budget": budget}))
+    base = rewards[0]
+    eval_table(base).to_parquet(iters / "baseline_eval.parquet")
+    (iters / "baseline_eval.json").write_text(json.dumps({"eval_reward": float(np.mean(base)),
+                                                         "eval_strict_accuracy": float(np.mean(base > 0.5))}))
+    for i in range(1, max(rewards) + 1):
+        d = iters / f"{i:04d}"
+        d.mkdir()
+        for stage, s in SECONDS.items():
+            extra = {"rollout": {"mean_reward": 0.1 * i}, "credit": {"turning_point_rate": 0.2,
+                     "turning_point_rate_per_step": [0.3, 0.1, 0.0] if mode.startswith("tp") else [0.0] * 3},
+                     "update": {"approx_kl_after": 1e-4}, "probe": {}}[stage]
+            (d / f"{stage}.json").write_text(json.dumps({"wall_seconds": s * scale, **extra}))
+        evaluated = i in rewards
+        table = eval_table(rewards[i]) if evaluated else eval_table(np.zeros(PROMPTS * SAMPLES)).iloc[:0]
+        table.to_parquet(d / "eval.parquet")
+        metrics = {"wall_seconds": 10.0, "evaluated": evaluated}
+        if evaluated:
+            metrics.update(eval_reward=float(np.mean(rewards[i])), eval_strict_accuracy=float(np.mean(rewards[i] > 0.5)))
+        (d / "eval.json").write_text(json.dumps(metrics))
+        (d / "policy").mkdir()
+    return folder
+
+
+def noisy(mean: float, seed: int) -> np.ndarray:
+    return mean + np.random.default_rng(seed).normal(0, 0.05, PROMPTS * SAMPLES)
+
+
+# ---- verdicts and paired differences -------------------------------------------------------------------------
+
+@pytest.mark.parametrize("lo, hi, direction, expected", [
+    (0.01, 0.05, 1, "confirmed"), (-0.05, -0.01, 1, "refuted"), (-0.01, 0.02, 1, "not detectable"),
+    (0.0, 0.0, 1, "not detectable"), (-0.05, -0.01, -1, "confirmed"), (0.01, 0.05, -1, "refuted"),
+    (float("nan"), float("nan"), 1, "not run")])
+def test_verdict_rule(lo, hi, direction, expected):
+    assert verdict(lo, hi, direction) == expected
+
+
+def test_verdict_rejects_an_inverted_interval():
+    with pytest.raises(ValueError, match="lower bound above upper"):
+        verdict(0.2, 0.1)
+
+
+def test_a_run_against_itself_is_exactly_zero(tmp_path):
+    base = noisy(0.3, 0)
+    folders = [fake_run(tmp_path, "tp", "tp", s, {0: base, 1: noisy(0.5, s + 1)}, 1) for s in (0, 1)]
+    side = [(f, 1) for f in folders]
+    d = paired_difference(side, side, n_boot=500)
+    assert (d["reward_diff"], d["reward_lo"], d["reward_hi"]) == (0.0, 0.0, 0.0)
+    assert (d["strict_diff"], d["strict_lo"], d["strict_hi"]) == (0.0, 0.0, 0.0)
+    assert d["per_seed_reward_diff"] == [0.0, 0.0] and d["prompts"] == PROMPTS and d["images"] == PROMPTS * SAMPLES
+
+
+def test_seeds_are_pooled_per_image_before_the_bootstrap(tmp_path):
+    base = noisy(0.3, 0)
+    a = [fake_run(tmp_path, "tp", "tp", s, {0: base, 1: np.full(PROMPTS * SAMPLES, v)}, 1) for s, v in ((0, 0.6), (1, 0.8))]
+    b = [fake_run(tmp_path, "flow_grpo", "flow_grpo", s, {0: base, 1: np.full(PROMPTS * SAMPLES, 0.5)}, 1)
+         for s in (0, 1)]
+    d = paired_difference([(f, 1) for f in a], [(f, 1) for f in b], n_boot=200)
+    # per image: mean over seeds 0.7 - 0.5 = 0.2 everywhere, so the interval has no width
+    assert d["reward_diff"] == pytest.approx(0.2) and d["reward_lo"] == pytest.approx(0.2) == d["reward_hi"]
+    assert d["per_seed_reward_diff"] == pytest.approx([0.1, 0.3])
+    assert d["strict_diff"] == pytest.approx(1.0)  # both seeds strict (> 0.5) vs neither
+
+
+def test_runs_scored_on_other_images_are_not_paired(tmp_path):
+    base = noisy(0.3, 0)
+    a = fake_run(tmp_path, "tp", "tp", 0, {0: base, 1: noisy(0.5, 1)}, 1)
+    b = fake_run(tmp_path, "flow_grpo", "flow_grpo", 0, {0: base, 1: noisy(0.5, 2)}, 1)
+    table = pd.read_parquet(b / "data/iters/0001/eval.parquet")
+    table.assign(seed=table["seed"] + 1).to_parquet(b / "data/iters/0001/eval.parquet")
+    with pytest.raises(PipelineError, match="different held-out images"):
+        paired_difference([(a, 1)], [(b, 1)], n_boot=10)
+
+
+# ---- collection ----------------------------------------------------------------------------------------------
+
+def test_curves_cumulate_training_seconds_and_stop_at_the_first_unfinished_iteration(tmp_path):
+    folder = fake_run(tmp_path, "tp", "tp", 0, {0: noisy(0.3, 0), 2: noisy(0.4, 1), 3: noisy(0.5, 2)}, 3)
+    (folder / "data/iters/0003/update.json").unlink()  # iteration 3 unfinished
+    curves, rates = collect_curves(cmp.discover(tmp_path))
+    assert list(curves["iteration"]) == [0, 1, 2]
+    assert list(curves["cum_seconds"]) == [0.0, 5.0, 10.0]  # 1 + 2 + 0.5 + 1.5 per iteration, eval left out
+    assert np.isnan(curves["eval_reward"].iloc[1]) and curves["eval_reward"].iloc[2] == pytest.approx(noisy(0.4, 1).mean())
+    assert len(rates) == 2 * 3 and set(rates["step"]) == {0, 1, 2}
+
+
+def make_comparison(out: Path, extended: bool = True) -> None:
+    """tp (2x the seconds) beats flow_grpo by 0.2 at iteration 4; flow_grpo extended to 8 iterations; an
+    incremental run of one seed only; a noise ablation of tp."""
+    base = noisy(0.3, 0)
+    for s in (0, 1):
+        fake_run(out, "tp", "tp", s, {0: base, 2: noisy(0.5, s), 4: noisy(0.7, s + 9)}, 4, scale=2.0)
+        fl = {0: base, 2: noisy(0.45, s + 3), 4: noisy(0.5, s + 4)}
+        if extended:
+            fl.update({6: noisy(0.55, s + 5), 8: noisy(0.6, s + 6)})
+        fake_run(out, "flow_grpo", "flow_grpo", s, fl, 4, planned=8 if extended else 4)
+    fake_run(out, "incremental", "incremental", 0, {0: base, 2: noisy(0.5, 7), 4: noisy(0.5, 8)}, 4)
+    fake_run(out, "tp-noise0.4", "tp", 0, {0: base, 2: noisy(0.5, 10), 4: noisy(0.5, 11)}, 4, family="ablation",
+             reference="tp", overrides={"sampling.noise_level": 0.4})
+
+
+def test_pairs_at_the_same_iteration_and_at_equal_wall_clock(tmp_path):
+    make_comparison(tmp_path)
+    runs = by_variant(cmp.discover(tmp_path))
+    curves, _ = collect_curves(cmp.discover(tmp_path))
+    same = compare_pair(Pair("tp", "flow_grpo"), runs, curves, n_boot=500)
+    assert (same["iteration_a"], same["iteration_b"], same["seeds"]) == ("4", "4", "0,1")
+    assert same["reward_diff"] == pytest.approx(0.2, abs=0.03) and same["reward_lo"] > 0.1
+    wall = compare_pair(Pair("tp", "flow_grpo", "equal_wall"), runs, curves, n_boot=500)
+    # tp: 4 iterations x 10 s = 40 s; flow_grpo: 5 s per iteration, nearest evaluated at 40 s is iteration 8
+    assert (wall["iteration_a"], wall["iteration_b"], wall["seconds_a"], wall["seconds_b"]) == ("4", "8", 40.0, 40.0)
+    assert wall["reward_diff"] == pytest.approx(0.1, abs=0.03)
+    one_seed = compare_pair(Pair("incremental", "flow_grpo"), runs, curves, n_boot=100)
+    assert one_seed["seeds"] == "0"
+
+
+def test_collect_writes_tables_and_marks_claims(tmp_path):
+    make_comparison(tmp_path)
+    tables = collect(tmp_path, n_boot=300)
+    for name in ("curves", "tp_rates", "pairs", "claims"):
+        assert (tmp_path / "results" / f"{name}.csv").is_file()
+    curves = pd.read_parquet(tmp_path / "results" / "curves.parquet")
+    assert len(curves) == 2 * (5 + 9) + 5 + 5  # tp 0..4, flow_grpo 0..8 per seed; incremental, ablation 0..4
+    pairs = tables["pairs"].set_index(["a", "b", "kind"])
+    assert {("tp", "flow_grpo", "iteration"), ("tp", "flow_grpo", "equal_wall"), ("incremental", "flow_grpo",
+            "iteration"), ("tp-noise0.4", "tp", "iteration")} <= set(pairs.index)
+    assert ("tp", "tp-noise0.4", "iteration") not in set(pairs.index)  # a claim's reverse is not repeated
+    noise = tables["claims"].set_index("claim").loc["noise level 0.7 beats 0.4"]
+    ablation = pairs.loc[("tp-noise0.4", "tp", "iteration")]
+    assert (noise["reward_diff"], noise["reward_lo"], noise["reward_hi"]) == pytest.approx(
+        (-ablation["reward_diff"], -ablation["reward_hi"], -ablation["reward_lo"]))
+    claims = tables["claims"].set_index("claim")["verdict"]
+    assert claims["TP-GRPO beats Flow-GRPO at the same iteration"] == "confirmed"
+    assert claims["TP-GRPO beats Flow-GRPO at equal wall-clock time"] == "confirmed"
+    assert claims["TP-GRPO w/o constraint beats Flow-GRPO at the same iteration"] == "not run"
+    assert claims["noise level 0.7 beats 0.4"] == "confirmed"  # tp seed 0 at 0.7 vs 0.5
+    assert claims["cps steps beat sde steps"] == "not run"
+
+
+def test_equal_wall_is_not_run_until_flow_grpo_gets_its_extra_iterations(tmp_path):
+    make_comparison(tmp_path, extended=False)
+    claims = collect(tmp_path, n_boot=50)["claims"].set_index("claim")
+    row = claims.loc["TP-GRPO beats Flow-GRPO at equal wall-clock time"]
+    assert row["verdict"] == "not run" and "equal-wall pass" in row["note"]
+
+
+def test_report_writes_markdown_and_figures(tmp_path):
+    from PIL import Image
+
+    from tpgrpo.comparison_report import ABLATION_FIGURE, FIGURES, write_report
+
+    make_comparison(tmp_path / "cmp")
+    md = write_report([tmp_path / "cmp"], tmp_path / "docs" / "replication.md", command="make it", n_boot=200)
+    text = md.read_text()
+    for name in (*FIGURES, ABLATION_FIGURE):
+        path = tmp_path / "docs" / "replication" / f"cmp-{name}"
+        with Image.open(path) as image:
+            assert image.format == "PNG" and min(image.size) >= 300
+        assert f"(replication/cmp-{name})" in text
+    assert "| TP-GRPO beats Flow-GRPO at the same iteration |" in text and "**confirmed**" in text
+    assert "`make it`" in text and "200 bootstrap resamples" in text
+
+
+# ---- planning, folders and resume ----------------------------------------------------------------------------
+
+def test_equal_wall_iterations_round_up_to_an_evaluated_iteration():
+    assert cmp.equal_wall_iterations([10.0, 10.0], [5.0], budget=12, every=4) == 24
+    assert cmp.equal_wall_iterations([7.5], [5.0], budget=12, every=4) == 20  # 18 -> 20
+    assert cmp.equal_wall_iterations([5.0], [10.0], budget=12, every=4) == 12  # never fewer than the budget
+    with pytest.raises(ConfigError, match="eval.every"):
+        cmp.equal_wall_iterations([1.0], [1.0], budget=12, every=0)
+
+
+def test_run_params_apply_overrides_and_reject_bad_ones():
+    base = tiny_params()
+    v = cmp.Variant("tp-lr", "tp", {"update.lr": "3e-4", "sampling.noise_level": 0.4})
+    raw = cmp.run_params(base, v, seed=2, iterations=5)
+    assert (raw["credit"]["mode"], raw["train"]["seed"], raw["train"]["iterations"]) == ("tp", 2, 5)
+    assert raw["sampling"]["noise_level"] == 0.4 and base["sampling"]["noise_level"] == 0.7
+    with pytest.raises(ConfigError, match="variant bad: override 'sampling.nosie'"):
+        cmp.run_params(base, cmp.Variant("bad", "tp", {"sampling.nosie": 1}), 0, 2)
+    with pytest.raises(ConfigError, match="variant wide: .*window_size"):
+        cmp.run_params(base, cmp.Variant("wide", "tp", {"sampling.window_size": 4}), 0, 2)  # tiny: 4 steps, sde
+
+
+def test_variants_of_the_cli_flags():
+    main = cmp.main_variants(["flow_grpo", "tp"], [0, 1], {"task.reward": "geneval"},
+                             {"flow_grpo": {"update.lr": 3e-4}})
+    assert [(v.name, v.overrides) for v in main] == [("flow_grpo", {"task.reward": "geneval", "update.lr": 3e-4}),
+                                                     ("tp", {"task.reward": "geneval"})]
+    sweep = cmp.lr_sweep_variants(main, [1e-2], [0])
+    assert [v.name for v in sweep] == ["flow_grpo-lr0.01", "tp-lr0.01"] and sweep[0].overrides["update.lr"] == 1e-2
+    abl = cmp.ablation_variants(main[1], ["window8", "cps"], [0])
+    assert [(v.name, v.reference, v.family) for v in abl] == [("tp-window8", "tp", "ablation"), ("tp-cps", "tp", "ablation")]
+    with pytest.raises(ConfigError, match="modes"):
+        cmp.main_variants(["grpo"], [0])
+    with pytest.raises(ConfigError, match="ablations"):
+        cmp.ablation_variants(main[1], ["window5"], [0])
+
+
+def test_run_state_done_only_when_the_summary_is_newer_than_every_iteration(tmp_path):
+    folder = fake_run(tmp_path, "tp", "tp", 0, {0: noisy(0.3, 0), 1: noisy(0.4, 0), 2: noisy(0.5, 0)}, 2)
+    assert cmp.run_state(folder) == ("partial", 2, 2)  # no summary yet
+    summary = folder / cmp.SUMMARY
+    summary.parent.mkdir(parents=True)
+    summary.write_text(json.dumps({"iterations": 2}))
+    assert cmp.run_state(folder) == ("done", 2, 2)
+    later = time.time() + 5
+    os.utime(folder / "data/iters/0002/eval.json", (later, later))  # an iteration redone after the summary
+    assert cmp.run_state(folder)[0] == "partial"
+    assert cmp.run_state(tmp_path / "nowhere") == ("new", 0, 0)
+
+
+def test_a_folder_of_another_comparison_is_refused(tmp_path, tiny_model_dir):
+    base = make_tiny_project(tmp_path / "base", tiny_model_dir)
+    params = yaml.safe_load((base / "params.yaml").read_text())
+    code = cmp.snapshot_code(tmp_path / "out", REPO)
+    spec = cmp.RunSpec(cmp.Variant("tp", "tp", {}), 0, tmp_path / "out" / "tp" / "seed0")
+    cmp.prepare_run(spec, base, params, code, budget=2)
+    assert (spec.folder / "data/base").is_dir() and (spec.folder / "tpgrpo/cli.py").is_file()
+    assert json.loads((code / "SNAPSHOT.json").read_text())["commit"]
+    cmp.prepare_run(spec, base, params, code, budget=3)  # a larger budget: train.iterations rises
+    assert yaml.safe_load((spec.folder / "params.yaml").read_text())["train"]["iterations"] == 3
+    other = cmp.RunSpec(cmp.Variant("tp", "tp", {"update.lr": 0.5}), 0, spec.folder)
+    with pytest.raises(PipelineError, match="update.lr is 0.01 there"):
+        cmp.check_run(other, params, 2)
+
+
+def test_cli_bad_override_is_one_line_and_writes_nothing(tmp_path, tiny_model_dir):
+    base = make_tiny_project(tmp_path / "base", tiny_model_dir)
+    out = tmp_path / "out"
+    res = subprocess.run([sys.executable, str(REPO / "bench" / "compare_modes.py"), "run", "--base", str(base),
+                          "--out", str(out), "--set", "sampling.noise_levle=0.5"], capture_output=True, text=True)
+    assert res.returncode == 2 and not out.exists()
+    assert res.stderr.strip().count("\n") == 0 and "sampling.noise_levle" in res.stderr
+
+
+# ---- end to end -----------------------------------------------------------------------------------------------
+
+def cli(*args: str) -> subprocess.CompletedProcess:
+    env = dict(os.environ, DVC_NO_ANALYTICS="1")
+    res = subprocess.run([sys.executable, str(REPO / "bench" / "compare_modes.py"), *args], capture_output=True,
+                         text=True, env=env)
+    assert res.returncode == 0, res.stdout + res.stderr
+    return res
+
+
+def stages_ran(log: Path, since: int) -> set[str]:
+    text = log.read_text()[since:]
+    return {line.split("'")[1] for line in text.splitlines() if line.startswith("Running stage")}
+
+
+@pytest.mark.slow
+def test_comparison_end_to_end_with_resume_and_report(tmp_path, tiny_model_dir):
+    from PIL import Image
+
+    base = make_tiny_project(tmp_path / "base", tiny_model_dir)
+    out = tmp_path / "cmp"
+    run = ["run", "--base", str(base), "--out", str(out), "--modes", "flow_grpo,tp", "--seeds", "0,1",
+           "--iterations", "2", "--set", "task.eval_reward=jpeg_compressibility", "--jobs", "2", "--threads", "1"]
+    cli(*run)
+    folders = {f"{v}/seed{s}": out / v / f"seed{s}" for v in ("flow_grpo", "tp") for s in (0, 1)}
+    assert all(cmp.run_state(f)[0] == "done" for f in folders.values())
+
+    # resume: iteration 2 of one run loses its eval; only that run runs again, and only eval-0002 + summary
+    victim = folders["tp/seed1"]
+    (victim / "data/iters/0002/eval.parquet").unlink()
+    (victim / "data/iters/0002/eval.json").unlink()
+    sizes = {k: (f / "run.log").stat().st_size for k, f in folders.items()}
+    cli(*run)
+    assert {k for k, f in folders.items() if (f / "run.log").stat().st_size != sizes[k]} == {"tp/seed1"}
+    assert stages_ran(victim / "run.log", sizes["tp/seed1"]) == {"eval-0002", "summary"}
+
+    cli("equal-wall", "--out", str(out), "--jobs", "2", "--threads", "1")
+    wall = json.loads((out / "equal_wall.json").read_text())
+    assert wall["iterations"] >= 2 and wall["ratio"] > 0
+
+    md = tmp_path / "docs" / "replication.md"
+    cli("report", "--results", str(out), "--out", str(md), "--n-boot", "500")
+    curves = pd.read_csv(out / "results" / "curves.csv")
+    flow_iters = wall["iterations"]
+    assert len(curves) == 2 * 3 + 2 * (flow_iters + 1)  # tp: 0..2 per seed; flow_grpo 0..its iterations
+    assert curves["eval_reward"].notna().all() and (curves["cum_seconds"].diff().dropna() != 0).any()
+    pairs = pd.read_csv(out / "results" / "pairs.csv").set_index(["a", "b", "kind"])
+    row = pairs.loc[("tp", "flow_grpo", "iteration")]
+    assert row["iteration_a"] == row["iteration_b"] == 2 and row["seeds"] == "0,1"
+    assert row["reward_lo"] <= row["reward_diff"] <= row["reward_hi"]
+    side = [(folders[f"tp/seed{s}"], 2) for s in (0, 1)]
+    self_diff = paired_difference(side, side, n_boot=200)
+    assert (self_diff["reward_diff"], self_diff["reward_lo"], self_diff["reward_hi"]) == (0.0, 0.0, 0.0)
+    for name in ("reward_vs_iteration", "reward_vs_wall", "paired_differences", "tp_rate_per_step"):
+        with Image.open(md.parent / "replication" / f"cmp-{name}.png") as image:
+            assert image.format == "PNG"
+    assert "TP-GRPO beats Flow-GRPO at equal wall-clock time" in md.read_text()
