@@ -1,8 +1,9 @@
 """Stage rollout: sample prompts_per_iter x group_size trajectories with the current policy.
 
 Writes ``trajectories.zarr`` (states around the SDE window, old log-probs, sigmas, seeds, final
-rewards; schema ``tpgrpo.schemas.TRAJECTORY_ARRAYS``, dimensions and meanings in the attributes) and
-``rollout.json`` (metrics).
+rewards, and with ``probe.completion: x0`` each window state's one-step estimate ``z_k - s_k v_k``, which
+that probe scores; schema ``tpgrpo.schemas.TRAJECTORY_ARRAYS``, dimensions and meanings in the
+attributes) and ``rollout.json`` (metrics).
 """
 
 from __future__ import annotations

@@ -1,0 +1,80 @@
+"""Start-up cost per stage process: wall of the command against the stage's own ``wall_seconds``.
+
+Usage: ``python bench/stage_startup.py [--model data/base] [--repeat 3]``. In a temporary project with the
+repo's params.yaml it runs iteration 1's rollout, probe and credit once, then times (best of ``--repeat``,
+fresh processes, 1 torch thread): ``tpgrpo --help``; ``tpgrpo stage credit``; ``tpgrpo stage probe`` with
+credit.mode flow_grpo (no model); the rollout stage; and, in a fresh process, importing the libraries
+and loading the policy (``tpgrpo.pipeline.load_policy``). "start-up" = command wall - the stage's
+``wall_seconds`` (which already counts model loading inside the stage).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import yaml
+
+REPO = Path(__file__).resolve().parents[1]
+TPGRPO = [sys.executable, "-m", "tpgrpo"]
+LOAD = ("import time, sys; t = time.perf_counter(); from pathlib import Path; from tpgrpo.config import load_config; "
+        "from tpgrpo.pipeline import load_policy; load_policy(load_config(sys.argv[1]), Path(sys.argv[1]).parent, "
+        "int(sys.argv[2])); "
+        "print(time.perf_counter() - t)")
+
+
+def _timed(cmd: list[str], cwd: Path, env: dict) -> tuple[float, str]:
+    start = time.perf_counter()
+    out = subprocess.run(cmd, cwd=cwd, env=env, capture_output=True, text=True)
+    if out.returncode:
+        raise SystemExit(f"{' '.join(cmd)} failed: {out.stderr.strip().splitlines()[-1]}")
+    return time.perf_counter() - start, out.stdout
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--model", type=Path, default=REPO / "data" / "base")
+    parser.add_argument("--repeat", type=int, default=3)
+    parser.add_argument("--first", type=int, default=1, help="number of the first iteration (0 before issue 11)")
+    args = parser.parse_args()
+    env = dict(os.environ, OMP_NUM_THREADS="1", DVC_NO_ANALYTICS="1", PYTHONPATH=str(REPO))
+    with tempfile.TemporaryDirectory(prefix="stage-startup-") as tmp:
+        root = Path(tmp)
+        shutil.copytree(REPO / "data" / "prompts", root / "data" / "prompts")
+        shutil.copytree(args.model, root / "data" / "base")
+        shutil.copy(REPO / "params.yaml", root / "params.yaml")
+        flow = yaml.safe_load((REPO / "params.yaml").read_text())
+        flow["credit"]["mode"] = "flow_grpo"
+        (root / "flow.yaml").write_text(yaml.safe_dump(flow))
+        def stage(name: str, params: str = "params.yaml") -> list[str]:
+            return [*TPGRPO, "stage", name, "--iter", str(args.first), "--params", params]
+
+        for name in ("rollout", "probe", "credit"):
+            _timed(stage(name), root, env)
+        folder = root / "data" / "iters" / f"{args.first:04d}"
+        cases = [("tpgrpo --help", [*TPGRPO, "--help"], None), ("stage credit", stage("credit"), "credit"),
+                 ("stage probe (flow_grpo)", stage("probe", "flow.yaml"), "probe"),
+                 ("stage rollout", stage("rollout"), "rollout")]
+        print(f"{'command':<26}{'wall s':>8}{'stage s':>9}{'start-up s':>12}   (best of {args.repeat}, 1 thread)")
+        for label, cmd, metrics in cases:
+            best = None
+            for _ in range(args.repeat):
+                wall, _ = _timed(cmd, root, env)
+                inner = json.loads((folder / f"{metrics}.json").read_text())["wall_seconds"] if metrics else 0.0
+                if best is None or wall < best[0]:
+                    best = (wall, inner)
+            print(f"{label:<26}{best[0]:>8.2f}{best[1]:>9.2f}{best[0] - best[1]:>12.2f}")
+        loads = [float(_timed([sys.executable, "-c", LOAD, str(root / "params.yaml"), str(args.first)], root, env)[1])
+                 for _ in range(args.repeat)]
+        print(f"{'imports + load_policy':<26}{min(loads):>8.2f}   (fresh process: libraries and weights)")
+
+
+if __name__ == "__main__":
+    main()
