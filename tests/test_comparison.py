@@ -54,8 +54,9 @@ def fake_run(out: Path, variant: str, mode: str, seed: int, rewards: dict[int, n
     iters = folder / "data" / "iters"
     iters.mkdir(parents=True)
     (folder / "params.yaml").write_text(yaml.safe_dump(params, sort_keys=False))
-    (folder / "run.json").write_text(json.dumps({"variant": variant, "mode": mode, "seed": seed, "family": family,
-                                                 "reference": reference, "overrides": overrides or {}, "budget": budget}))
+    meta = {"variant": variant, "mode": mode, "seed": seed, "family": family, "reference": reference,
+            "overrides": overrides or {}, "budget": budget}
+    (folder / "run.json").write_text(json.dumps(meta))
     base = rewards[0]
     eval_table(base).to_parquet(iters / "baseline_eval.parquet")
     (iters / "baseline_eval.json").write_text(json.dumps({"eval_reward": float(np.mean(base)),
@@ -73,7 +74,8 @@ def fake_run(out: Path, variant: str, mode: str, seed: int, rewards: dict[int, n
         table.to_parquet(d / "eval.parquet")
         metrics = {"wall_seconds": 10.0, "evaluated": evaluated}
         if evaluated:
-            metrics.update(eval_reward=float(np.mean(rewards[i])), eval_strict_accuracy=float(np.mean(rewards[i] > 0.5)))
+            metrics.update(eval_reward=float(np.mean(rewards[i])),
+                           eval_strict_accuracy=float(np.mean(rewards[i] > 0.5)))
         (d / "eval.json").write_text(json.dumps(metrics))
         (d / "policy").mkdir()
     return folder
@@ -110,7 +112,8 @@ def test_a_run_against_itself_is_exactly_zero(tmp_path):
 
 def test_seeds_are_pooled_per_image_before_the_bootstrap(tmp_path):
     base = noisy(0.3, 0)
-    a = [fake_run(tmp_path, "tp", "tp", s, {0: base, 1: np.full(PROMPTS * SAMPLES, v)}, 1) for s, v in ((0, 0.6), (1, 0.8))]
+    a = [fake_run(tmp_path, "tp", "tp", s, {0: base, 1: np.full(PROMPTS * SAMPLES, v)}, 1)
+         for s, v in ((0, 0.6), (1, 0.8))]
     b = [fake_run(tmp_path, "flow_grpo", "flow_grpo", s, {0: base, 1: np.full(PROMPTS * SAMPLES, 0.5)}, 1)
          for s in (0, 1)]
     d = paired_difference([(f, 1) for f in a], [(f, 1) for f in b], n_boot=200)
@@ -138,7 +141,8 @@ def test_curves_cumulate_training_seconds_and_stop_at_the_first_unfinished_itera
     curves, rates = collect_curves(cmp.discover(tmp_path))
     assert list(curves["iteration"]) == [0, 1, 2]
     assert list(curves["cum_seconds"]) == [0.0, 5.0, 10.0]  # 1 + 2 + 0.5 + 1.5 per iteration, eval left out
-    assert np.isnan(curves["eval_reward"].iloc[1]) and curves["eval_reward"].iloc[2] == pytest.approx(noisy(0.4, 1).mean())
+    assert np.isnan(curves["eval_reward"].iloc[1])
+    assert curves["eval_reward"].iloc[2] == pytest.approx(noisy(0.4, 1).mean())
     assert len(rates) == 2 * 3 and set(rates["step"]) == {0, 1, 2}
 
 
@@ -193,6 +197,8 @@ def test_collect_writes_tables_and_marks_claims(tmp_path):
     assert claims["TP-GRPO w/o constraint beats Flow-GRPO at the same iteration"] == "not run"
     assert claims["noise level 0.7 beats 0.4"] == "confirmed"  # tp seed 0 at 0.7 vs 0.5
     assert claims["cps steps beat sde steps"] == "not run"
+    notes = tables["claims"].set_index("claim")["note"]
+    assert notes["TP-GRPO beats Flow-GRPO at the same iteration"].startswith(f"only {PROMPTS} held-out prompts")
 
 
 def test_equal_wall_is_not_run_until_flow_grpo_gets_its_extra_iterations(tmp_path):
@@ -249,7 +255,8 @@ def test_variants_of_the_cli_flags():
     sweep = cmp.lr_sweep_variants(main, [1e-2], [0])
     assert [v.name for v in sweep] == ["flow_grpo-lr0.01", "tp-lr0.01"] and sweep[0].overrides["update.lr"] == 1e-2
     abl = cmp.ablation_variants(main[1], ["window8", "cps"], [0])
-    assert [(v.name, v.reference, v.family) for v in abl] == [("tp-window8", "tp", "ablation"), ("tp-cps", "tp", "ablation")]
+    assert [(v.name, v.reference, v.family) for v in abl] == [("tp-window8", "tp", "ablation"),
+                                                              ("tp-cps", "tp", "ablation")]
     with pytest.raises(ConfigError, match="modes"):
         cmp.main_variants(["grpo"], [0])
     with pytest.raises(ConfigError, match="ablations"):
@@ -341,7 +348,7 @@ def test_comparison_end_to_end_with_resume_and_report(tmp_path, tiny_model_dir):
     assert curves["eval_reward"].notna().all() and (curves["cum_seconds"].diff().dropna() != 0).any()
     pairs = pd.read_csv(out / "results" / "pairs.csv").set_index(["a", "b", "kind"])
     row = pairs.loc[("tp", "flow_grpo", "iteration")]
-    assert row["iteration_a"] == row["iteration_b"] == 2 and row["seeds"] == "0,1"
+    assert float(row["iteration_a"]) == float(row["iteration_b"]) == 2 and row["seeds"] == "0,1"
     assert row["reward_lo"] <= row["reward_diff"] <= row["reward_hi"]
     side = [(folders[f"tp/seed{s}"], 2) for s in (0, 1)]
     self_diff = paired_difference(side, side, n_boot=200)

@@ -289,8 +289,9 @@ def run_one(spec: RunSpec, threads: int) -> tuple[int, float]:
     with open(spec.folder / "run.log", "a") as log:
         log.write(f"=== tpgrpo run {time.strftime('%Y-%m-%d %H:%M:%S')} threads={threads}\n")
         log.flush()
-        code = subprocess.run([sys.executable, "-m", "tpgrpo", "run"], cwd=spec.folder, env=run_env(spec.folder, threads),
-                              stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL).returncode
+        code = subprocess.run([sys.executable, "-m", "tpgrpo", "run"], cwd=spec.folder,
+                              env=run_env(spec.folder, threads), stdout=log, stderr=subprocess.STDOUT,
+                              stdin=subprocess.DEVNULL).returncode
         log.write(f"=== exit {code} after {time.time() - start:.0f} s\n")
     return code, time.time() - start
 

@@ -14,6 +14,8 @@ from typing import Annotated, Optional
 
 import typer
 
+from tpgrpo.comparison import MODES  # no heavy imports: yaml and the config only
+
 app = typer.Typer(help="Compare credit modes over training seeds, by iteration and by wall clock.",
                   no_args_is_help=True, pretty_exceptions_enable=False)
 
@@ -51,8 +53,9 @@ def _report_results(results: dict[str, str]) -> None:
 @app.command("run")
 def run_command(
     out: OutOpt = Path("runs/compare"),
-    base: Annotated[Path, typer.Option("--base", help="project folder with params.yaml, the model and prompts")] = Path("."),
-    modes: Annotated[str, typer.Option(help="credit modes, comma-separated")] = "flow_grpo,incremental,tp,tp_unconstrained",
+    base: Annotated[Path, typer.Option("--base", help="project folder with params.yaml, the model and "
+                                       "prompts")] = Path("."),
+    modes: Annotated[str, typer.Option(help="credit modes, comma-separated")] = ",".join(MODES),
     seeds: Annotated[str, typer.Option(help="training seeds (train.seed), comma-separated")] = "0,1,2",
     iterations: Annotated[int, typer.Option(help="iteration budget of every run (train.iterations)")] = 12,
     set_: Annotated[Optional[list[str]], typer.Option("--set", help="params override for every run, "
@@ -93,7 +96,8 @@ def run_command(
                                  cmp.parse_assignments(set_ or [], "--set"), per_mode)
         variants = list(main)
         if lr_sweep:
-            variants += cmp.lr_sweep_variants(main, _list(lr_sweep, float, "--lr-sweep"), _list(sweep_seeds, int, "--sweep-seeds"))
+            variants += cmp.lr_sweep_variants(main, _list(lr_sweep, float, "--lr-sweep"),
+                                              _list(sweep_seeds, int, "--sweep-seeds"))
         if ablations:
             names = list(cmp.ABLATIONS) if ablations == "all" else _list(ablations, str, "--ablations")
             reference = next((v for v in main if v.mode == "tp"), None)
@@ -105,8 +109,9 @@ def run_command(
             cmp.check_run(spec, base_params, iterations, base.resolve())
         if dry_run:
             for spec in specs:
-                state = cmp.run_state(spec.folder)
-                typer.echo(f"{spec.variant.name}/seed{spec.seed}: {state[0]} ({state[1]}/{state[2]} iterations)")
+                state, done, planned = cmp.run_state(spec.folder)
+                typer.echo(f"{spec.variant.name}/seed{spec.seed}: {state} ({done}/{max(planned, iterations)} "
+                           f"iterations) -> {spec.folder}")
             return
         out.mkdir(parents=True, exist_ok=True)
         code = cmp.snapshot_code(out.resolve(), Path(cmp.__file__).resolve().parents[1], refresh=refresh_code)

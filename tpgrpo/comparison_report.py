@@ -15,7 +15,7 @@ import numpy as np
 import pandas as pd
 
 from tpgrpo.artifacts import atomic_path
-from tpgrpo.comparison import BASELINE_MODE, discover
+from tpgrpo.comparison import discover
 from tpgrpo.comparison_results import LEVEL, N_BOOT, collect
 from tpgrpo.plots import _new_figure, _save
 
@@ -48,7 +48,8 @@ def reward_figure(curves: pd.DataFrame, variants: Sequence[str], path: Path, x: 
             if band.empty:
                 continue
             xs = band["iteration"] if x == "iteration" else band["seconds"]
-            ax.plot(xs, band["mean"], marker="o", markersize=3, color=colours[v], label=f"{v} ({band['n'].iloc[0]} seeds)")
+            ax.plot(xs, band["mean"], marker="o", markersize=3, color=colours[v],
+                    label=f"{v} ({band['n'].iloc[0]} seeds)")
             ax.fill_between(xs, band["lo"], band["hi"], color=colours[v], alpha=0.18, linewidth=0)
         xlabel = "iteration (0 = base model)" if x == "iteration" else "training seconds (mean over seeds)"
         ax.set(xlabel=xlabel, ylabel=name, title=f"{name} vs {'iteration' if x == 'iteration' else 'wall clock'}")
@@ -171,10 +172,15 @@ def pairs_table(pairs: pd.DataFrame) -> list[str]:
                    f"reward diff [{LEVEL:.0%} CI]", "per seed", "strict accuracy diff [CI]"), rows)
 
 
+def _claim_note(row) -> str:
+    parts = [f"per seed: {row['per_seed_reward_diff']}" if isinstance(row.get("per_seed_reward_diff"), str) else "",
+             row.get("note") if isinstance(row.get("note"), str) else ""]
+    return "; ".join(p for p in parts if p)
+
+
 def claims_table(claims: pd.DataFrame) -> list[str]:
     rows = [(r["claim"], r["paper"], f"{r['a']} vs {r['b']} ({r['kind']})", _ci(r), f"**{r['verdict']}**",
-             r.get("note") or (f"per seed: {r['per_seed_reward_diff']}" if isinstance(r.get("per_seed_reward_diff"), str) else ""))
-            for _, r in claims.iterrows()]
+             _claim_note(r)) for _, r in claims.iterrows()]
     return _table(("claim", "paper", "comparison", "held-out reward diff [CI]", "verdict", "note"), rows)
 
 
@@ -238,12 +244,14 @@ def section(out: Path, fig_dir: Path, md_dir: Path, n_boot: int = N_BOOT) -> lis
     reward = runs[0]["params"]["task"]["reward"]
     lines = [f"## `{out}`: training reward `{reward}`", ""]
     commands = (out / "commands.txt").read_text().splitlines() if (out / "commands.txt").is_file() else []
-    snapshot = json.loads((out / "code" / "SNAPSHOT.json").read_text()) if (out / "code" / "SNAPSHOT.json").is_file() else {}
+    snap = out / "code" / "SNAPSHOT.json"
+    snapshot = json.loads(snap.read_text()) if snap.is_file() else {}
     if commands:
         lines += ["Built by:", "", "```", *commands, "```", ""]
     if snapshot:
         changed = len(snapshot.get("changed_files", []))
-        lines += [f"Code: commit `{snapshot.get('commit', '?')[:12]}`" + (f" with {changed} changed files" if changed else "")
+        lines += [f"Code: commit `{snapshot.get('commit', '?')[:12]}`"
+                  + (f" with {changed} changed files" if changed else "")
                   + f", snapshot taken {snapshot.get('time', '?')}.", ""]
     if (out / "equal_wall.json").is_file():
         w = json.loads((out / "equal_wall.json").read_text())
@@ -266,8 +274,8 @@ def write_report(roots: Sequence[Path], md_path: Path, command: str = "", n_boot
     fig_dir.mkdir(parents=True, exist_ok=True)
     lines = ["# Replication: does turning-point credit pay off?", "",
              "Generated from the stored runs only" + (f" by `{command}`" if command else "") + "; every number and "
-             "figure below is recomputed from the run folders named in each section.", "", "## How the numbers are made",
-             "", method_text(n_boot)]
+             "figure below is recomputed from the run folders named in each section.", "",
+             "## How the numbers are made", "", method_text(n_boot)]
     for root in roots:
         lines += section(Path(root), fig_dir, md_path.parent, n_boot)
     with atomic_path(md_path) as tmp:

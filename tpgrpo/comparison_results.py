@@ -28,6 +28,7 @@ from tpgrpo.errors import PipelineError
 RESULTS = "results"  # OUT/results/: curves, tp_rates, pairs, claims (CSV and Parquet)
 SCORES = {"reward": "eval_reward", "strict": "eval_strict"}
 LEVEL, N_BOOT = 0.95, 10_000
+MIN_PROMPTS = 20  # fewer held-out prompts than this: a bootstrap over prompts says little (noted in the claims)
 
 
 def _json(path: Path) -> dict | None:
@@ -306,7 +307,9 @@ def claim_row(claim: Claim, pairs: pd.DataFrame, runs: dict) -> dict:
         return {**row, "verdict": "not run", "note": "not compared" if h is None else h["note"]}
     return {**row, "reward_diff": h["reward_diff"], "reward_lo": h["reward_lo"], "reward_hi": h["reward_hi"],
             "seeds": h["seeds"], "per_seed_reward_diff": h["per_seed_reward_diff"],
-            "verdict": verdict(h["reward_lo"], h["reward_hi"]), "note": ""}
+            "verdict": verdict(h["reward_lo"], h["reward_hi"]),
+            "note": f"only {int(h['prompts'])} held-out prompts: the interval is unreliable"
+                    if h["prompts"] < MIN_PROMPTS else ""}
 
 
 def lookup(pairs: pd.DataFrame, pair: Pair) -> dict | None:
@@ -318,7 +321,8 @@ def lookup(pairs: pd.DataFrame, pair: Pair) -> dict | None:
             h = hit.iloc[0].to_dict()
             if sign < 0 and np.isfinite(h["reward_diff"]):
                 h.update(reward_diff=-h["reward_diff"], reward_lo=-h["reward_hi"], reward_hi=-h["reward_lo"],
-                         per_seed_reward_diff=", ".join(f"{-float(d):+.4f}" for d in h["per_seed_reward_diff"].split(",")))
+                         per_seed_reward_diff=", ".join(f"{-float(d):+.4f}"
+                                                        for d in h["per_seed_reward_diff"].split(",")))
             return h
     return None
 
