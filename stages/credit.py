@@ -1,6 +1,8 @@
 """Stage credit: a pure function of ``probe.parquet`` and the ``credit`` params (spec sections 5-6).
 
-Needs no model and no trajectories, so every credit mode can be recomputed offline in seconds.
+Needs no model, so every credit mode can be recomputed offline in seconds. ``credit.mode: flow_grpo`` needs
+only the rollout's final rewards: dvc.yaml then runs no probe, and this stage reads ``R_fin`` from
+``trajectories.zarr`` as a probe table whose every ``Q_k`` is ``R_fin`` (spec section 5's flow_grpo row).
 Writes ``credit.parquet``: one row per (trajectory, window step).
 """
 
@@ -13,11 +15,30 @@ import pandas as pd
 import torch
 
 from tpgrpo.advantages import group_advantages
-from tpgrpo.artifacts import IterationPaths, read_table, write_json, write_table
+from tpgrpo.artifacts import IterationPaths, read_table, read_trajectories, write_json, write_table
 from tpgrpo.config import Config
 from tpgrpo.credit import compute_credit
 from tpgrpo.pipeline import check_finite, provenance, stopwatch
 from tpgrpo.schemas import CREDIT, PROBE
+
+
+def final_reward_table(paths: IterationPaths):
+    """The probe table Flow-GRPO's credit needs, from the rollout alone: ``Q_k = R_fin`` for every state
+    (no state scored, no model loaded). Its step rewards and advantages equal those of any probe table
+    with the same ``R_fin``; its increments are 0."""
+    from stages.probe import probe_table
+
+    arrays, attrs = read_trajectories(paths.trajectories, lazy=("states", "x0_estimates"))
+    K = arrays["states"].shape[1] - 1
+    repeat = lambda a: np.repeat(np.asarray(a)[:, None], K, axis=1)  # noqa: E731 - (N,) -> (N, K)
+    return probe_table(arrays, attrs["prompts"], repeat(arrays["final_reward"]), repeat(arrays["final_strict"]))
+
+
+def read_probe(cfg: Config, paths: IterationPaths):
+    """The probe table credit works from (checked against ``schemas.PROBE``)."""
+    if cfg.credit.mode == "flow_grpo":
+        return final_reward_table(paths)
+    return read_table(paths.probe, PROBE, "probe.parquet: run the probe stage first")
 
 
 def credit_table(probe: pd.DataFrame, cfg: Config) -> pd.DataFrame:
@@ -49,7 +70,7 @@ def run(cfg: Config, iteration: int, root: Path) -> dict:
     paths = IterationPaths(root, iteration)
     metrics: dict = {"iteration": iteration}
     with stopwatch(metrics):
-        probe = read_table(paths.probe, PROBE, "probe.parquet: run the probe stage first")
+        probe = read_probe(cfg, paths)
         table = credit_table(probe, cfg)
         check_finite("advantage", table["advantage"], f"credit of iteration {iteration}")
         N, K1 = probe["trajectory"].nunique(), probe["step"].nunique()

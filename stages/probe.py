@@ -4,8 +4,8 @@ Writes ``probe.parquet``: one row per (trajectory, step), step 0..K; the row wit
 rollout's final reward (that state was completed by the rollout itself and is not scored twice). The
 Parquet metadata key ``tpgrpo.completion`` names the mode that made the table (``tpgrpo.probe_modes``):
 ``exact`` / ``ode:M`` complete each state with the model, ``x0`` scores the rollout's one-step estimates
-(decodes and reward calls only), ``none`` (``credit.mode: flow_grpo``, whose credit needs only R_fin)
-writes R_fin for every state without loading a model or a reward.
+(decodes and reward calls only). With ``credit.mode: flow_grpo`` dvc.yaml has no probe stage at all: that
+credit needs only R_fin, which the credit stage reads from the rollout.
 """
 
 from __future__ import annotations
@@ -21,13 +21,13 @@ from tpgrpo.distributed import chunk_bar, current, group_chunks, local_device, r
 from tpgrpo.errors import PipelineError
 from tpgrpo.models import load_backend  # light: the backends import torch and diffusers when one loads
 from tpgrpo.pipeline import check_finite, load_policy, prompt_embeddings, provenance, resolve, stopwatch
-from tpgrpo.probe_modes import NONE, Completion, parse_completion
+from tpgrpo.probe_modes import Completion, parse_completion
 from tpgrpo.schemas import PROBE, PROBE_COMPLETION_KEY
 
 
 def completion_of(cfg: Config) -> Completion:
-    """The probe's mode: none for flow_grpo credit (it reads only R_fin), else ``probe.completion``."""
-    return NONE if cfg.credit.mode == "flow_grpo" else parse_completion(cfg.probe.completion)
+    """The probe's mode, ``probe.completion`` parsed."""
+    return parse_completion(cfg.probe.completion)
 
 
 def run(cfg: Config, iteration: int, root: Path) -> dict:
@@ -39,28 +39,18 @@ def run(cfg: Config, iteration: int, root: Path) -> dict:
         arrays, attrs = read_trajectories(paths.trajectories, lazy=("states", "x0_estimates"))
         N, K1 = arrays["states"].shape[:2]
         K = K1 - 1
-        if completion.kind == "none":  # Flow-GRPO's credit: every state scored as the final image
-            merged = {"reward": np.repeat(arrays["final_reward"][:, None], K, axis=1),
-                      "strict": np.repeat(arrays["final_strict"][:, None], K, axis=1),
-                      "passes": np.zeros(1, dtype=np.int64)}
-            chunks = 0
-            if not dist.is_main:
-                return metrics
-        else:
-            merged, chunks = _score_states(cfg, iteration, root, arrays, attrs, completion)
-            if merged is None:  # not the main process: its parts are written, the main process merges
-                return metrics
-            check_finite(f"reward {attrs['reward']}", merged["reward"], f"probe of iteration {iteration}")
+        merged, chunks = _score_states(cfg, iteration, root, arrays, attrs, completion)
+        if merged is None:  # not the main process: its parts are written, the main process merges
+            return metrics
+        check_finite(f"reward {attrs['reward']}", merged["reward"], f"probe of iteration {iteration}")
         frame = probe_table(arrays, attrs["prompts"], merged["reward"], merged["strict"])
         meta = {**provenance(cfg, iteration, "probe"), PROBE_COMPLETION_KEY: completion.name}
         write_table(paths.probe, frame, PROBE, meta, trajectories=N, steps=K1)
-    scored = 0 if completion.kind == "none" else N * K
     d = np.diff(frame["reward"].to_numpy().reshape(N, K1), axis=1)
     metrics.update({"completion": completion.name, "forward_passes": int(merged["passes"].sum()),
-                    "reward_calls": scored, "decodes": scored, "states": scored,
-                    # no state was scored in mode none: its Q_k are R_fin by definition, not measurements
-                    "zero_increment_fraction": float((d == 0).mean()) if scored else None,
-                    "mean_q0": float(frame.loc[frame.step == 0, "reward"].mean()) if scored else None,
+                    "reward_calls": N * K, "decodes": N * K, "states": N * K,
+                    "zero_increment_fraction": float((d == 0).mean()),
+                    "mean_q0": float(frame.loc[frame.step == 0, "reward"].mean()),
                     "processes": dist.world, "chunks": chunks})
     write_json(paths.probe_metrics, metrics)
     return metrics

@@ -40,7 +40,10 @@ def history(cfg: Config, root: Path) -> pd.DataFrame:
         paths = IterationPaths(root, i)
         row: dict = {"iteration": i}
         for stage, keys in COLUMNS.items():
-            m = read_json(getattr(paths, f"{stage}_metrics"), f"{stage} metrics of iteration {i}")
+            path = getattr(paths, f"{stage}_metrics")
+            if stage == "probe" and not path.is_file() and cfg.credit.mode == "flow_grpo":
+                continue  # Flow-GRPO's credit runs no probe
+            m = read_json(path, f"{stage} metrics of iteration {i}")
             if stage == "eval" and not m.get("evaluated"):
                 continue
             row.update({f"{stage}_{k}": m.get(k) for k in keys})

@@ -73,7 +73,7 @@ def run(cfg: Config, iteration: int, root: Path) -> dict:
     metrics: dict = {"iteration": iteration}
     dist = current()
     with stopwatch(metrics):
-        arrays, attrs = read_trajectories(paths.trajectories)
+        arrays, attrs = read_trajectories(paths.trajectories, lazy=("x0_estimates",))  # the probe's, not ours
         N, K1 = arrays["states"].shape[:2]
         metas = attrs["prompts"]
         credit = read_table(  # rows must be this store's trajectories x window steps, in its prompt groups

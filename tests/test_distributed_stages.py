@@ -51,7 +51,7 @@ def make_project(root: Path, model_dir: Path, processes: int) -> Path:
 
 def run_stage(root: Path, name: str, **extra_env: str) -> subprocess.CompletedProcess:
     """The stage's dvc.yaml command (plain `tpgrpo stage` or `accelerate launch ... -m tpgrpo stage`)."""
-    cmd = stage_command(load_config(root / "params.yaml"), name, None if name == "baseline" else 0)
+    cmd = stage_command(load_config(root / "params.yaml"), name, None if name == "baseline" else 1)
     return subprocess.run(shlex.split(cmd), cwd=root, env=env(**extra_env), capture_output=True, text=True,
                           timeout=600)
 
@@ -70,7 +70,7 @@ def runs(tmp_path_factory, tiny_model_dir) -> tuple[Path, Path]:
     base = tmp_path_factory.mktemp("processes")
     one = make_project(base / "one", tiny_model_dir, 1)
     two = make_project(base / "two", tiny_model_dir, 2)
-    assert stage_command(load_config(two / "params.yaml"), "rollout", 0).startswith("accelerate launch")
+    assert stage_command(load_config(two / "params.yaml"), "rollout", 1).startswith("accelerate launch")
     for name in STAGES:
         for root in (one, two):
             out = run_stage(root, name)
@@ -149,5 +149,5 @@ def test_hung_process_fails_the_stage_after_the_timeout(tmp_path, tiny_model_dir
     assert out.returncode != 0
     assert time.monotonic() - start < 300  # not the 3600 s stall
     errors = [line for line in out.stderr.splitlines() if line.startswith("error: ")]
-    assert any("process 0 of 2 lost contact" in e and "rollout of iteration 0" in e for e in errors), errors
+    assert any("process 0 of 2 lost contact" in e and "rollout of iteration 1" in e for e in errors), errors
     assert not (iteration_dir(root) / "trajectories.zarr").exists()

@@ -97,15 +97,22 @@ def test_repro_trains_then_reruns_only_what_changed(tiny_project):
     # the stage's JSON log, has a new wall time), neither that credit stage nor anything after it.
     assert ran(repro(root)) == {"summary"}
 
-    set_param(root, "credit", "mode", "flow_grpo")
+    set_param(root, "credit", "mode", "tp_unconstrained")
     rerun = ran(repro(root))
     assert "credit-0001" in rerun and "update-0001" in rerun
     assert not any(name.startswith(("rollout-0001", "probe-0001", "baseline")) for name in rerun)
 
+    set_param(root, "credit", "mode", "flow_grpo")  # no probe stage: credit reads R_fin from the rollout
+    switched = tpgrpo_run(root)
+    assert switched.returncode == 0, switched.stderr[-3000:]
+    rerun = ran(switched.stdout)
+    assert "credit-0001" in rerun and "update-0001" in rerun and not any("probe" in name for name in rerun)
+    assert not any(name.startswith(("rollout-0001", "baseline")) for name in rerun)
+
     set_param(root, "train", "iterations", 3)
     more = tpgrpo_run(root)
     assert more.returncode == 0, more.stderr[-3000:]
-    assert ran(more.stdout) == {"rollout-0003", "probe-0003", "credit-0003", "update-0003", "eval-0003", "summary"}
+    assert ran(more.stdout) == {"rollout-0003", "credit-0003", "update-0003", "eval-0003", "summary"}
 
 
 @pytest.fixture(scope="module")

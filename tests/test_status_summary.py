@@ -43,7 +43,7 @@ def test_status_names_done_iterations_the_last_stage_reward_and_disk(tmp_path):
     text = status_text(root, planned=12)
     lines = text.splitlines()
     assert lines[0] == "iterations: 4 of 12 done (1-3, 6)"
-    assert "iteration 4: partly done (rollout, probe)" in lines[1]
+    assert "iteration 4: partly done (rollout)" in lines[1]
     assert "probe --iter 7: failed" in text and "error: missing input" in text
     assert "base 0.400 (strict 0.050) -> iteration 2: 0.450 (strict 0.045), +0.050" in text
     assert "disk: 5.0 MB in 5 iteration folders" in text

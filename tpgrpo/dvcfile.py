@@ -14,10 +14,11 @@ from pathlib import Path
 import yaml
 
 from tpgrpo.config import Config, ConfigError
-from tpgrpo.figures import FIGURES
+from tpgrpo.figures import figure_names
 
 MODEL_CODE = ["tpgrpo/models", "tpgrpo/trajectory.py", "tpgrpo/sampling.py", "tpgrpo/schedule.py",
-              "tpgrpo/pipeline.py", "tpgrpo/policy.py", "tpgrpo/artifacts.py", "tpgrpo/schemas.py"]
+              "tpgrpo/pipeline.py", "tpgrpo/policy.py", "tpgrpo/artifacts.py", "tpgrpo/schemas.py", "tpgrpo/probe_modes.py"]
+EVAL_CODE = ["stages/eval.py", "tpgrpo/compare.py", "tpgrpo/generate.py"]
 REWARD_CODE = ["tpgrpo/tasks", "tpgrpo/rewards"]
 REWARD_PARAMS = ["reward_models", "remote_reward"]  # read by every stage that scores images
 
@@ -27,7 +28,7 @@ REWARD_PARAMS = ["reward_models", "remote_reward"]  # read by every stage that s
 STAGE_PARAMS = {
     "rollout": ["model", "task.train_prompts", "task.reward", "sampling", "rollout", "probe.completion",
                 "update.lora_rank", "update.lora_alpha", "train.seed", *REWARD_PARAMS],
-    "probe": ["model", "probe", "credit.mode", "update.lora_rank", "update.lora_alpha", "train.seed",
+    "probe": ["model", "probe", "update.lora_rank", "update.lora_alpha", "train.seed",
               *REWARD_PARAMS],
     "credit": ["credit"],
     "update": ["model", "update", "train.seed"],
@@ -36,8 +37,9 @@ STAGE_PARAMS = {
     "baseline": ["model", "task", "sampling", "eval", "rollout.batch_size", "update.lora_rank",
                  "update.lora_alpha", *REWARD_PARAMS],
     "summary": ["model", "task.eval_prompts", "sampling", "eval", "rollout.batch_size", "update.lora_rank",
-                "update.lora_alpha", "train.iterations"],
+                "update.lora_alpha", "credit.mode", "train.iterations"],
 }
+STAGE_LOGS = ("rollout", "probe", "credit", "update", "eval")  # each writes data/iters/NNNN/<stage>.json
 # Stages that run on launch.num_processes processes (`accelerate launch`); credit and summary stay single.
 MULTI_PROCESS_STAGES = ("rollout", "probe", "update", "eval", "baseline")
 HEADER = ("# Generated from params.yaml by `tpgrpo dvc-yaml` (`tpgrpo run` does it before `dvc repro`).\n"
@@ -107,21 +109,19 @@ def iteration_stages(cfg: Config, i: int) -> dict[str, dict]:
     d, prev = _iter_dir(i), [f"{_iter_dir(i - 1)}/policy"] if i > 1 else []  # policy 0 = the base model
     cmd = lambda name: stage_command(cfg, name, i)  # noqa: E731
     model = [cfg.model.path]
-    return {
+    # Flow-GRPO's credit needs only R_fin, which the rollout has: no probe stage, credit reads the rollout.
+    flow_grpo = cfg.credit.mode == "flow_grpo"
+    credit_input = [f"{d}/trajectories.zarr", "stages/probe.py"] if flow_grpo else [f"{d}/probe.parquet"]
+    stages: dict[str, dict] = {
         f"rollout-{i:04d}": {
             "cmd": cmd("rollout"), "params": STAGE_PARAMS["rollout"],
             "deps": ["stages/rollout.py", *MODEL_CODE, *reward_deps(cfg, cfg.task.reward), *model,
                      cfg.task.train_prompts, *prev],
             "outs": [f"{d}/trajectories.zarr", f"{d}/prompt_embeds.safetensors"]},
-        f"probe-{i:04d}": {
-            "cmd": cmd("probe"), "params": STAGE_PARAMS["probe"],
-            "deps": ["stages/probe.py", *MODEL_CODE, *reward_deps(cfg, cfg.task.reward), *model,
-                     f"{d}/trajectories.zarr", f"{d}/prompt_embeds.safetensors", *prev],
-            "outs": [f"{d}/probe.parquet"]},
         f"credit-{i:04d}": {
             "cmd": cmd("credit"), "params": STAGE_PARAMS["credit"],
             "deps": ["stages/credit.py", "tpgrpo/credit.py", "tpgrpo/advantages.py", "tpgrpo/artifacts.py",
-                     "tpgrpo/schemas.py", f"{d}/probe.parquet"],
+                     "tpgrpo/schemas.py", *credit_input],
             "outs": [f"{d}/credit.parquet"]},
         f"update-{i:04d}": {
             "cmd": cmd("update"), "params": STAGE_PARAMS["update"],
@@ -130,10 +130,18 @@ def iteration_stages(cfg: Config, i: int) -> dict[str, dict]:
             "outs": [f"{d}/policy"]},
         f"eval-{i:04d}": {
             "cmd": cmd("eval"), "params": STAGE_PARAMS["eval"],
-            "deps": ["stages/eval.py", "tpgrpo/compare.py", "tpgrpo/generate.py", *MODEL_CODE, *reward_deps(cfg, cfg.task.reward, cfg.task.eval_reward),
+            "deps": [*EVAL_CODE, *MODEL_CODE, *reward_deps(cfg, cfg.task.reward, cfg.task.eval_reward),
                      *model, cfg.task.eval_prompts, f"{d}/policy"],
             "outs": [_uncached(f"{d}/eval.parquet")]},
     }
+    if not flow_grpo:
+        stages[f"probe-{i:04d}"] = {
+            "cmd": cmd("probe"), "params": STAGE_PARAMS["probe"],
+            "deps": ["stages/probe.py", "tpgrpo/probe_modes.py", *MODEL_CODE, *reward_deps(cfg, cfg.task.reward),
+                     *model, f"{d}/trajectories.zarr", f"{d}/prompt_embeds.safetensors", *prev],
+            "outs": [f"{d}/probe.parquet"]}
+    order = ("rollout", "probe", "credit", "update", "eval")  # dvc.yaml reads in pipeline order
+    return {name: stages[name] for stem in order for name in stages if name.startswith(stem + "-")}
 
 
 def render(cfg: Config) -> dict:
@@ -141,26 +149,27 @@ def render(cfg: Config) -> dict:
     stages: dict[str, dict] = {
         "baseline": {
             "cmd": stage_command(cfg, "baseline"), "params": STAGE_PARAMS["baseline"],
-            "deps": ["stages/eval.py", "tpgrpo/compare.py", "tpgrpo/generate.py", *MODEL_CODE, *reward_deps(cfg, cfg.task.reward, cfg.task.eval_reward),
+            "deps": [*EVAL_CODE, *MODEL_CODE, *reward_deps(cfg, cfg.task.reward, cfg.task.eval_reward),
                      cfg.model.path, cfg.task.eval_prompts],
             "outs": [_uncached("data/iters/baseline_eval.parquet")]},
     }
     for i in iterations(cfg):
         stages.update(iteration_stages(cfg, i))
-    per_iter = [f"{_iter_dir(i)}/{name}.json" for i in iterations(cfg)
-                for name in ("rollout", "probe", "credit", "update", "eval")]
+    logs = ("rollout", "credit", "update", "eval") if cfg.credit.mode == "flow_grpo" else STAGE_LOGS
+    per_iter = [f"{_iter_dir(i)}/{name}.json" for i in iterations(cfg) for name in logs]
     # Stage JSONs are logs (wall seconds differ run to run), not DVC outputs: re-running a stage by hand with
     # the same inputs leaves DVC with nothing to redo but this summary. The eval tables (outputs) order it
     # after every iteration, whose stages all wrote their JSON before its eval ran.
     evals = [f"{_iter_dir(i)}/eval.parquet" for i in iterations(cfg)]
     last = _iter_dir(cfg.train.iterations)  # the figures draw its tables and its policy's images
-    last_iteration = [f"{last}/probe.parquet", f"{last}/credit.parquet", f"{last}/policy"]
+    last_iteration = [f"{last}/{name}" for name in ("probe.parquet", "credit.parquet", "policy")
+                      if name != "probe.parquet" or cfg.credit.mode != "flow_grpo"]
     stages["summary"] = {
         "cmd": "tpgrpo stage summary", "params": STAGE_PARAMS["summary"],
         "deps": ["stages/summary.py", "tpgrpo/figures.py", "tpgrpo/plots.py", "data/iters/baseline_eval.json",
                  "data/iters/baseline_eval.parquet", *per_iter, *evals, *last_iteration],
         "outs": [_uncached("data/metrics/history.csv"), _uncached(EVAL_CURVE), _uncached(TRAIN_CURVE),
-                 *[_uncached(f"data/reports/{name}") for name in FIGURES]],
+                 *[_uncached(f"data/reports/{name}") for name in figure_names(cfg)]],
         "metrics": [{SUMMARY: {"cache": False}}]}
     return {"stages": stages, "plots": PLOTS}
 

@@ -127,13 +127,13 @@ def prompt_embeddings(cfg: Config, root: Path, iteration: int, backend, prompts:
 def provenance(cfg: Config, iteration: int, stage: str) -> dict[str, str]:
     """Metadata every artifact carries: what made it, from which params (a hash of the params the stage
     declares in dvc.yaml), with which versions."""
-    import torch
+    from importlib.metadata import version
 
     from tpgrpo.dvcfile import STAGE_PARAMS
 
     return {
         "tpgrpo_version": __version__, "stage": stage, "iteration": str(iteration),
-        "config_hash": cfg.params_hash(STAGE_PARAMS[stage]), "torch_version": torch.__version__,
+        "config_hash": cfg.params_hash(STAGE_PARAMS[stage]), "torch_version": version("torch"),  # not torch.__version__: no import
         "python_version": platform.python_version(),
     }
 

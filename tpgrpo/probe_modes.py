@@ -6,9 +6,8 @@ Modes (spec section 4 and issue 11):
 - ``ode:M``: ODE-complete ``z_k`` with at most M Euler steps on a re-spaced schedule picked from its own
   remaining sigmas (DenseGRPO's 1- and 2-step variants); M >= the remaining steps is ``exact``;
 - ``x0``: score ``x0_hat = z_k - s_k v_k`` with the guided velocity the rollout already computed at ``z_k``
-  (Stepwise-Flow-GRPO): no transformer pass at all;
-- ``none``: not a setting but what ``credit.mode: flow_grpo`` runs: no state is scored, every ``Q_k`` is
-  the rollout's ``R_fin`` (Flow-GRPO's own credit), no model is loaded.
+  (Stepwise-Flow-GRPO): no transformer pass at all.
+``credit.mode: flow_grpo`` runs no probe at all (dvc.yaml leaves the stage out; credit reads R_fin).
 
 No torch at import time: the config validates ``probe.completion`` with :func:`parse_completion`.
 """
@@ -23,7 +22,7 @@ EXPECTED = "exact, x0 or ode:M with an integer M >= 1"
 
 @dataclass(frozen=True)
 class Completion:
-    """A parsed ``probe.completion``: ``kind`` in exact | ode | x0 | none; ``max_steps`` = M for ``ode``."""
+    """A parsed ``probe.completion``: ``kind`` in exact | ode | x0; ``max_steps`` = M for ``ode``."""
 
     kind: str
     max_steps: int | None = None
@@ -36,9 +35,6 @@ class Completion:
     @property
     def runs_transformer(self) -> bool:
         return self.kind in ("exact", "ode")
-
-
-NONE = Completion("none")
 
 
 def parse_completion(value: object) -> Completion:
@@ -73,7 +69,7 @@ def respaced_steps(remaining: int, max_steps: int | None) -> list[int]:
 def completion_passes(start_steps: Sequence[int], num_steps: int, completion: Completion) -> int:
     """Transformer passes (one per state per Euler step, CFG doubling not counted) that completing
     states at schedule steps ``start_steps`` of a ``num_steps``-step schedule costs: ``exact``
-    ``sum(T - j)``, ``ode:M`` ``sum(min(M, T - j))``, ``x0`` and ``none`` 0."""
+    ``sum(T - j)``, ``ode:M`` ``sum(min(M, T - j))``, ``x0`` 0."""
     if not completion.runs_transformer:
         return 0
     return sum(len(respaced_steps(num_steps - j, completion.max_steps)) - 1 for j in start_steps)

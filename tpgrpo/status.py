@@ -16,7 +16,8 @@ from pathlib import Path
 from tpgrpo.artifacts import IterationPaths
 from tpgrpo.errors import PipelineError
 
-ITERATION_FILES = ("rollout.json", "probe.json", "credit.json", "update.json", "eval.json")
+# The stage logs that make an iteration done (a probe ran before credit, except for credit.mode flow_grpo).
+ITERATION_FILES = ("rollout.json", "credit.json", "update.json", "eval.json")
 LAST_STAGE = Path("data") / ".last_stage.json"
 
 
