@@ -65,6 +65,8 @@ def fake_run(out: Path, variant: str, mode: str, seed: int, rewards: dict[int, n
         d = iters / f"{i:04d}"
         d.mkdir()
         for stage, s in SECONDS.items():
+            if stage == "probe" and mode == "flow_grpo":
+                continue  # Flow-GRPO's credit needs no probe: dvc.yaml has no probe stage for it
             extra = {"rollout": {"mean_reward": 0.1 * i}, "credit": {"turning_point_rate": 0.2,
                      "turning_point_rate_per_step": [0.3, 0.1, 0.0] if mode.startswith("tp") else [0.0] * 3},
                      "update": {"approx_kl_after": 1e-4}, "probe": {}}[stage]
@@ -146,6 +148,18 @@ def test_curves_cumulate_training_seconds_and_stop_at_the_first_unfinished_itera
     assert len(rates) == 2 * 3 and set(rates["step"]) == {0, 1, 2}
 
 
+def test_flow_grpo_runs_have_no_probe_stage(tmp_path):
+    folder = fake_run(tmp_path, "flow_grpo", "flow_grpo", 0, {0: noisy(0.3, 0), 2: noisy(0.4, 1)}, 2)
+    assert not (folder / "data/iters/0001/probe.json").exists()
+    curves, _ = collect_curves(cmp.discover(tmp_path))
+    assert list(curves["cum_seconds"]) == [0.0, 3.0, 6.0]  # rollout 1 + credit 0.5 + update 1.5
+    assert cmp.train_seconds(folder, 2) == [3.0, 3.0]
+    summary = folder / cmp.SUMMARY
+    summary.parent.mkdir(parents=True)
+    summary.write_text(json.dumps({"iterations": 2}))
+    assert cmp.run_state(folder) == ("done", 2, 2)
+
+
 def make_comparison(out: Path, extended: bool = True) -> None:
     """tp (2x the seconds) beats flow_grpo by 0.2 at iteration 4; flow_grpo extended to 8 iterations; an
     incremental run of one seed only; a noise ablation of tp."""
@@ -155,7 +169,7 @@ def make_comparison(out: Path, extended: bool = True) -> None:
         fl = {0: base, 2: noisy(0.45, s + 3), 4: noisy(0.5, s + 4)}
         if extended:
             fl.update({6: noisy(0.55, s + 5), 8: noisy(0.6, s + 6)})
-        fake_run(out, "flow_grpo", "flow_grpo", s, fl, 4, planned=8 if extended else 4)
+        fake_run(out, "flow_grpo", "flow_grpo", s, fl, 4, planned=8 if extended else 4, scale=5 / 3)  # 5 s/it
     fake_run(out, "incremental", "incremental", 0, {0: base, 2: noisy(0.5, 7), 4: noisy(0.5, 8)}, 4)
     fake_run(out, "tp-noise0.4", "tp", 0, {0: base, 2: noisy(0.5, 10), 4: noisy(0.5, 11)}, 4, family="ablation",
              reference="tp", overrides={"sampling.noise_level": 0.4})

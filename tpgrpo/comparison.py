@@ -45,7 +45,8 @@ ABLATIONS = {
     "cps": {"sampling.step_kind": "cps"},
 }
 CODE_DIRS = ("stages", "tpgrpo")
-ITER_FILES = ("rollout.json", "probe.json", "credit.json", "update.json", "eval.json", "eval.parquet")
+# What makes an iteration finished (as tpgrpo.status): no probe.json, credit.mode flow_grpo runs no probe.
+ITER_FILES = ("rollout.json", "credit.json", "update.json", "eval.json", "eval.parquet")
 TRAIN_STAGES = ("rollout", "probe", "credit", "update")  # the training cost; eval is measurement, not training
 SUMMARY = Path("data") / "metrics" / "summary.json"
 # Keys a run folder may differ in from a re-planned comparison: the equal-wall pass raises train.iterations.
@@ -339,14 +340,19 @@ def discover(out: Path) -> list[dict]:
     return runs
 
 
+def stage_seconds(iteration_folder: Path, stage: str) -> float:
+    """A stage's own wall seconds from its JSON log; 0 for a probe that is not there (flow_grpo has none)."""
+    path = iteration_folder / f"{stage}.json"
+    if stage == "probe" and not path.is_file():
+        return 0.0
+    return float(json.loads(path.read_text())["wall_seconds"])
+
+
 def train_seconds(folder: Path, iterations: int) -> list[float]:
     """Training wall seconds of iterations 1..``iterations`` (rollout + probe + credit + update, as the
     stages measured them; eval is left out: it measures, it does not train)."""
-    out = []
-    for i in range(1, iterations + 1):
-        d = folder / "data" / "iters" / f"{i:04d}"
-        out.append(sum(float(json.loads((d / f"{s}.json").read_text())["wall_seconds"]) for s in TRAIN_STAGES))
-    return out
+    iters = Path(folder) / "data" / "iters"
+    return [sum(stage_seconds(iters / f"{i:04d}", s) for s in TRAIN_STAGES) for i in range(1, iterations + 1)]
 
 
 def equal_wall_iterations(ref_seconds: Sequence[float], target_seconds: Sequence[float], budget: int,

@@ -51,6 +51,10 @@ def reward_figure(curves: pd.DataFrame, variants: Sequence[str], path: Path, x: 
             ax.plot(xs, band["mean"], marker="o", markersize=3, color=colours[v],
                     label=f"{v} ({band['n'].iloc[0]} seeds)")
             ax.fill_between(xs, band["lo"], band["hi"], color=colours[v], alpha=0.18, linewidth=0)
+        if x == "iteration":
+            from matplotlib.ticker import MaxNLocator
+
+            ax.xaxis.set_major_locator(MaxNLocator(integer=True))
         xlabel = "iteration (0 = base model)" if x == "iteration" else "training seconds (mean over seeds)"
         ax.set(xlabel=xlabel, ylabel=name, title=f"{name} vs {'iteration' if x == 'iteration' else 'wall clock'}")
         ax.grid(alpha=0.3)

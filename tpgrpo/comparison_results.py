@@ -22,7 +22,7 @@ import numpy as np
 import pandas as pd
 
 from tpgrpo.compare import PAIR_KEYS, paired_bootstrap, read_eval_table
-from tpgrpo.comparison import BASELINE_MODE, TRAIN_STAGES, discover, flatten
+from tpgrpo.comparison import BASELINE_MODE, TRAIN_STAGES, discover, flatten, stage_seconds
 from tpgrpo.errors import PipelineError
 
 RESULTS = "results"  # OUT/results/: curves, tp_rates, pairs, claims (CSV and Parquet)
@@ -47,10 +47,10 @@ def run_curve(run: dict) -> tuple[list[dict], list[dict]]:
     cum, i = 0.0, 1
     while True:
         d = folder / "data" / "iters" / f"{i:04d}"
-        m = {s: _json(d / f"{s}.json") for s in (*TRAIN_STAGES, "eval")}
+        m = {s: _json(d / f"{s}.json") for s in ("rollout", "credit", "update", "eval")}  # probe: optional
         if any(v is None for v in m.values()):
             break
-        seconds = sum(float(m[s]["wall_seconds"]) for s in TRAIN_STAGES)
+        seconds = sum(stage_seconds(d, s) for s in TRAIN_STAGES)
         cum += seconds
         evaluated = bool(m["eval"].get("evaluated"))
         rows.append({**keys, "iteration": i, "train_seconds": seconds, "cum_seconds": cum,
