@@ -100,6 +100,11 @@ def test_headline_numbers_are_base_latest_best_and_the_latest_training_figures()
     assert head["iterations"] == 4 and head["s_per_iter"] == 47.0
 
 
+def test_curves_of_a_flow_grpo_run_which_has_no_probe_columns():
+    frame = history_frame().drop(columns=["probe_wall_seconds"])
+    assert train_curve(frame)["wall_seconds"].tolist() == [30.0, 42.0, 30.0, 42.0]
+
+
 def test_dvc_yaml_declares_only_the_summary_as_a_metric_and_named_plots():
     cfg = config_from_dict(tiny_params(train={"iterations": 3}))
     stages = render(cfg)["stages"]
