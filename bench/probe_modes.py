@@ -4,7 +4,7 @@ Usage: ``python bench/probe_modes.py [--model data/base] [--threads 1] [--seeds 
 [--out result.json]``.
 In a temporary project with the repo's params.yaml (defaults: 8 prompts x 8 samples, T = 10, window 9) one
 first-iteration rollout per train seed keeps the x0 estimates (its states are the same as without them); then the probe
-stage runs on it in every mode (exact, ode:1, ode:2, x0, and the model-free probe of flow_grpo credit).
+stage runs on it in every mode (exact, ode:1, ode:2, x0). (``credit.mode: flow_grpo`` runs no probe at all.)
 Per mode it prints the probe's wall seconds (stage stopwatch: model load included, imports warm) and
 transformer passes, and against exact: Pearson correlation of Q_k (k < K; Q_K is R_fin in every mode),
 agreement of sign(d_k), turning points of credit mode tp (share of exact's found: recall; share of the
@@ -93,7 +93,7 @@ def main() -> None:
     with tempfile.TemporaryDirectory(prefix="probe-modes-") as tmp:
         root = _project(Path(tmp) / "project", args.model)
         params = root / "params.yaml"
-        runs: dict[str, list[dict]] = {m: [] for m in (*modes, "none")}
+        runs: dict[str, list[dict]] = {m: [] for m in modes}
         rollout_wall = []
         for seed in range(args.seeds):  # the first iteration samples from the base model: no update needed
             import stages.rollout
@@ -102,7 +102,6 @@ def main() -> None:
             rollout_wall.append(stages.rollout.run(cfg(**{"probe.completion": "x0"}), FIRST, root)["wall_seconds"])
             for mode in modes:
                 runs[mode].append(_probe(cfg(**{"probe.completion": mode}), root, FIRST))
-            runs["none"].append(_probe(cfg(**{"credit.mode": "flow_grpo"}), root, FIRST))
     pooled = {m: {key: (np.concatenate([r[key] for r in rs]) if key in ("q", "d", "tp", "adv")
                         else sum(r[key] for r in rs)) for key in ("wall", "passes", "q", "d", "tp", "adv")}
               for m, rs in runs.items()}
@@ -120,11 +119,11 @@ def _report(pooled: dict, rollout_wall: list[float], args, total: float) -> None
           f"{'TP exact':>10}{'TPs':>6}{'A corr':>8}")
     rows = {}
     for mode, run in pooled.items():
-        c = compare(run, exact) if mode not in ("exact", "none") else {}
-        label = "none (flow_grpo)" if mode == "none" else mode
+        c = compare(run, exact) if mode != "exact" else {}
+        label = mode
         rows[label] = {"probe_seconds": run["wall"], "passes": int(run["passes"]), **c}
         fmt = lambda key: f"{c[key]:.3f}" if key in c else "-"  # noqa: E731
-        tps = c.get("tp_count", int(run["tp"].sum())) if mode != "none" else "-"
+        tps = c.get("tp_count", int(run["tp"].sum()))
         print(f"{label:<16}{run['wall']:>9.2f}{int(run['passes']):>8}{fmt('q_corr'):>10}{fmt('d_sign_agree'):>10}"
               f"{fmt('tp_recall'):>10}{fmt('tp_precision'):>10}{tps!s:>6}{fmt('adv_corr'):>8}")
     print("TP found = share of exact's turning points the mode finds; TP exact = share of its turning points that "

@@ -3,7 +3,7 @@
 Usage: ``python bench/stage_startup.py [--model data/base] [--repeat 3]``. In a temporary project with the
 repo's params.yaml it runs iteration 1's rollout, probe and credit once, then times (best of ``--repeat``,
 fresh processes, 1 torch thread): ``tpgrpo --help``; ``tpgrpo stage credit``; ``tpgrpo stage probe`` with
-credit.mode flow_grpo (no model); the rollout stage; and, in a fresh process, importing the libraries
+credit.mode flow_grpo (no probe: R_fin from the rollout); the rollout stage; and, in a fresh process, importing the libraries
 and loading the policy (``tpgrpo.pipeline.load_policy``). "start-up" = command wall - the stage's
 ``wall_seconds`` (which already counts model loading inside the stage).
 """
@@ -60,7 +60,7 @@ def main() -> None:
             _timed(stage(name), root, env)
         folder = root / "data" / "iters" / f"{args.first:04d}"
         cases = [("tpgrpo --help", [*TPGRPO, "--help"], None), ("stage credit", stage("credit"), "credit"),
-                 ("stage probe (flow_grpo)", stage("probe", "flow.yaml"), "probe"),
+                 ("stage credit (flow_grpo)", stage("credit", "flow.yaml"), "credit"),
                  ("stage rollout", stage("rollout"), "rollout")]
         print(f"{'command':<26}{'wall s':>8}{'stage s':>9}{'start-up s':>12}   (best of {args.repeat}, 1 thread)")
         for label, cmd, metrics in cases:
