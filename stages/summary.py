@@ -2,7 +2,8 @@
 
 Writes under ``data/metrics/``: ``history.csv`` (one row per iteration of every stage's metrics; the base
 model is iteration 0), ``eval_curve.csv`` (base + every evaluated iteration), ``train_curve.csv`` (one row
-per iteration) and ``summary.json`` (the dozen numbers a user scans, the run's only DVC metric), then the
+per iteration) and ``summary.json`` (the dozen numbers a user scans) and, as the run's DVC metrics, the same as a small
+quantity x (base, latest, best) table (:data:`GLANCE`), then the
 figures in ``data/reports/`` (:mod:`tpgrpo.figures`, also ``tpgrpo plot``).
 """
 
@@ -15,6 +16,7 @@ import pandas as pd
 
 from tpgrpo.artifacts import IterationPaths, atomic_path, read_json, write_json
 from tpgrpo.config import Config
+from tpgrpo.dvcfile import GLANCE
 from tpgrpo.figures import make_figures
 
 COLUMNS = {
@@ -89,6 +91,32 @@ def headline(evals: pd.DataFrame, train: pd.DataFrame) -> dict:
     }
 
 
+# `dvc metrics show` prints one row per file and one column per key: a small table, quantity x
+# (base, latest, best, best_at, mean), about 80 characters wide at any run length. DVC rounds to 5 decimals,
+# so the approx KL (~1e-6) is given in units of 1e-6.
+
+
+def at_a_glance(evals: pd.DataFrame, train: pd.DataFrame) -> dict[str, dict]:
+    """The metric files' contents, ``{name: {column: value}}`` (base = the base model for the held-out rows,
+    iteration 1 for the training rows, whose rollout samples the base model)."""
+    head = headline(evals, train)
+    first, last = train.iloc[0], train.iloc[-1]
+    best_train = train.loc[train["train_reward"].idxmax()]
+    r = lambda x: round(float(x), 4)  # noqa: E731
+    return {
+        "held_out": {**{k: head["held_out"][k] for k in ("base", "latest", "best")},
+                     "best_at": head["held_out"]["best_iter"]},
+        "strict": {**head["strict"], "best_at": int(evals.loc[evals["strict_accuracy"].idxmax(), "iteration"])},
+        "train_reward": {"base": r(first["train_reward"]), "latest": r(last["train_reward"]),
+                         "best": r(best_train["train_reward"]), "best_at": int(best_train["iteration"])},
+        "tp_rate": {"base": r(first["turning_point_rate"]), "latest": r(last["turning_point_rate"]),
+                    "mean": r(train["turning_point_rate"].mean())},
+        "approx_kl_x1e6": {"base": r(first["approx_kl_after"] * 1e6), "latest": r(last["approx_kl_after"] * 1e6),
+                           "mean": r(train["approx_kl_after"].mean() * 1e6)},
+        "seconds_per_iter": {"latest": round(float(last["wall_seconds"]), 1), "mean": head["s_per_iter"]},
+    }
+
+
 def _write_csv(path: Path, frame: pd.DataFrame) -> None:
     with atomic_path(path) as tmp:
         frame.to_csv(tmp, index=False)
@@ -103,6 +131,8 @@ def run(cfg: Config, iteration: int | None, root: Path) -> dict:
     _write_csv(out / "train_curve.csv", train)
     summary = headline(evals, train)
     write_json(out / "summary.json", summary)
+    for name, values in at_a_glance(evals, train).items():
+        write_json(out / f"{name}.json", values)
     make_figures(cfg, root, frame)
     print(json.dumps(summary, indent=2))
     return summary

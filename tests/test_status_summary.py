@@ -12,7 +12,7 @@ import pytest
 import yaml
 
 from conftest import tiny_params
-from stages.summary import eval_curve, headline, train_curve
+from stages.summary import GLANCE, at_a_glance, eval_curve, headline, train_curve
 from tpgrpo.config import config_from_dict
 from tpgrpo.dvcfile import PLOTS, render
 from tpgrpo.errors import PipelineError
@@ -98,6 +98,12 @@ def test_headline_numbers_are_base_latest_best_and_the_latest_training_figures()
     assert head["strict"] == {"base": 0.05, "latest": 0.1, "best": 0.1}
     assert head["train_reward"] == 0.36 and head["tp_rate"] == 0.05 and head["approx_kl"] == 4.12e-5
     assert head["iterations"] == 4 and head["s_per_iter"] == 47.0
+    glance = at_a_glance(evals, train)
+    assert list(glance) == list(GLANCE)
+    assert glance["held_out"] == {"base": 0.4, "latest": 0.45, "best": 0.47, "best_at": 2}
+    assert glance["train_reward"] == {"base": 0.31, "latest": 0.36, "best": 0.36, "best_at": 4}
+    assert glance["approx_kl_x1e6"] == {"base": 10.0, "latest": 41.2346, "mean": 25.3086}
+    assert glance["seconds_per_iter"] == {"latest": 54.0, "mean": 47.0}
 
 
 def test_curves_of_a_flow_grpo_run_which_has_no_probe_columns():
@@ -109,7 +115,7 @@ def test_dvc_yaml_declares_only_the_summary_as_a_metric_and_named_plots():
     cfg = config_from_dict(tiny_params(train={"iterations": 3}))
     stages = render(cfg)["stages"]
     metrics = [m for stage in stages.values() for m in stage.get("metrics", [])]
-    assert metrics == [{"data/metrics/summary.json": {"cache": False}}]
+    assert metrics == [{f"data/metrics/{name}.json": {"cache": False}} for name in GLANCE]
     assert list(stages) == ["baseline", *[f"{n}-{i:04d}" for i in (1, 2, 3)
                                           for n in ("rollout", "probe", "credit", "update", "eval")], "summary"]
     assert "data/iters/0001/policy" in stages["rollout-0002"]["deps"]

@@ -70,6 +70,7 @@ def _uncached(path: str) -> dict:
 
 
 SUMMARY = "data/metrics/summary.json"
+GLANCE = ("held_out", "strict", "train_reward", "tp_rate", "approx_kl_x1e6", "seconds_per_iter")  # dvc metrics
 EVAL_CURVE = "data/metrics/eval_curve.csv"    # base model + every evaluated iteration
 TRAIN_CURVE = "data/metrics/train_curve.csv"  # one row per iteration
 # `dvc plots show`: named charts with chosen axes (top-level `plots:` in dvc.yaml).
@@ -168,9 +169,9 @@ def render(cfg: Config) -> dict:
         "cmd": "tpgrpo stage summary", "params": STAGE_PARAMS["summary"],
         "deps": ["stages/summary.py", "tpgrpo/figures.py", "tpgrpo/plots.py", "data/iters/baseline_eval.json",
                  "data/iters/baseline_eval.parquet", *per_iter, *evals, *last_iteration],
-        "outs": [_uncached("data/metrics/history.csv"), _uncached(EVAL_CURVE), _uncached(TRAIN_CURVE),
-                 *[_uncached(f"data/reports/{name}") for name in figure_names(cfg)]],
-        "metrics": [{SUMMARY: {"cache": False}}]}
+        "outs": [_uncached(SUMMARY), _uncached("data/metrics/history.csv"), _uncached(EVAL_CURVE),
+                 _uncached(TRAIN_CURVE), *[_uncached(f"data/reports/{name}") for name in figure_names(cfg)]],
+        "metrics": [{f"data/metrics/{name}.json": {"cache": False}} for name in GLANCE]}
     return {"stages": stages, "plots": PLOTS}
 
 
