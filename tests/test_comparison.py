@@ -300,6 +300,12 @@ def test_a_folder_of_another_comparison_is_refused(tmp_path, tiny_model_dir):
     assert json.loads((code / "SNAPSHOT.json").read_text())["commit"]
     cmp.prepare_run(spec, base, params, code, budget=3)  # a larger budget: train.iterations rises
     assert yaml.safe_load((spec.folder / "params.yaml").read_text())["train"]["iterations"] == 3
+    (code / "tpgrpo" / "cli.py").unlink()  # a new snapshot writes new files (new inodes)
+    (code / "tpgrpo" / "cli.py").write_text("# refreshed\n")
+    cmp.prepare_run(spec, base, params, code, budget=3)
+    assert (spec.folder / "tpgrpo/cli.py").read_text() != "# refreshed\n"  # without refresh: the old code
+    cmp.prepare_run(spec, base, params, code, budget=3, refresh_code=True)
+    assert (spec.folder / "tpgrpo/cli.py").read_text() == "# refreshed\n"
     other = cmp.RunSpec(cmp.Variant("tp", "tp", {"update.lr": 0.5}), 0, spec.folder)
     with pytest.raises(PipelineError, match="update.lr is 0.01 there"):
         cmp.check_run(other, params, 2)

@@ -225,8 +225,10 @@ def check_run(spec: RunSpec, base_params: dict, budget: int, base_root: Path | N
     return params
 
 
-def prepare_run(spec: RunSpec, base_root: Path, base_params: dict, code: Path, budget: int) -> None:
-    """Create or complete the run folder: params.yaml, run.json, data and code as hard links. Idempotent."""
+def prepare_run(spec: RunSpec, base_root: Path, base_params: dict, code: Path, budget: int,
+                refresh_code: bool = False) -> None:
+    """Create or complete the run folder: params.yaml, run.json, data and code as hard links. Idempotent.
+    ``refresh_code``: link the (re-snapshotted) code again in an existing folder too."""
     folder = spec.folder
     params = check_run(spec, base_params, budget, base_root)
     folder.mkdir(parents=True, exist_ok=True)
@@ -234,6 +236,8 @@ def prepare_run(spec: RunSpec, base_root: Path, base_params: dict, code: Path, b
         if not (folder / rel).exists():
             _link_tree(base_root / rel, folder / rel)
     for name in CODE_DIRS:
+        if refresh_code and (folder / name).exists():
+            shutil.rmtree(folder / name)  # hard links to the old snapshot's files
         if not (folder / name).exists():
             _link_tree(code / name, folder / name)
     text = yaml.safe_dump(params, sort_keys=False)

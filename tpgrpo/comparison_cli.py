@@ -117,7 +117,7 @@ def run_command(
         code = cmp.snapshot_code(out.resolve(), Path(cmp.__file__).resolve().parents[1], refresh=refresh_code)
         cmp.record_command(out, _command_line())
         for spec in specs:
-            cmp.prepare_run(spec, base.resolve(), base_params, code, iterations)
+            cmp.prepare_run(spec, base.resolve(), base_params, code, iterations, refresh_code=refresh_code)
         results = cmp.launch(specs, jobs, threads, echo=typer.echo)
     except (ConfigError, PipelineError) as exc:
         _fail(str(exc))
