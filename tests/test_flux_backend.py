@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 import torch
 from tiny_pipelines import (RESOLUTION, check_bad_model_path_is_one_line, check_lora_loads_into_stock_pipeline, cli,
-                            make_pipeline_project, run_stages)
+                            make_pipeline_project, run_stages, timesteps_seen)
 
 from tpgrpo.errors import PipelineError
 from tpgrpo.models import load_backend
@@ -69,15 +69,8 @@ def test_bf16_transformer_gets_fp32_sigmas_as_timesteps(flux_model_dir):
     """The timestep goes in as fp32 sigma (FLUX's transformer multiplies by 1000 itself), not rounded by us;
     FluxTransformer2DModel then casts it to its own dtype, exactly as it does under FluxPipeline."""
     half = load_backend("flux", flux_model_dir, dtype="bf16", resolution=RESOLUTION)
-    seen = []
-    hook = half.transformer.register_forward_pre_hook(lambda m, args, kw: seen.append(kw["timestep"]),
-                                                      with_kwargs=True)
     sigma = torch.tensor([0.9231, 0.4567])
-    try:
-        with torch.no_grad():
-            half.velocity(half.initial_noise([1, 2]), sigma, half.encode_prompts(PROMPTS), 3.5)
-    finally:
-        hook.remove()
+    seen, v = timesteps_seen(half, sigma, PROMPTS, 3.5)
     assert len(seen) == 1 and seen[0].dtype == torch.float32 and torch.equal(seen[0], sigma)
 
 

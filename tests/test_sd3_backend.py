@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 import torch
 from tiny_pipelines import (RESOLUTION, check_bad_model_path_is_one_line, check_lora_loads_into_stock_pipeline, cli,
-                            make_pipeline_project, run_stages)
+                            make_pipeline_project, run_stages, timesteps_seen)
 
 from tpgrpo.errors import PipelineError
 from tpgrpo.models import load_backend
@@ -92,15 +92,8 @@ def test_low_precision_weights_still_give_float32_velocities(sd3_model_dir):
 def test_bf16_transformer_gets_fp32_timesteps_like_the_stock_pipeline(sd3_model_dir):
     """StableDiffusion3Pipeline passes ``t.expand(B)``, fp32 ``1000 sigma``; a bf16 cast would round 923.1 to 924."""
     half = load_backend("sd3", sd3_model_dir, dtype="bf16", resolution=RESOLUTION)
-    seen = []
-    hook = half.transformer.register_forward_pre_hook(lambda m, args, kw: seen.append(kw["timestep"]),
-                                                      with_kwargs=True)
     sigma = torch.tensor([0.9231, 0.4567])
-    try:
-        with torch.no_grad():
-            half.velocity(half.initial_noise([1, 2]), sigma, half.encode_prompts(PROMPTS), 4.5)
-    finally:
-        hook.remove()
+    seen, v = timesteps_seen(half, sigma, PROMPTS, 4.5)
     assert len(seen) == 1 and seen[0].dtype == torch.float32
     assert torch.equal(seen[0], torch.cat([sigma, sigma]) * 1000.0)
 

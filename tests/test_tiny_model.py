@@ -9,6 +9,7 @@ import torch
 from tpgrpo.models import load_backend
 from tpgrpo.models.tiny import TinyConfig, build_tiny, load_tiny
 from tpgrpo.models.tokenizer import EOS, PAD, tokenize
+from tiny_pipelines import timesteps_seen
 from tpgrpo.generate import sample_ode, save_grid
 
 WORDS = "a an the one two three red green blue circle circles square squares left right of and sign that says".split()
@@ -229,15 +230,8 @@ def test_bf16_model_gets_fp32_timesteps_equal_to_1000_sigma():
 
     built = build_tiny(CONFIG, seed=0, words=WORDS, charset=CHARSET)
     half = TinyBackend(built.transformer, built.text_encoder, built.tokenizer, CONFIG, dtype=torch.bfloat16)
-    seen = []
-    hook = half.transformer.register_forward_pre_hook(lambda m, args, kw: seen.append(kw["timestep"]),
-                                                      with_kwargs=True)
     sigma = torch.tensor([0.9231, 0.4567])
-    try:
-        with torch.no_grad():
-            v = half.velocity(half.initial_noise([1, 2]), sigma, half.encode_prompts(PROMPTS[:2]), 4.5)
-    finally:
-        hook.remove()
+    seen, v = timesteps_seen(half, sigma, PROMPTS[:2], 4.5)
     assert v.dtype == torch.float32
     assert len(seen) == 1 and seen[0].dtype == torch.float32
     assert torch.equal(seen[0], torch.cat([sigma, sigma]) * 1000.0)  # [uncond; cond], exactly 1000 sigma

@@ -179,3 +179,18 @@ def check_bad_model_path_is_one_line(project: Path, scratch: Path) -> None:
     result = cli("stage", "rollout", "--iter", "1", "--params", str(bad / "params.yaml"))
     lines = [line for line in result.output.splitlines() if line.strip()]
     assert result.exit_code != 0 and len(lines) == 1 and "data/no-such-model" in lines[0], result.output
+
+
+def timesteps_seen(backend, sigma, prompts, guidance_scale: float):
+    """``(timestep arguments the transformer received, velocity)`` for one ``backend.velocity`` call on
+    ``len(sigma)`` fresh noises (a forward pre-hook records the keyword)."""
+    seen = []
+    hook = backend.transformer.register_forward_pre_hook(lambda m, args, kw: seen.append(kw["timestep"]),
+                                                         with_kwargs=True)
+    try:
+        with torch.no_grad():
+            v = backend.velocity(backend.initial_noise(list(range(1, len(sigma) + 1))), sigma,
+                                 backend.encode_prompts(prompts), guidance_scale)
+    finally:
+        hook.remove()
+    return seen, v
