@@ -14,12 +14,12 @@ from pathlib import Path
 
 import numpy as np
 
-from tpgrpo.artifacts import IterationPaths, require, write_json
+from tpgrpo.artifacts import IterationPaths, require, write_json, write_parquet
 from tpgrpo.compare import EVAL_TABLE_COLUMNS
 from tpgrpo.config import Config
 from tpgrpo.distributed import chunk_bar, current, group_chunks, run_chunks, warn_if_idle
 from tpgrpo.errors import PipelineError
-from tpgrpo.pipeline import check_finite, load_policy, provenance, resolve, stopwatch, write_parquet
+from tpgrpo.pipeline import check_finite, load_policy, provenance, resolve, stopwatch
 
 EVAL_TABLE = "eval.parquet"  # beside eval.json: one row per (held-out prompt, eval seed)
 BASELINE_TABLE = "baseline_eval.parquet"  # beside baseline_eval.json, the same rows for the base model

@@ -17,7 +17,6 @@ import numpy as np
 
 from tpgrpo import __version__
 from tpgrpo.artifacts import IterationPaths, read_embeddings, require, write_embeddings
-from tpgrpo.artifacts import write_parquet  # noqa: F401 - stages/eval.py imports it from here
 from tpgrpo.config import Config
 from tpgrpo.errors import PipelineError
 from tpgrpo.schemas import EMBEDDING_FIELDS

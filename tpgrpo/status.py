@@ -14,6 +14,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from tpgrpo.artifacts import IterationPaths
+from tpgrpo.dvclock import pid_state
 from tpgrpo.errors import PipelineError
 
 # The stage logs that make an iteration done (a probe ran before credit, except for credit.mode flow_grpo).
@@ -42,14 +43,8 @@ def record_stage(root: Path, stage: str, iteration: int | None, state: str, erro
 
 
 def _alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    stat = Path(f"/proc/{pid}/stat")
-    return not (stat.is_file() and stat.read_text().rsplit(")", 1)[-1].split()[0] == "Z")
+    """Running (not gone, not a zombie): the same test the stale-lock check uses."""
+    return pid_state(pid) not in (None, "Z")
 
 
 def folder_bytes(folder: Path) -> int:
