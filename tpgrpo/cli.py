@@ -135,29 +135,85 @@ def dvc_yaml_command(params: ParamsOpt = Path("params.yaml")) -> None:
 
 @app.command("run")
 def run_command(params: ParamsOpt = Path("params.yaml")) -> None:
-    """The main job: render dvc.yaml, then `dvc repro` (trains train.iterations iterations)."""
-    import os
+    """The main job: render dvc.yaml, `dvc repro` (trains train.iterations iterations), then seal each
+    finished block of train.block_size iterations into one DVC stage."""
     import subprocess
     import sys
 
-    from tpgrpo.dvclock import clear_stale_lock
+    import yaml
 
-    dvc_yaml_command(params)
+    from tpgrpo.config import ConfigError, load_config
+    from tpgrpo.dvclock import clear_stale_lock
+    from tpgrpo.errors import PipelineError
+    from tpgrpo.sealing import dvc_env, seal_finished, unseal_changed
+
     root = Path(params).resolve().parent
+    try:
+        cfg = load_config(params)
+        unsealed = unseal_changed(root, cfg, yaml.safe_load(Path(params).read_text()))
+    except (ConfigError, PipelineError) as exc:
+        _fail(str(exc))
+    if unsealed:
+        typer.echo(f"unsealed {', '.join(b.name for b in unsealed)} (params changed since sealing)")
+    dvc_yaml_command(params)
     note = clear_stale_lock(root)  # a killed, not yet reaped run's lock would block `dvc repro`
     if note:
         typer.echo(note)
-    env = dict(os.environ, DVC_NO_ANALYTICS="1")
-    # Stage commands call `tpgrpo`: make this interpreter's scripts folder come first on PATH.
-    env["PATH"] = str(Path(sys.executable).parent) + os.pathsep + env.get("PATH", "")
+    env = dvc_env()
     if not (root / ".dvc").is_dir():
         scm = [] if (root / ".git").exists() else ["--no-scm"]
         subprocess.run([sys.executable, "-m", "dvc", "init", "-q", *scm], cwd=root, env=env, check=True)
-        for key in ("core.analytics", "core.check_update"):
-            subprocess.run([sys.executable, "-m", "dvc", "config", key, "false"], cwd=root, env=env, check=True)
+        # the cache links to the workspace instead of copying where the filesystem allows (stages write
+        # new files and rename, never edit in place, so a hard link cannot corrupt the cache)
+        for key, value in (("core.analytics", "false"), ("core.check_update", "false"),
+                           ("cache.type", "reflink,hardlink,copy")):
+            subprocess.run([sys.executable, "-m", "dvc", "config", key, value], cwd=root, env=env, check=True)
     code = subprocess.run([sys.executable, "-m", "dvc", "repro"], cwd=root, env=env).returncode
     if code != 0:
         _fail(f"dvc repro failed with exit code {code}")
+    try:
+        sealed = seal_finished(root, cfg)
+    except PipelineError as exc:
+        _fail(str(exc))
+    if sealed:
+        typer.echo(f"sealed {', '.join(b.name for b in sealed)} (one DVC stage per block from now on)")
+
+
+@app.command("block")
+def block_command(first: Annotated[int, typer.Option("--first", help="first iteration of the block")],
+                  last: Annotated[int, typer.Option("--last", help="last iteration of the block")],
+                  params: ParamsOpt = Path("params.yaml")) -> None:
+    """Re-run a sealed block: each iteration's stages in order, one process each (what dvc.yaml calls)."""
+    from tpgrpo.config import ConfigError, load_config
+    from tpgrpo.errors import PipelineError
+    from tpgrpo.sealing import run_block
+    from tpgrpo.seals import Block, full_blocks
+
+    try:
+        cfg = load_config(params)
+        block = Block(first, last)
+        if block not in full_blocks(cfg.train.block_size, cfg.train.iterations):
+            raise PipelineError(f"--first {first} --last {last}: not a block of train.block_size = "
+                                f"{cfg.train.block_size} inside 1..{cfg.train.iterations}")
+        run_block(Path(params).resolve().parent, cfg, block)
+    except (ConfigError, PipelineError) as exc:
+        _fail(str(exc))
+
+
+@app.command("retain")
+def retain_command(params: ParamsOpt = Path("params.yaml"),
+                   gc: Annotated[bool, typer.Option(help="dvc gc --workspace afterwards (frees the cache)")] = True,
+                   ) -> None:
+    """Apply params.yaml's retention to the sealed blocks; `dvc status` stays clean."""
+    from tpgrpo.config import ConfigError, load_config
+    from tpgrpo.errors import PipelineError
+    from tpgrpo.sealing import retain
+
+    try:
+        dropped = retain(Path(params).resolve().parent, load_config(params), gc=gc)
+    except (ConfigError, PipelineError) as exc:
+        _fail(str(exc))
+    typer.echo(f"dropped {len(dropped)} artifacts" + (f" (first: {dropped[0]})" if dropped else ""))
 
 
 @app.command("prompts")

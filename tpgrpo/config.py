@@ -131,6 +131,15 @@ class EvalConfig:
 class TrainConfig:
     iterations: int = 4  # RL iterations that `dvc repro` runs
     seed: int = 0  # run seed: every sample's seed derives from (seed, iteration, prompt, sample)
+    block_size: int = 25  # finished iterations sealed into one DVC stage per block of this many (0 = never)
+
+
+@dataclass(frozen=True)
+class RetentionConfig:
+    """What ``tpgrpo retain`` keeps of sealed blocks. Never changes an artifact; no stage reads it."""
+
+    keep_trajectories: int = 0  # trajectories + prompt embeddings of the last k finished iterations (0 = all)
+    keep_adapter_every: int = 0  # adapters of every m-th iteration, plus each block's last (0 = all)
 
 
 @dataclass(frozen=True)
@@ -156,6 +165,7 @@ class Config:
     update: UpdateConfig = field(default_factory=UpdateConfig)
     eval: EvalConfig = field(default_factory=EvalConfig)
     train: TrainConfig = field(default_factory=TrainConfig)
+    retention: RetentionConfig = field(default_factory=RetentionConfig)
     launch: LaunchConfig = field(default_factory=LaunchConfig)
 
     def params_hash(self, keys: list[str] | tuple[str, ...]) -> str:
@@ -189,7 +199,8 @@ POSITIVE = {
 NON_NEGATIVE = {
     "sampling.guidance_scale", "sampling.noise_level", "sampling.window_start",
     "sampling.window_size", "update.weight_decay", "update.kl_beta", "eval.every", "eval.seed", "train.seed",
-    "remote_reward.retries", "remote_reward.backoff", "model.resolution",
+    "remote_reward.retries", "remote_reward.backoff", "model.resolution", "train.block_size",
+    "retention.keep_trajectories", "retention.keep_adapter_every",
 }
 POSITIVE |= {"reward_models.batch_size", "reward_models.pickscore_divisor", "remote_reward.timeout",
              "remote_reward.batch_size"}

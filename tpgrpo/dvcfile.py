@@ -15,6 +15,7 @@ import yaml
 
 from tpgrpo.config import Config, ConfigError
 from tpgrpo.figures import figure_names
+from tpgrpo.seals import Block, full_blocks, sealed_outs
 
 MODEL_CODE = ["tpgrpo/models", "tpgrpo/trajectory.py", "tpgrpo/sampling.py", "tpgrpo/schedule.py",
               "tpgrpo/pipeline.py", "tpgrpo/policy.py", "tpgrpo/artifacts.py", "tpgrpo/schemas.py", "tpgrpo/probe_modes.py"]
@@ -145,8 +146,36 @@ def iteration_stages(cfg: Config, i: int) -> dict[str, dict]:
     return {name: stages[name] for stem in order for name in stages if name.startswith(stem + "-")}
 
 
-def render(cfg: Config) -> dict:
-    """The whole ``dvc.yaml`` as a mapping."""
+def _out_path(out) -> str:
+    return next(iter(out)) if isinstance(out, dict) else out
+
+
+def _covered(key: str, keys: list[str]) -> bool:
+    return any(key.startswith(k + ".") for k in keys)
+
+
+def block_stage(cfg: Config, block: Block, outs: list[str] | None = None) -> dict:
+    """One stage for a sealed block: the union of its iterations' params and of their deps from outside
+    the block, the block's artifacts (only ``outs`` when given: what retention kept) as outputs, and a
+    command that re-runs the block's stages in order (``tpgrpo block``)."""
+    inner = [st for i in block.iterations for st in iteration_stages(cfg, i).values()]
+    produced = {_out_path(o) for st in inner for o in st["outs"]}
+    params = list(dict.fromkeys(p for st in inner for p in st["params"]))
+    deps = dict.fromkeys(d for st in inner for d in st["deps"] if d not in produced)
+    all_outs = {_out_path(o): o for st in inner for o in st["outs"]}  # path -> entry, dvc.yaml order
+    kept = set(produced if outs is None else outs)
+    return {"cmd": f"tpgrpo block --first {block.first} --last {block.last}",
+            "params": [p for p in params if not _covered(p, params)], "deps": list(deps),
+            "outs": [o for path, o in all_outs.items() if path in kept]}
+
+
+def block_out_paths(cfg: Config, block: Block) -> list[str]:
+    """Every artifact path the block's stages write, in dvc.yaml order."""
+    return [_out_path(o) for o in block_stage(cfg, block)["outs"]]
+
+
+def render(cfg: Config, root: Path | None = None) -> dict:
+    """The whole ``dvc.yaml`` as a mapping; blocks sealed under ``root`` appear as one stage each."""
     stages: dict[str, dict] = {
         "baseline": {
             "cmd": stage_command(cfg, "baseline"), "params": STAGE_PARAMS["baseline"],
@@ -154,25 +183,38 @@ def render(cfg: Config) -> dict:
                      cfg.model.path, cfg.task.eval_prompts],
             "outs": [_uncached("data/iters/baseline_eval.parquet")]},
     }
-    for i in iterations(cfg):
+    sealed = sealed_outs(root, full_blocks(cfg.train.block_size, cfg.train.iterations)) if root else {}
+    in_sealed = {i for block in sealed for i in block.iterations}
+    for block, outs in sealed.items():
+        stages[block.name] = block_stage(cfg, block, outs)
+    open_iters = [i for i in iterations(cfg) if i not in in_sealed]
+    for i in open_iters:
         stages.update(iteration_stages(cfg, i))
+    stages["summary"] = summary_stage(cfg, open_iters, list(sealed))
+    return {"stages": stages, "plots": PLOTS}
+
+
+def summary_stage(cfg: Config, open_iters: list[int], sealed: list[Block]) -> dict:
+    """Metrics, curves and figures of the whole run. It reads every iteration's stage JSON and eval table;
+    as DVC deps it lists them for open iterations only and, per sealed block, its last credit table (which
+    a re-run of the block rewrites), so its dependency count does not grow with the run."""
     logs = ("rollout", "credit", "update", "eval") if cfg.credit.mode == "flow_grpo" else STAGE_LOGS
-    per_iter = [f"{_iter_dir(i)}/{name}.json" for i in iterations(cfg) for name in logs]
     # Stage JSONs are logs (wall seconds differ run to run), not DVC outputs: re-running a stage by hand with
     # the same inputs leaves DVC with nothing to redo but this summary. The eval tables (outputs) order it
     # after every iteration, whose stages all wrote their JSON before its eval ran.
-    evals = [f"{_iter_dir(i)}/eval.parquet" for i in iterations(cfg)]
+    per_iter = [f"{_iter_dir(i)}/{name}.json" for i in open_iters for name in logs]
+    evals = [f"{_iter_dir(i)}/eval.parquet" for i in open_iters]
+    blocks = [f"{_iter_dir(b.last)}/credit.parquet" for b in sealed]
     last = _iter_dir(cfg.train.iterations)  # the figures draw its tables and its policy's images
     last_iteration = [f"{last}/{name}" for name in ("probe.parquet", "credit.parquet", "policy")
                       if name != "probe.parquet" or cfg.credit.mode != "flow_grpo"]
-    stages["summary"] = {
-        "cmd": "tpgrpo stage summary", "params": STAGE_PARAMS["summary"],
-        "deps": ["stages/summary.py", "tpgrpo/figures.py", "tpgrpo/plots.py", "data/iters/baseline_eval.json",
-                 "data/iters/baseline_eval.parquet", *per_iter, *evals, *last_iteration],
+    deps = ["stages/summary.py", "tpgrpo/figures.py", "tpgrpo/plots.py", "data/iters/baseline_eval.json",
+            "data/iters/baseline_eval.parquet", *per_iter, *evals, *blocks, *last_iteration]
+    return {
+        "cmd": "tpgrpo stage summary", "params": STAGE_PARAMS["summary"], "deps": list(dict.fromkeys(deps)),
         "outs": [_uncached(SUMMARY), _uncached("data/metrics/history.csv"), _uncached(EVAL_CURVE),
                  _uncached(TRAIN_CURVE), *[_uncached(f"data/reports/{name}") for name in figure_names(cfg)]],
         "metrics": [{f"data/metrics/{name}.json": {"cache": False}} for name in GLANCE]}
-    return {"stages": stages, "plots": PLOTS}
 
 
 class _NoAliasDumper(yaml.SafeDumper):
@@ -188,7 +230,7 @@ def write_dvc_yaml(cfg: Config, root: Path) -> bool:
     if config_file and not (root / config_file).is_file():
         raise ConfigError(f"params: launch.config_file = {config_file!r}: file not found "
                           "(expected an accelerate config file, path relative to the project root)")
-    text = HEADER + yaml.dump(render(cfg), Dumper=_NoAliasDumper, sort_keys=False, default_flow_style=False, width=120)
+    text = HEADER + yaml.dump(render(cfg, root), Dumper=_NoAliasDumper, sort_keys=False, default_flow_style=False, width=120)
     path = root / "dvc.yaml"
     if path.exists() and path.read_text() == text:
         return False
