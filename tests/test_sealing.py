@@ -1,0 +1,259 @@
+"""Sealed blocks and retention: the bookkeeping pieces on hand-made files (fast), then a real run (slow)."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import yaml
+from conftest import tiny_params
+
+from tpgrpo.config import ConfigError, config_from_dict
+from tpgrpo.dvcfile import STAGE_PARAMS, block_out_paths, block_stage, iteration_stages, render
+from tpgrpo.sealing import kept_outs, retain, stage_names, unseal_changed
+from tpgrpo.seals import Block, full_blocks, param_values, read_lock, read_seal, write_lock, write_yaml
+
+
+def _raw(**train) -> dict:
+    raw = tiny_params()
+    raw["train"].update(train)
+    return raw
+
+
+def _cfg(**train):
+    return config_from_dict(_raw(**train))
+
+
+def test_full_blocks_cover_only_complete_blocks_inside_the_run():
+    assert full_blocks(25, 60) == [Block(1, 25), Block(26, 50)]
+    assert full_blocks(25, 50)[-1] == Block(26, 50)
+    assert full_blocks(25, 24) == [] and full_blocks(0, 1000) == []
+    assert Block(26, 50).name == "iters-0026-0050"
+
+
+def test_block_size_must_not_be_negative():
+    with pytest.raises(ConfigError, match="train.block_size = -1: expected a value >= 0"):
+        _cfg(block_size=-1)
+
+
+def test_block_stage_is_the_union_of_its_stages_minus_what_the_block_makes_itself():
+    cfg = _cfg(iterations=6, block_size=3)
+    block = Block(4, 6)
+    stage = block_stage(cfg, block)
+    inner = [st for i in block.iterations for st in iteration_stages(cfg, i).values()]
+    outs = block_out_paths(cfg, block)
+    assert "data/iters/0003/policy" in stage["deps"]  # the previous block's last adapter starts this block
+    assert not set(stage["deps"]) & set(outs)  # its own intermediate products are not deps
+    outside = {d for st in inner for d in st["deps"]} - set(outs)
+    assert set(stage["deps"]) == outside
+    every = {p for st in inner for p in st["params"]}
+    assert all(any(p == q or p.startswith(q + ".") for q in stage["params"]) for p in every)
+    assert "credit" in stage["params"] and "train.seed" in stage["params"]
+    assert len(outs) == 3 * 6 and stage["cmd"] == "tpgrpo block --first 4 --last 6"
+    kept = [p for p in outs if not p.endswith("trajectories.zarr")]
+    assert [o if isinstance(o, str) else next(iter(o)) for o in block_stage(cfg, block, kept)["outs"]] == kept
+
+
+def _seal(root: Path, cfg, block: Block, lock: dict) -> None:
+    """Seal by hand what `seal_finished` would: a seal file and a lock entry for the block stage."""
+    names = stage_names(cfg, block)
+    entries = {n: {"cmd": n, "outs": []} for n in names}
+    write_yaml(block.seal_path(root), {"first": block.first, "last": block.last,
+                                       "outs": block_out_paths(cfg, block), "stages": entries})
+    params = block_stage(cfg, block)["params"]
+    raw = yaml.safe_load((root / "params.yaml").read_text())
+    lock["stages"][block.name] = {"cmd": "x", "params": {"params.yaml": param_values(raw, params)},
+                                  "outs": [{"path": p, "md5": "0"} for p in block_out_paths(cfg, block)]}
+
+
+def _project(tmp_path: Path, **train) -> Path:
+    raw = _raw(**train)
+    tmp_path.mkdir(parents=True, exist_ok=True)
+    (tmp_path / "params.yaml").write_text(yaml.safe_dump(raw, sort_keys=False))
+    return tmp_path
+
+
+def test_dvc_yaml_work_stays_bounded_as_sealed_blocks_pile_up(tmp_path):
+    """The number of (stage, dep) pairs DVC checks grows with blocks, not with per-stage entries."""
+    counts = {}
+    for n in (20, 200):
+        root = _project(tmp_path / str(n), iterations=n, block_size=20)
+        cfg = _cfg(iterations=n, block_size=20)
+        lock = {"schema": "2.0", "stages": {}}
+        for block in full_blocks(20, n):
+            _seal(root, cfg, block, lock)
+        stages = render(cfg, root)["stages"]
+        assert not any(name.startswith("rollout-") for name in stages)
+        counts[n] = (len(stages), sum(len(st["deps"]) for st in stages.values()))
+    flat = render(_cfg(iterations=200, block_size=0))["stages"]
+    flat_deps = sum(len(st["deps"]) for st in flat.values())
+    assert counts[200][0] == counts[20][0] + 9  # one stage per block
+    assert counts[200][1] < flat_deps / 10, (counts, flat_deps)
+    summary = render(cfg, root)["stages"]["summary"]
+    assert len(summary["deps"]) < 30  # not one dep per iteration's logs
+
+
+def test_changed_params_unseal_a_block_and_bring_its_per_stage_entries_back(tmp_path):
+    root = _project(tmp_path, iterations=4, block_size=2)
+    cfg = _cfg(iterations=4, block_size=2)
+    lock = {"schema": "2.0", "stages": {}}
+    for block in full_blocks(2, 4):
+        _seal(root, cfg, block, lock)
+    del lock["stages"]["iters-0003-0004"]  # e.g. interrupted between writing the seal and `dvc commit`
+    write_lock(root, lock)
+    raw = yaml.safe_load((root / "params.yaml").read_text())
+    assert unseal_changed(root, cfg, raw) == [Block(3, 4)]  # no lock entry: unsealed
+    assert "credit-0003" in read_lock(root)["stages"] and not Block(3, 4).seal_path(root).exists()
+    assert unseal_changed(root, cfg, raw) == []  # the matching block stays sealed
+    raw["credit"]["mode"] = "incremental"
+    assert unseal_changed(root, config_from_dict(raw), raw) == [Block(1, 2)]
+    stages = read_lock(root)["stages"]
+    assert set(stage_names(cfg, Block(1, 2))) <= set(stages) and "iters-0001-0002" not in stages
+
+
+def test_a_block_beyond_a_lowered_iteration_count_stays_sealed_for_later(tmp_path):
+    root = _project(tmp_path, iterations=4, block_size=2)
+    cfg = _cfg(iterations=4, block_size=2)
+    lock = {"schema": "2.0", "stages": {}}
+    for block in full_blocks(2, 4):
+        _seal(root, cfg, block, lock)
+    write_lock(root, lock)
+    raw = _raw(iterations=2, block_size=2)
+    assert unseal_changed(root, config_from_dict(raw), raw) == []
+    raw = _raw(iterations=4, block_size=4)  # another block size: the old blocks no longer fit
+    assert sorted(unseal_changed(root, config_from_dict(raw), raw)) == [Block(1, 2), Block(3, 4)]
+
+
+def test_retention_keeps_tables_recent_trajectories_and_every_mth_adapter_plus_block_ends():
+    raw = _raw(iterations=12, block_size=6)
+    raw["retention"] = {"keep_trajectories": 3, "keep_adapter_every": 4}
+    cfg = config_from_dict(raw)
+    block = Block(7, 12)
+    outs = block_out_paths(cfg, block)
+    kept = kept_outs(cfg, block, outs, last_done=12)
+    trajectories = sorted(int(Path(p).parent.name) for p in kept if p.endswith("trajectories.zarr"))
+    adapters = sorted(int(Path(p).parent.name) for p in kept if p.endswith("/policy"))
+    assert trajectories == [10, 11, 12] and adapters == [8, 12]
+    for table in ("probe.parquet", "credit.parquet", "eval.parquet"):
+        assert sum(p.endswith(table) for p in kept) == 6
+    raw["retention"] = {"keep_trajectories": 0, "keep_adapter_every": 0}
+    assert kept_outs(config_from_dict(raw), block, outs, last_done=12) == outs  # 0 = keep everything
+
+
+def test_retain_drops_files_from_the_workspace_the_block_outs_and_the_lock(tmp_path):
+    root = _project(tmp_path, iterations=4, block_size=2)
+    raw = yaml.safe_load((root / "params.yaml").read_text())
+    raw["retention"] = {"keep_trajectories": 1, "keep_adapter_every": 2}
+    (root / "params.yaml").write_text(yaml.safe_dump(raw, sort_keys=False))
+    cfg = config_from_dict(raw)
+    lock = {"schema": "2.0", "stages": {}}
+    _seal(root, cfg, Block(1, 2), lock)
+    lock["stages"]["update-0003"] = {"cmd": "x"}  # iteration 3 finished too: the last finished is 3
+    write_lock(root, lock)
+    for path in block_out_paths(cfg, Block(1, 2)):
+        (root / path).parent.mkdir(parents=True, exist_ok=True)
+        (root / path).write_text("x")
+    dropped = retain(root, cfg, gc=False)
+    assert sorted(dropped) == ["data/iters/0001/policy", "data/iters/0001/prompt_embeds.safetensors",
+                               "data/iters/0001/trajectories.zarr", "data/iters/0002/prompt_embeds.safetensors",
+                               "data/iters/0002/trajectories.zarr"]
+    assert not any((root / p).exists() for p in dropped) and (root / "data/iters/0002/policy").exists()
+    entry = read_lock(root)["stages"]["iters-0001-0002"]
+    assert {o["path"] for o in entry["outs"]} == set(read_seal(Block(1, 2).seal_path(root))["outs"])
+    rendered = yaml.safe_load((root / "dvc.yaml").read_text())["stages"]["iters-0001-0002"]["outs"]
+    assert [o if isinstance(o, str) else next(iter(o)) for o in rendered] == [o["path"] for o in entry["outs"]]
+    assert retain(root, cfg, gc=False) == []  # applied twice: nothing more
+
+
+def test_block_command_refuses_a_range_that_is_not_a_block(tmp_path):
+    root = _project(tmp_path, iterations=4, block_size=2)
+    done = subprocess.run([sys.executable, "-m", "tpgrpo", "block", "--first", "2", "--last", "3"], cwd=root,
+                          capture_output=True, text=True)
+    assert done.returncode == 2
+    assert done.stderr.strip() == ("error: --first 2 --last 3: not a block of train.block_size = 2 inside 1..4")
+
+
+def test_no_stage_reads_the_bookkeeping_params():
+    assert not any(p.startswith(("retention", "train.block_size")) for ps in STAGE_PARAMS.values() for p in ps)
+
+
+def _env() -> dict:
+    import os
+
+    e = dict(os.environ, DVC_NO_ANALYTICS="1")
+    e["PATH"] = str(Path(sys.executable).parent) + os.pathsep + e.get("PATH", "")
+    return e
+
+
+def _sh(root: Path, *args: str) -> str:
+    done = subprocess.run(list(args), cwd=root, env=_env(), capture_output=True, text=True)
+    assert done.returncode == 0, f"{args}: {done.stdout[-2000:]} {done.stderr[-2000:]}"
+    return done.stdout
+
+
+def _tpgrpo(root: Path, *args: str) -> str:
+    return _sh(root, sys.executable, "-m", "tpgrpo", *args)
+
+
+def _ran(output: str) -> list[str]:
+    return [line.split("'")[1] for line in output.splitlines() if line.startswith("Running stage")]
+
+
+def _set(root: Path, section: str, values: dict) -> None:
+    raw = yaml.safe_load((root / "params.yaml").read_text())
+    raw[section].update(values)
+    (root / "params.yaml").write_text(yaml.safe_dump(raw, sort_keys=False))
+
+
+def _clean(root: Path) -> None:
+    assert _sh(root, sys.executable, "-m", "dvc", "status", "--json").strip() == "{}"
+    assert _ran(_sh(root, sys.executable, "-m", "dvc", "repro")) == []
+
+
+@pytest.mark.slow
+def test_sealed_run_keeps_dvc_guarantees_retention_and_sharing_through_a_remote(tiny_project, tmp_path):
+    root = tiny_project
+    _set(root, "train", {"iterations": 3, "block_size": 2})
+    _sh(root, "git", "init", "-q")
+    _sh(root, "git", "-c", "user.name=t", "-c", "user.email=t@t", "commit", "-q", "--allow-empty", "-m", "init")
+    first = _tpgrpo(root, "run")
+    assert "sealed iters-0001-0002" in first
+    stages = yaml.safe_load((root / "dvc.yaml").read_text())["stages"]
+    assert "iters-0001-0002" in stages and "rollout-0003" in stages and "rollout-0001" not in stages
+    _clean(root)
+
+    _set(root, "credit", {"mode": "incremental"})  # exactly credit onward re-runs, also inside the block
+    changed = _tpgrpo(root, "run")
+    assert "unsealed iters-0001-0002" in changed and "sealed iters-0001-0002" in changed
+    assert _ran(changed)[0] == "credit-0001" and "rollout-0002" in _ran(changed)
+    assert not any(n in _ran(changed) for n in ("rollout-0001", "probe-0001", "baseline"))
+    _clean(root)
+
+    _set(root, "retention", {"keep_trajectories": 1, "keep_adapter_every": 2})
+    # last finished iteration 3, keep 1: trajectories + embeddings of 1 and 2 go, and adapter 1 (2 ends the block)
+    assert "dropped 5 artifacts" in _tpgrpo(root, "retain")
+    iters = root / "data" / "iters"
+    assert not (iters / "0001" / "trajectories.zarr").exists() and not (iters / "0001" / "policy").exists()
+    assert (iters / "0002" / "policy").exists() and (iters / "0001" / "credit.parquet").exists()
+    _clean(root)
+
+    remote = tmp_path / "remote"
+    _sh(root, sys.executable, "-m", "dvc", "remote", "add", "-d", "shared", str(remote))
+    _sh(root, "git", "add", "-A")
+    _sh(root, "git", "-c", "user.name=t", "-c", "user.email=t@t", "commit", "-q", "-m", "run")
+    _sh(root, sys.executable, "-m", "dvc", "push", "-q")
+    clone = tmp_path / "clone"
+    _sh(tmp_path, "git", "clone", "-q", str(root), str(clone))
+    _sh(clone, sys.executable, "-m", "dvc", "pull", "-q")
+    _clean(clone)
+    for i in (1, 3):  # a sealed iteration and an open one: credit re-runs byte-identically from pulled inputs
+        credit = Path("data", "iters", f"{i:04d}", "credit.parquet")
+        before = (clone / credit).read_bytes()
+        assert before == (root / credit).read_bytes()
+        (clone / credit).unlink()
+        _tpgrpo(clone, "stage", "credit", "--iter", str(i))
+        assert (clone / credit).read_bytes() == before
+    exported = _tpgrpo(clone, "export", "--iter", "2", "--out", str(tmp_path / "adapter"))
+    assert "exported" in exported and (tmp_path / "adapter" / "pytorch_lora_weights.safetensors").is_file()
