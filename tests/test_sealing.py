@@ -60,8 +60,9 @@ def _seal(root: Path, cfg, block: Block, lock: dict) -> None:
     """Seal by hand what `seal_finished` would: a seal file and a lock entry for the block stage."""
     names = stage_names(cfg, block)
     entries = {n: {"cmd": n, "outs": []} for n in names}
+    write_yaml(block.entries_path(root), entries)
     write_yaml(block.seal_path(root), {"first": block.first, "last": block.last,
-                                       "outs": block_out_paths(cfg, block), "stages": entries})
+                                       "outs": block_out_paths(cfg, block)})
     params = block_stage(cfg, block)["params"]
     raw = yaml.safe_load((root / "params.yaml").read_text())
     lock["stages"][block.name] = {"cmd": "x", "params": {"params.yaml": param_values(raw, params)},

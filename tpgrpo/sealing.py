@@ -62,9 +62,9 @@ def seal_finished(root: Path, cfg: Config) -> list[Block]:
            if b not in sealed and all(n in stages for n in stage_names(cfg, b))]
     for block in new:
         names = stage_names(cfg, block)
+        write_yaml(block.entries_path(root), {n: stages[n] for n in names})
         write_yaml(block.seal_path(root), {"first": block.first, "last": block.last,
-                                           "outs": block_out_paths(cfg, block),
-                                           "stages": {n: stages[n] for n in names}})
+                                           "outs": block_out_paths(cfg, block)})
         for n in names:
             del stages[n]
     if new:
@@ -91,12 +91,13 @@ def unseal_changed(root: Path, cfg: Config, raw_params: dict) -> list[Block]:
             if entry.get("params", {}).get("params.yaml") == param_values(raw_params, keys):
                 continue
         stages.pop(block.name, None)
-        stages.update(read_seal(path)["stages"])
+        stages.update(read_seal(block.entries_path(root)))
         unsealed.append(block)
     if unsealed:
         write_lock(root, lock)
         for block in unsealed:
             block.seal_path(root).unlink()
+            block.entries_path(root).unlink()
     return unsealed
 
 

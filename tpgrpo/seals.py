@@ -6,7 +6,8 @@ be unsealed exactly:
 
 - ``outs``: the block's artifact paths DVC still tracks (all of them at sealing; fewer after
   ``tpgrpo retain``), in dvc.yaml order;
-- ``stages``: the per-stage ``dvc.lock`` entries of its iterations at sealing time.
+- beside it, ``0001-0025.stages``: the per-stage ``dvc.lock`` entries of its iterations at sealing time
+  (read only to unseal: rendering dvc.yaml reads the small files alone).
 
 Pure file handling; :mod:`tpgrpo.sealing` does the DVC side.
 """
@@ -42,6 +43,9 @@ class Block:
     def seal_path(self, root: Path) -> Path:
         return root / SEALS / f"{self.first:04d}-{self.last:04d}.yaml"
 
+    def entries_path(self, root: Path) -> Path:
+        return root / SEALS / f"{self.first:04d}-{self.last:04d}.stages"
+
 
 def full_blocks(block_size: int, iterations: int) -> list[Block]:
     """The complete blocks of ``block_size`` iterations inside 1..iterations (none when block_size is 0)."""
@@ -59,7 +63,7 @@ def block_of(path: Path) -> Block:
 def seal_files(root: Path) -> dict[Block, Path]:
     """Every seal file on disk, by block."""
     folder = root / SEALS
-    return {block_of(p): p for p in sorted(folder.glob("[0-9]*-[0-9]*.yaml"))} if folder.is_dir() else {}
+    return {block_of(p): p for p in sorted(folder.glob("[0-9]" * 4 + "-" + "[0-9]" * 4 + ".yaml"))} if folder.is_dir() else {}
 
 
 def read_seal(path: Path) -> dict:
