@@ -145,7 +145,7 @@ def run_command(params: ParamsOpt = Path("params.yaml")) -> None:
     from tpgrpo.config import ConfigError, load_config
     from tpgrpo.dvclock import clear_stale_lock
     from tpgrpo.errors import PipelineError
-    from tpgrpo.sealing import dvc_env, seal_finished, unseal_changed
+    from tpgrpo.sealing import dvc_env, relink, seal_finished, unseal_changed
 
     root = Path(params).resolve().parent
     try:
@@ -168,11 +168,15 @@ def run_command(params: ParamsOpt = Path("params.yaml")) -> None:
         for key, value in (("core.analytics", "false"), ("core.check_update", "false"),
                            ("cache.type", "reflink,hardlink,copy")):
             subprocess.run([sys.executable, "-m", "dvc", "config", key, value], cwd=root, env=env, check=True)
+    lock = root / "dvc.lock"
+    before = lock.stat().st_mtime_ns if lock.exists() else None
     code = subprocess.run([sys.executable, "-m", "dvc", "repro"], cwd=root, env=env).returncode
     if code != 0:
         _fail(f"dvc repro failed with exit code {code}")
     try:
         sealed = seal_finished(root, cfg)
+        if sealed or (lock.exists() and lock.stat().st_mtime_ns != before):  # something ran: link, not copy
+            relink(root)
     except PipelineError as exc:
         _fail(str(exc))
     if sealed:

@@ -1,0 +1,220 @@
+"""DVC bookkeeping at the paper's scale: runs of 12 .. 1,000 finished iterations built from ONE real iteration.
+
+Usage: ``python bench/dvc_scale.py [--sizes 12,100,300,1000] [--flat-sizes 12,100,300] [--work DIR]
+[--from PROJECT]``.
+
+1. The real iteration: ``--from`` a project that finished ``tpgrpo run`` with train.iterations 1, or (default)
+   one trained here with the repo's params (train.iterations 1, eval.every 1, 8 held-out prompts; minutes).
+2. Each run of N iterations is a fresh project (same code, model, prompts, params but train.iterations N) whose
+   iteration folders are real copies of that iteration's files. Its ``dvc.lock`` per-stage entries are the real
+   iteration's entries with paths renumbered (the copies have the same content, so the hashes are right, and
+   each iteration i > 1 gains its dep on policy i - 1). Layouts:
+   - ``flat``: today's one stage per (step, iteration) (``train.block_size: 0``);
+   - ``sealed``: finished blocks of ``--block-size`` sealed as ``tpgrpo run`` seals them (seal files, per-stage
+     entries moved out of dvc.lock, ``dvc commit`` of the block stages and the summary);
+   - ``retained``: ``sealed`` after ``tpgrpo retain`` with --keep-trajectories / --keep-adapter-every.
+3. Timed in each (one process each, seconds, 2 cores shared with whatever else runs): ``dvc status``, a no-op
+   ``dvc repro``, ``tpgrpo run`` with nothing to do (a resume: unseal check, render, repro, seal check),
+   ``tpgrpo status``; dvc.yaml lines / stages and workspace MB per iteration. Whether the cache links
+   rather than copies is measured once, on the real iteration (workspace, cache, both with links once).
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import json
+import os
+import shutil
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import yaml
+
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO))
+
+from tpgrpo.config import load_config  # noqa: E402
+from tpgrpo.dvcfile import block_out_paths, iteration_stages, write_dvc_yaml  # noqa: E402
+from tpgrpo.sealing import dvc_env, stage_names  # noqa: E402
+from tpgrpo.seals import full_blocks, read_lock, write_lock, write_yaml  # noqa: E402
+
+STEMS = ("rollout", "probe", "credit", "update", "eval")
+
+
+def sh(cwd: Path, *cmd: str) -> tuple[float, str]:
+    """Run, fail loudly; returns (seconds, stdout)."""
+    start = time.perf_counter()
+    done = subprocess.run(list(cmd), cwd=cwd, env=dvc_env(), capture_output=True, text=True)
+    if done.returncode:
+        raise SystemExit(f"{' '.join(cmd)} in {cwd} failed: {(done.stderr or done.stdout).strip()[-400:]}")
+    return time.perf_counter() - start, done.stdout
+
+
+def dvc(cwd: Path, *args: str) -> tuple[float, str]:
+    return sh(cwd, sys.executable, "-m", "dvc", *args)
+
+
+def tpgrpo(cwd: Path, *args: str) -> tuple[float, str]:
+    return sh(cwd, sys.executable, "-m", "tpgrpo", *args)
+
+
+def new_project(folder: Path, params: dict) -> Path:
+    """Code, model, prompts (copied) and params; DVC initialised as `tpgrpo run` does (no git: not timed)."""
+    shutil.rmtree(folder, ignore_errors=True)
+    (folder / "data").mkdir(parents=True)
+    for code in ("stages", "tpgrpo"):
+        shutil.copytree(REPO / code, folder / code, ignore=shutil.ignore_patterns("__pycache__"))
+    for data in ("base", "prompts"):
+        shutil.copytree(REPO / "data" / data, folder / "data" / data)
+    (folder / "params.yaml").write_text(yaml.safe_dump(params, sort_keys=False))
+    dvc(folder, "init", "-q", "--no-scm")
+    for key, value in (("core.analytics", "false"), ("core.check_update", "false"),
+                       ("cache.type", "reflink,hardlink,copy")):
+        dvc(folder, "config", key, value)
+    return folder
+
+
+def train_one(work: Path) -> Path:
+    params = yaml.safe_load((REPO / "params.yaml").read_text())
+    params["train"].update(iterations=1, block_size=0)
+    params["eval"].update(every=1, num_prompts=8)
+    root = new_project(work / "one", params)
+    seconds, _ = tpgrpo(root, "run")
+    print(f"trained the real iteration in {seconds:.0f} s ({root})", flush=True)
+    return root
+
+
+def renumbered(entry: dict, i: int, prev_policy: dict | None) -> dict:
+    """Iteration 1's lock entry as iteration i's: paths and --iter renumbered, policy i - 1 as a dep."""
+    text = json.dumps(entry).replace("data/iters/0001/", f"data/iters/{i:04d}/").replace("--iter 1", f"--iter {i}")
+    out = json.loads(text)
+    if prev_policy is not None and entry["cmd"].split()[2] in ("rollout", "probe", "update"):
+        dep = dict(prev_policy, path=f"data/iters/{i - 1:04d}/policy")
+        out["deps"] = sorted([*out["deps"], dep], key=lambda d: d["path"])
+    return out
+
+
+def build(source: Path, folder: Path, n: int, block_size: int) -> tuple[Path, float]:
+    """A project with n finished iterations copied from ``source``'s iteration 1; returns (root, seconds)."""
+    start = time.perf_counter()
+    params = yaml.safe_load((source / "params.yaml").read_text())
+    params["train"].update(iterations=n, block_size=block_size)
+    root = new_project(folder, params)
+    src_lock = read_lock(source)["stages"]
+    policy = next(o for o in src_lock["update-0001"]["outs"] if o["path"].endswith("/policy"))
+    stages = {"baseline": src_lock["baseline"], "summary": src_lock["summary"]}
+    for name in ("data/iters/baseline_eval.parquet", "data/iters/baseline_eval.json", "data/metrics",
+                 "data/reports"):
+        copy_any(source / name, root / name)
+    for i in range(1, n + 1):
+        shutil.copytree(source / "data/iters/0001", root / f"data/iters/{i:04d}")
+        for stem in STEMS:
+            if f"{stem}-0001" in src_lock:
+                stages[f"{stem}-{i:04d}"] = renumbered(src_lock[f"{stem}-0001"], i, policy if i > 1 else None)
+    # The copies have the real iteration's content, so its cache objects are theirs (hard-linked in: instant).
+    shutil.rmtree(root / ".dvc" / "cache", ignore_errors=True)
+    sh(root, "cp", "-al", str(source / ".dvc" / "cache"), str(root / ".dvc" / "cache"))
+    write_lock(root, {"schema": "2.0", "stages": stages})
+    seal_all(root)
+    return root, time.perf_counter() - start
+
+
+def copy_any(src: Path, dst: Path) -> None:
+    dst.parent.mkdir(parents=True, exist_ok=True)
+    (shutil.copytree if src.is_dir() else shutil.copy2)(src, dst)
+
+
+def seal_all(root: Path) -> None:
+    """What `tpgrpo run` does after a repro: seal every full block, then `dvc commit` blocks and summary."""
+    cfg = load_config(root / "params.yaml")
+    lock = read_lock(root)
+    blocks = full_blocks(cfg.train.block_size, cfg.train.iterations)
+    for block in blocks:
+        names = stage_names(cfg, block)
+        write_yaml(block.entries_path(root), {n: lock["stages"].pop(n) for n in names})
+        write_yaml(block.seal_path(root), {"first": block.first, "last": block.last,
+                                           "outs": block_out_paths(cfg, block)})
+    write_lock(root, lock)
+    write_dvc_yaml(cfg, root)
+    dvc(root, "commit", "--force", "--quiet", *[b.name for b in blocks], "summary")
+
+
+def workspace_mb(root: Path, n: int) -> float:
+    """MB per iteration in data/iters (the copies share content, so the cache is not measured here)."""
+    return int(sh(root, "du", "-sb", "data/iters")[1].split()[0]) / n / 1e6
+
+
+def cache_sharing(root: Path) -> dict:
+    """On the real iteration: bytes of workspace and cache, and of both with hard links counted once."""
+    size = lambda *p: int(sh(root, "du", "-scb", *p)[1].splitlines()[-1].split()[0])  # noqa: E731
+    return {"workspace MB": size("data/iters") / 1e6, "cache MB": size(".dvc/cache") / 1e6,
+            "both, links once, MB": size("data/iters", ".dvc/cache") / 1e6,
+            "cache.type": sh(root, sys.executable, "-m", "dvc", "config", "cache.type")[1].strip()}
+
+
+def measure(root: Path, n: int) -> dict:
+    lines = (root / "dvc.yaml").read_text().count("\n")
+    row = {"dvc.yaml lines": lines, "stages": len(yaml.safe_load((root / "dvc.yaml").read_text())["stages"])}
+    row["dvc status s"], out = dvc(root, "status")
+    assert "up to date" in out, out[-500:]
+    row["no-op dvc repro s"], out = dvc(root, "repro")
+    assert "Running stage" not in out, out[-500:]
+    row["no-op tpgrpo run s"], out = tpgrpo(root, "run")
+    assert "Running stage" not in out, out[-500:]
+    row["tpgrpo status s"], _ = tpgrpo(root, "status")
+    row["MB/iter"] = workspace_mb(root, n)
+    return row
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--sizes", default="12,100,300,1000")
+    ap.add_argument("--flat-sizes", default="12,100,300", help="sizes also measured in today's flat layout")
+    ap.add_argument("--block-size", type=int, default=25)
+    ap.add_argument("--keep-trajectories", type=int, default=10)
+    ap.add_argument("--keep-adapter-every", type=int, default=50)
+    ap.add_argument("--work", type=Path, default=Path("/tmp/tpgrpo_dvc_scale"))
+    ap.add_argument("--from", dest="source", type=Path, help="project that finished 1 iteration")
+    ap.add_argument("--out", type=Path, default=REPO / "bench" / "results" / "dvc_scale.json")
+    args = ap.parse_args()
+    args.work.mkdir(parents=True, exist_ok=True)
+    source = args.source.resolve() if args.source else train_one(args.work)
+    sharing = cache_sharing(source)
+    print(json.dumps(sharing), flush=True)
+    rows = []
+    for n in map(int, args.sizes.split(",")):
+        layouts = (["flat"] if str(n) in args.flat_sizes.split(",") else []) + ["sealed", "retained"]
+        for layout in layouts:
+            if layout != "retained":
+                root, built = build(source, args.work / f"{layout}_{n}", n, 0 if layout == "flat" else args.block_size)
+            else:
+                params = yaml.safe_load((root / "params.yaml").read_text())
+                params["retention"] = {"keep_trajectories": args.keep_trajectories,
+                                       "keep_adapter_every": args.keep_adapter_every}
+                (root / "params.yaml").write_text(yaml.safe_dump(params, sort_keys=False))
+                built, _ = tpgrpo(root, "retain")
+            row = {"iterations": n, "layout": layout, "build/retain s": built, **measure(root, n)}
+            rows.append(row)
+            print(json.dumps({k: round(v, 2) if isinstance(v, float) else v for k, v in row.items()}), flush=True)
+            if layout in ("flat", "retained"):
+                shutil.rmtree(root)  # 1,000 copied iterations are a few GB
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    args.out.write_text(json.dumps({"block_size": args.block_size, "keep_trajectories": args.keep_trajectories,
+                                    "keep_adapter_every": args.keep_adapter_every, "cpus": os.cpu_count(), "cache_sharing": sharing,
+                                    "rows": rows}, indent=1))
+    print_table(rows)
+
+
+def print_table(rows: list[dict]) -> None:
+    keys = list(rows[0])
+    print("| " + " | ".join(keys) + " |")
+    print("|" + "---|" * len(keys))
+    for row in rows:
+        print("| " + " | ".join(f"{row[k]:.1f}" if isinstance(row[k], float) else str(row[k]) for k in keys) + " |")
+
+
+if __name__ == "__main__":
+    main()
