@@ -96,12 +96,18 @@ def test_dvc_yaml_work_stays_bounded_as_sealed_blocks_pile_up(tmp_path):
     assert len(summary["deps"]) < 30  # not one dep per iteration's logs
 
 
-def test_changed_params_unseal_a_block_and_bring_its_per_stage_entries_back(tmp_path):
+def _four_iterations_sealed(tmp_path: Path):
+    """A project of 4 iterations in 2 blocks, both sealed by hand; the lock is returned, not written."""
     root = _project(tmp_path, iterations=4, block_size=2)
     cfg = _cfg(iterations=4, block_size=2)
     lock = {"schema": "2.0", "stages": {}}
     for block in full_blocks(2, 4):
         _seal(root, cfg, block, lock)
+    return root, cfg, lock
+
+
+def test_changed_params_unseal_a_block_and_bring_its_per_stage_entries_back(tmp_path):
+    root, cfg, lock = _four_iterations_sealed(tmp_path)
     del lock["stages"]["iters-0003-0004"]  # e.g. interrupted between writing the seal and `dvc commit`
     write_lock(root, lock)
     raw = yaml.safe_load((root / "params.yaml").read_text())
@@ -115,11 +121,7 @@ def test_changed_params_unseal_a_block_and_bring_its_per_stage_entries_back(tmp_
 
 
 def test_a_block_beyond_a_lowered_iteration_count_stays_sealed_for_later(tmp_path):
-    root = _project(tmp_path, iterations=4, block_size=2)
-    cfg = _cfg(iterations=4, block_size=2)
-    lock = {"schema": "2.0", "stages": {}}
-    for block in full_blocks(2, 4):
-        _seal(root, cfg, block, lock)
+    root, cfg, lock = _four_iterations_sealed(tmp_path)
     write_lock(root, lock)
     raw = _raw(iterations=2, block_size=2)
     assert unseal_changed(root, config_from_dict(raw), raw) == []
