@@ -267,10 +267,11 @@ def run_state(folder: Path) -> tuple[str, int, int]:
     planned = int(yaml.safe_load(params.read_text())["train"]["iterations"]) if params.is_file() else 0
     done, newest = 0, 0.0
     for i in range(1, planned + 1):
-        files = [folder / "data" / "iters" / f"{i:04d}" / f for f in (*ITER_FILES, "policy")]
-        if not all(f.exists() for f in files):
+        logs = [folder / "data" / "iters" / f"{i:04d}" / f for f in ITER_FILES]
+        if not all(f.exists() for f in [*logs, logs[0].parent / "policy"]):
             break
-        done, newest = i, max([newest, *(f.stat().st_mtime for f in files)])
+        # the stage logs only: `tpgrpo run` relinks DVC outputs (policy/) to the cache after the summary
+        done, newest = i, max([newest, *(f.stat().st_mtime for f in logs)])
     summary = folder / SUMMARY
     if done == planned > 0 and summary.is_file() and summary.stat().st_mtime >= newest:
         if json.loads(summary.read_text()).get("iterations") == planned:
