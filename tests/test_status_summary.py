@@ -48,6 +48,11 @@ def test_status_names_done_iterations_the_last_stage_reward_and_disk(tmp_path):
     assert "base 0.400 (strict 0.050) -> iteration 2: 0.450 (strict 0.045), +0.050" in text
     assert "disk: 5.0 MB in 5 iteration folders" in text
     assert len(lines) <= 12  # one screen
+    assert "sealed" not in text
+    for name in ("0001-0002.yaml", "0003-0004.yaml"):  # two sealed blocks
+        (root / "data" / "seals").mkdir(exist_ok=True)
+        (root / "data" / "seals" / name).write_text("outs: []\n")
+    assert "dvc: iterations 1-4 sealed in 2 block stages" in status_text(root, planned=12)
 
 
 def test_status_says_a_running_stage_whose_process_is_gone_was_killed(tmp_path):

@@ -16,6 +16,7 @@ from pathlib import Path
 from tpgrpo.artifacts import IterationPaths
 from tpgrpo.dvclock import pid_state
 from tpgrpo.errors import PipelineError
+from tpgrpo.seals import seal_files
 
 # The stage logs that make an iteration done (a probe ran before credit, except for credit.mode flow_grpo).
 ITERATION_FILES = ("rollout.json", "credit.json", "update.json", "eval.json")
@@ -154,6 +155,11 @@ def status_text(root: Path, planned: int) -> str:
     lines += [f"  iteration {s.iteration}: partly done ({', '.join(s.stages)})" for s in partial[:3]]
     lines.append(_last_stage_line(root))
     lines.append(_reward_line(root, states))
+    sealed = sorted(seal_files(root))
+    if sealed:
+        iters = [i for b in sealed for i in b.iterations]
+        lines.append(f"dvc: iterations {_ranges(iters)} sealed in {len(sealed)} block stages (data/seals); "
+                     "`tpgrpo retain` drops what params.yaml's retention does not keep")
     if sizes:
         lines.append(f"disk: {_mb(sum(sizes))} in {len(sizes)} iteration folders; per iteration mean "
                      f"{_mb(sum(sizes) // len(sizes))}, largest {_mb(max(sizes))}, latest {_mb(sizes[-1])}")
