@@ -50,6 +50,33 @@ def _report_results(results: dict[str, str]) -> None:
         raise typer.Exit(code=1)
 
 
+def _variants(modes: str, seeds: str, set_: list[str], mode_set: list[str], lr_sweep: str, sweep_seeds: str,
+              ablations: str, ablation_seeds: str) -> list:
+    """The comparison's variants from the command line: the main modes, the lr sweep, the ablations."""
+    from tpgrpo import comparison as cmp
+    from tpgrpo.config import ConfigError
+
+    per_mode: dict[str, dict] = {}
+    for item in mode_set:
+        mode, sep, assignment = item.partition(":")
+        if not sep:
+            raise ConfigError(f"--mode-set {item!r}: expected MODE:section.key=value")
+        per_mode.setdefault(mode, {}).update(cmp.parse_assignments([assignment], "--mode-set"))
+    main = cmp.main_variants(_list(modes, str, "--modes"), _list(seeds, int, "--seeds"),
+                             cmp.parse_assignments(set_, "--set"), per_mode)
+    variants = list(main)
+    if lr_sweep:
+        variants += cmp.lr_sweep_variants(main, _list(lr_sweep, float, "--lr-sweep"),
+                                          _list(sweep_seeds, int, "--sweep-seeds"))
+    if ablations:
+        names = list(cmp.ABLATIONS) if ablations == "all" else _list(ablations, str, "--ablations")
+        reference = next((v for v in main if v.mode == "tp"), None)
+        if reference is None:
+            raise ConfigError("--ablations: they vary tp: add tp to --modes")
+        variants += cmp.ablation_variants(reference, names, _list(ablation_seeds, int, "--ablation-seeds"))
+    return variants
+
+
 @app.command("run")
 def run_command(
     out: OutOpt = Path("runs/compare"),
@@ -86,24 +113,8 @@ def run_command(
             raise ConfigError(f"--base {base}: no params.yaml there (expected a project folder)")
         base_params = yaml.safe_load(params_path.read_text())
         config_from_dict(base_params)
-        per_mode: dict[str, dict] = {}
-        for item in mode_set or []:
-            mode, sep, assignment = item.partition(":")
-            if not sep:
-                raise ConfigError(f"--mode-set {item!r}: expected MODE:section.key=value")
-            per_mode.setdefault(mode, {}).update(cmp.parse_assignments([assignment], "--mode-set"))
-        main = cmp.main_variants(_list(modes, str, "--modes"), _list(seeds, int, "--seeds"),
-                                 cmp.parse_assignments(set_ or [], "--set"), per_mode)
-        variants = list(main)
-        if lr_sweep:
-            variants += cmp.lr_sweep_variants(main, _list(lr_sweep, float, "--lr-sweep"),
-                                              _list(sweep_seeds, int, "--sweep-seeds"))
-        if ablations:
-            names = list(cmp.ABLATIONS) if ablations == "all" else _list(ablations, str, "--ablations")
-            reference = next((v for v in main if v.mode == "tp"), None)
-            if reference is None:
-                raise ConfigError("--ablations: they vary tp: add tp to --modes")
-            variants += cmp.ablation_variants(reference, names, _list(ablation_seeds, int, "--ablation-seeds"))
+        variants = _variants(modes, seeds, set_ or [], mode_set or [], lr_sweep, sweep_seeds, ablations,
+                             ablation_seeds)
         specs = cmp.plan(out.resolve(), variants)
         for spec in specs:  # all checked before anything is written
             cmp.check_run(spec, base_params, iterations, base.resolve())
