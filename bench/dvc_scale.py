@@ -22,7 +22,6 @@ Usage: ``python bench/dvc_scale.py [--sizes 12,100,300,1000] [--flat-sizes 12,10
 from __future__ import annotations
 
 import argparse
-import copy
 import json
 import os
 import shutil
@@ -37,7 +36,7 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
 from tpgrpo.config import load_config  # noqa: E402
-from tpgrpo.dvcfile import block_out_paths, iteration_stages, write_dvc_yaml  # noqa: E402
+from tpgrpo.dvcfile import block_out_paths, write_dvc_yaml  # noqa: E402
 from tpgrpo.sealing import dvc_env, stage_names  # noqa: E402
 from tpgrpo.seals import full_blocks, read_lock, write_lock, write_yaml  # noqa: E402
 
@@ -203,7 +202,8 @@ def main() -> None:
                 shutil.rmtree(root)  # 1,000 copied iterations are a few GB
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps({"block_size": args.block_size, "keep_trajectories": args.keep_trajectories,
-                                    "keep_adapter_every": args.keep_adapter_every, "cpus": os.cpu_count(), "cache_sharing": sharing,
+                                    "keep_adapter_every": args.keep_adapter_every, "cpus": os.cpu_count(),
+                                    "cache_sharing": sharing,
                                     "rows": rows}, indent=1))
     print_table(rows)
 

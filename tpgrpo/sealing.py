@@ -21,8 +21,6 @@ import subprocess
 import sys
 from pathlib import Path
 
-import yaml
-
 from tpgrpo.config import Config
 from tpgrpo.dvcfile import block_out_paths, block_stage, iteration_stages, stage_command, write_dvc_yaml
 from tpgrpo.errors import PipelineError

@@ -63,7 +63,9 @@ def block_of(path: Path) -> Block:
 def seal_files(root: Path) -> dict[Block, Path]:
     """Every seal file on disk, by block."""
     folder = root / SEALS
-    return {block_of(p): p for p in sorted(folder.glob("[0-9]" * 4 + "-" + "[0-9]" * 4 + ".yaml"))} if folder.is_dir() else {}
+    if not folder.is_dir():
+        return {}
+    return {block_of(p): p for p in sorted(folder.glob("[0-9]" * 4 + "-" + "[0-9]" * 4 + ".yaml"))}
 
 
 def read_seal(path: Path) -> dict:
