@@ -1,0 +1,92 @@
+"""One short run of the same params at two commits, side by side: stage seconds per iteration and staging overhead.
+
+Usage: ``python bench/before_after.py --before REV --after REV [--set credit.mode=flow_grpo] [--iterations 3]``.
+For each commit (its files from ``git archive`` under --work: its own code, model and params.yaml): a fresh project with
+the overrides, train.iterations N, 8 held-out prompts and eval.every 0 (only the baseline is evaluated), then
+``tpgrpo run`` timed. Prints per commit: the mean per-iteration ``wall_seconds`` of rollout, probe, credit and
+update (from each stage's JSON; 0 where a stage did not run), the ``tpgrpo run`` wall, the sum of every
+stage's ``wall_seconds``, and their ratio (the staging overhead: process start-up, imports, DVC). The two runs
+are sequential, on the same machine, with the same thread count.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import yaml
+
+REPO = Path(__file__).resolve().parents[1]
+STAGES = ("rollout", "probe", "credit", "update")
+
+
+def project(rev: str, work: Path, overrides: dict, iterations: int) -> Path:
+    """``rev``'s files (git archive) with its params.yaml overridden; no git, DVC initialised by ``tpgrpo run``."""
+    folder = work / rev
+    shutil.rmtree(folder, ignore_errors=True)
+    folder.mkdir(parents=True)
+    archive = subprocess.run(["git", "archive", rev], cwd=REPO, capture_output=True, check=True).stdout
+    subprocess.run(["tar", "-x", "-C", str(folder)], input=archive, check=True)
+    params = yaml.safe_load((folder / "params.yaml").read_text())
+    for dotted, value in {**overrides, "train.iterations": iterations, "eval.every": 0,
+                          "eval.num_prompts": 8}.items():
+        section, key = dotted.split(".")
+        params[section][key] = value
+    (folder / "params.yaml").write_text(yaml.safe_dump(params, sort_keys=False))
+    return folder
+
+
+def measure(folder: Path, iterations: int, threads: int) -> dict:
+    env = dict(os.environ, PYTHONPATH=str(folder), OMP_NUM_THREADS=str(threads), DVC_NO_ANALYTICS="1")
+    env["PATH"] = str(Path(sys.executable).parent) + os.pathsep + env["PATH"]
+    start = time.perf_counter()
+    done = subprocess.run([sys.executable, "-m", "tpgrpo", "run"], cwd=folder, env=env, capture_output=True,
+                          text=True)
+    wall = time.perf_counter() - start
+    if done.returncode:
+        raise SystemExit(f"{folder}: tpgrpo run failed: {done.stderr.strip()[-500:]}")
+    logs = [json.loads(p.read_text()) for p in (folder / "data" / "iters").glob("**/*.json")
+            if p.name != "summary.json"]
+    folders = sorted(p for p in (folder / "data" / "iters").iterdir() if p.name.isdigit())  # numbered from 0 or 1
+    assert len(folders) == iterations, folders
+    per_stage = {s: sum(json.loads((f / f"{s}.json").read_text())["wall_seconds"] for f in folders
+                        if (f / f"{s}.json").is_file()) / iterations for s in STAGES}
+    stage_sum = sum(m.get("wall_seconds", 0.0) for m in logs)
+    return {"per_iteration": per_stage, "run_wall": wall, "stage_sum": stage_sum, "ratio": wall / stage_sum}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--before", required=True)
+    ap.add_argument("--after", default="HEAD")
+    ap.add_argument("--set", dest="sets", action="append", default=["credit.mode=flow_grpo"])
+    ap.add_argument("--iterations", type=int, default=3)
+    ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--work", type=Path, default=Path("/tmp/tpgrpo_before_after"))
+    args = ap.parse_args()
+    overrides = {k: yaml.safe_load(v) for k, v in (s.split("=", 1) for s in args.sets)}
+    args.work.mkdir(parents=True, exist_ok=True)
+    rows = {}
+    for label, rev in (("before", args.before), ("after", args.after)):
+        sha = subprocess.run(["git", "rev-parse", "--short", rev], cwd=REPO, capture_output=True, text=True).stdout
+        rows[label] = measure(project(sha.strip(), args.work, overrides, args.iterations), args.iterations,
+                              args.threads)
+        print(label, sha.strip(), json.dumps(rows[label]), flush=True)
+    b, a = rows["before"], rows["after"]
+    print("| | " + " | ".join(f"{s} s/iter" for s in STAGES) + " | train s/iter | run wall s | stage sum s | ratio |")
+    print("|---|" + "---|" * (len(STAGES) + 4))
+    for label, r in rows.items():
+        train = sum(r["per_iteration"].values())
+        print(f"| {label} | " + " | ".join(f"{r['per_iteration'][s]:.1f}" for s in STAGES)
+              + f" | {train:.1f} | {r['run_wall']:.0f} | {r['stage_sum']:.0f} | {r['ratio']:.2f} |")
+    print(f"train s/iter after / before: {sum(a['per_iteration'].values()) / sum(b['per_iteration'].values()):.2f}")
+
+
+if __name__ == "__main__":
+    main()
