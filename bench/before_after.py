@@ -27,12 +27,14 @@ STAGES = ("rollout", "probe", "credit", "update")
 
 
 def project(rev: str, work: Path, overrides: dict, iterations: int) -> Path:
-    """``rev``'s files (git archive) with its params.yaml overridden; no git, DVC initialised by ``tpgrpo run``."""
+    """``rev``'s files (git archive, in a fresh git repo) with its params.yaml overridden; DVC initialised by
+    ``tpgrpo run``."""
     folder = work / rev
     shutil.rmtree(folder, ignore_errors=True)
     folder.mkdir(parents=True)
     archive = subprocess.run(["git", "archive", rev], cwd=REPO, capture_output=True, check=True).stdout
     subprocess.run(["tar", "-x", "-C", str(folder)], input=archive, check=True)
+    subprocess.run(["git", "init", "-q"], cwd=folder, check=True)  # older commits' `tpgrpo run` needs git
     params = yaml.safe_load((folder / "params.yaml").read_text())
     for dotted, value in {**overrides, "train.iterations": iterations, "eval.every": 0,
                           "eval.num_prompts": 8}.items():
