@@ -36,9 +36,8 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
 from tpgrpo.config import load_config  # noqa: E402
-from tpgrpo.dvcfile import block_out_paths, write_dvc_yaml  # noqa: E402
-from tpgrpo.sealing import dvc_env, stage_names  # noqa: E402
-from tpgrpo.seals import full_blocks, read_lock, write_lock, write_yaml  # noqa: E402
+from tpgrpo.sealing import dvc_env, seal_finished  # noqa: E402
+from tpgrpo.seals import read_lock, write_lock  # noqa: E402
 
 STEMS = ("rollout", "probe", "credit", "update", "eval")
 
@@ -117,28 +116,13 @@ def build(source: Path, folder: Path, n: int, block_size: int) -> tuple[Path, fl
     shutil.rmtree(root / ".dvc" / "cache", ignore_errors=True)
     sh(root, "cp", "-al", str(source / ".dvc" / "cache"), str(root / ".dvc" / "cache"))
     write_lock(root, {"schema": "2.0", "stages": stages})
-    seal_all(root)
+    seal_finished(root, load_config(root / "params.yaml"))  # what `tpgrpo run` does after a repro
     return root, time.perf_counter() - start
 
 
 def copy_any(src: Path, dst: Path) -> None:
     dst.parent.mkdir(parents=True, exist_ok=True)
     (shutil.copytree if src.is_dir() else shutil.copy2)(src, dst)
-
-
-def seal_all(root: Path) -> None:
-    """What `tpgrpo run` does after a repro: seal every full block, then `dvc commit` blocks and summary."""
-    cfg = load_config(root / "params.yaml")
-    lock = read_lock(root)
-    blocks = full_blocks(cfg.train.block_size, cfg.train.iterations)
-    for block in blocks:
-        names = stage_names(cfg, block)
-        write_yaml(block.entries_path(root), {n: lock["stages"].pop(n) for n in names})
-        write_yaml(block.seal_path(root), {"first": block.first, "last": block.last,
-                                           "outs": block_out_paths(cfg, block)})
-    write_lock(root, lock)
-    write_dvc_yaml(cfg, root)
-    dvc(root, "commit", "--force", "--quiet", *[b.name for b in blocks], "summary")
 
 
 def workspace_mb(root: Path, n: int) -> float:

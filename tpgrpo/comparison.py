@@ -270,8 +270,7 @@ def run_state(folder: Path) -> tuple[str, int, int]:
         logs = [folder / "data" / "iters" / f"{i:04d}" / f for f in ITER_FILES]
         if not all(f.exists() for f in [*logs, logs[0].parent / "policy"]):
             break
-        # the stage logs only: `tpgrpo run` relinks DVC outputs (policy/) to the cache after the summary
-        done, newest = i, max([newest, *(f.stat().st_mtime for f in logs)])
+        done, newest = i, max([newest, *(f.stat().st_mtime for f in logs)])  # logs: policy/ is relinked later
     summary = folder / SUMMARY
     if done == planned > 0 and summary.is_file() and summary.stat().st_mtime >= newest:
         if json.loads(summary.read_text()).get("iterations") == planned:
