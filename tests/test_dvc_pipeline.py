@@ -96,7 +96,8 @@ def test_repro_trains_then_reruns_only_what_changed(tiny_project):
     check_user_views(root)
     # The by-hand credit re-run rewrote credit.parquet byte for byte: DVC redoes only the summary (whose input,
     # the stage's JSON log, has a new wall time), neither that credit stage nor anything after it.
-    assert ran(repro(root)) == {"summary"}
+    # (none at all when the re-run happened to log the same rounded wall time: then the JSON is byte-identical)
+    assert ran(repro(root)) <= {"summary"}
 
     set_param(root, "credit", "mode", "tp_unconstrained")
     rerun = ran(repro(root))
