@@ -2,7 +2,8 @@
 
 Usage: ``python bench/before_after.py --before REV --after REV [--set credit.mode=flow_grpo] [--iterations 3]``.
 For each commit (its files from ``git archive`` under --work: its own code, model and params.yaml): a fresh project with
-the overrides, train.iterations N, 8 held-out prompts and eval.every 0 (only the baseline is evaluated), then
+the overrides, train.iterations N, 8 held-out prompts and eval.every 0 (only the baseline is evaluated; with
+``--eval-as-params`` params.yaml's eval instead), then
 ``tpgrpo run`` timed. Prints per commit: the mean per-iteration ``wall_seconds`` of rollout, probe, credit and
 update (from each stage's JSON; 0 where a stage did not run), the ``tpgrpo run`` wall, the sum of every
 stage's ``wall_seconds``, and their ratio (the staging overhead: process start-up, imports, DVC). The two runs
@@ -26,7 +27,7 @@ REPO = Path(__file__).resolve().parents[1]
 STAGES = ("rollout", "probe", "credit", "update")
 
 
-def project(rev: str, work: Path, overrides: dict, iterations: int) -> Path:
+def project(rev: str, work: Path, overrides: dict, iterations: int, eval_as_params: bool = False) -> Path:
     """``rev``'s files (git archive, in a fresh git repo) with its params.yaml overridden; DVC initialised by
     ``tpgrpo run``."""
     folder = work / rev
@@ -36,8 +37,8 @@ def project(rev: str, work: Path, overrides: dict, iterations: int) -> Path:
     subprocess.run(["tar", "-x", "-C", str(folder)], input=archive, check=True)
     subprocess.run(["git", "init", "-q"], cwd=folder, check=True)  # older commits' `tpgrpo run` needs git
     params = yaml.safe_load((folder / "params.yaml").read_text())
-    for dotted, value in {**overrides, "train.iterations": iterations, "eval.every": 0,
-                          "eval.num_prompts": 8}.items():
+    short_eval = {} if eval_as_params else {"eval.every": 0, "eval.num_prompts": 8}
+    for dotted, value in {**overrides, "train.iterations": iterations, **short_eval}.items():
         section, key = dotted.split(".")
         params[section][key] = value
     (folder / "params.yaml").write_text(yaml.safe_dump(params, sort_keys=False))
@@ -71,14 +72,15 @@ def main() -> None:
     ap.add_argument("--iterations", type=int, default=3)
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--work", type=Path, default=Path("/tmp/tpgrpo_before_after"))
+    ap.add_argument("--eval-as-params", action="store_true", help="keep params.yaml's eval (every, prompts)")
     args = ap.parse_args()
     overrides = {k: yaml.safe_load(v) for k, v in (s.split("=", 1) for s in args.sets)}
     args.work.mkdir(parents=True, exist_ok=True)
     rows = {}
     for label, rev in (("before", args.before), ("after", args.after)):
         sha = subprocess.run(["git", "rev-parse", "--short", rev], cwd=REPO, capture_output=True, text=True).stdout
-        rows[label] = measure(project(sha.strip(), args.work, overrides, args.iterations), args.iterations,
-                              args.threads)
+        folder = project(sha.strip(), args.work, overrides, args.iterations, args.eval_as_params)
+        rows[label] = measure(folder, args.iterations, args.threads)
         print(label, sha.strip(), json.dumps(rows[label]), flush=True)
     b, a = rows["before"], rows["after"]
     print("| | " + " | ".join(f"{s} s/iter" for s in STAGES) + " | train s/iter | run wall s | stage sum s | ratio |")

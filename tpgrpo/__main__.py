@@ -1,5 +1,19 @@
-"""`python -m tpgrpo` runs the CLI."""
+"""`python -m tpgrpo` and the `tpgrpo` command: the CLI, or its stage commands through the stage server."""
 
-from tpgrpo.cli import app
+import sys
 
-app()
+
+def main() -> None:
+    """Hand a stage command to the stage server when `tpgrpo run` started one; otherwise run the CLI here."""
+    from tpgrpo.stage_server import run_via_server
+
+    code = run_via_server(sys.argv)
+    if code is not None:
+        sys.exit(code)
+    from tpgrpo.cli import app
+
+    app()
+
+
+if __name__ == "__main__":
+    main()

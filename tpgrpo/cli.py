@@ -142,6 +142,7 @@ def run_command(params: ParamsOpt = Path("params.yaml")) -> None:
 
     import yaml
 
+    from tpgrpo import stage_server
     from tpgrpo.config import ConfigError, load_config
     from tpgrpo.dvclock import clear_stale_lock
     from tpgrpo.errors import PipelineError
@@ -170,7 +171,8 @@ def run_command(params: ParamsOpt = Path("params.yaml")) -> None:
             subprocess.run([sys.executable, "-m", "dvc", "config", key, value], cwd=root, env=env, check=True)
     lock = root / "dvc.lock"
     before = lock.stat().st_mtime_ns if lock.exists() else None
-    code = subprocess.run([sys.executable, "-m", "dvc", "repro"], cwd=root, env=env).returncode
+    with stage_server.running(root, stage_server.wanted(cfg)) as server_env:
+        code = subprocess.run([sys.executable, "-m", "dvc", "repro"], cwd=root, env={**env, **server_env}).returncode
     if code != 0:
         _fail(f"dvc repro failed with exit code {code}")
     try:

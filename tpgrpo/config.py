@@ -150,6 +150,9 @@ class LaunchConfig:
     num_processes: int = 1  # processes on this machine (one per GPU); 1 = plain `tpgrpo stage`, no accelerate
     config_file: str = ""  # accelerate config file (multi-node, DeepSpeed); it sets the process count
     timeout_s: float = 1800.0  # seconds a process waits at a barrier / all-reduce before failing the stage
+    # `tpgrpo run` on the CPU with one process per stage (Linux): stage processes fork from a server that
+    # imported torch/diffusers/transformers/peft once (tpgrpo.stage_server); false = each imports its own
+    stage_server: bool = True
 
 
 @dataclass(frozen=True)

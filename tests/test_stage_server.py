@@ -1,0 +1,182 @@
+"""The stage server: stage commands forked from it write the same bytes as stage processes of their own,
+pass exit codes, errors and signals through, and fall back to running themselves when it cannot take them."""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import yaml
+from conftest import REPO, tiny_params
+
+from tpgrpo.stage_server import ENV_VAR, running
+
+TPGRPO = str(Path(sys.executable).parent / "tpgrpo")  # the console script, as DVC calls it
+pytestmark = pytest.mark.skipif(not sys.platform.startswith("linux"), reason="the stage server is Linux-only")
+
+
+def digest(folder: Path) -> str:
+    """md5 over every file under ``folder`` (relative names and bytes, sorted)."""
+    h = hashlib.md5()
+    for path in sorted(p for p in folder.rglob("*") if p.is_file()):
+        h.update(str(path.relative_to(folder)).encode())
+        h.update(path.read_bytes())
+    return h.hexdigest()
+
+
+def make_project(root: Path, model_dir: Path) -> Path:
+    """Params, prompts and model only: the stage commands find the code where the `tpgrpo` command does."""
+    import shutil
+
+    (root / "data").mkdir(parents=True)
+    shutil.copytree(REPO / "data" / "prompts", root / "data" / "prompts")
+    shutil.copytree(model_dir, root / "data" / "base")
+    (root / "params.yaml").write_text(yaml.safe_dump(tiny_params(), sort_keys=False))
+    return root
+
+
+def base_env() -> dict[str, str]:
+    env = {k: v for k, v in os.environ.items() if k != ENV_VAR}
+    return dict(env, OMP_NUM_THREADS="1", DVC_NO_ANALYTICS="1")
+
+
+def stage(root: Path, env: dict, *args: str, check: bool = True) -> subprocess.CompletedProcess:
+    done = subprocess.run([TPGRPO, "stage", *args], cwd=root, env=env, capture_output=True, text=True)
+    if check:
+        assert done.returncode == 0, done.stderr
+    return done
+
+
+def log_lines(root: Path) -> list[str]:
+    return (root / ".dvc" / "tmp" / "stage_server.log").read_text().splitlines()
+
+
+@pytest.fixture(scope="module")
+def served(tmp_path_factory, tiny_model_dir):
+    """A project with a server running for it (the test process is its parent), and the server's env."""
+    root = make_project(tmp_path_factory.mktemp("served") / "project", tiny_model_dir)
+    env = base_env()
+    os.environ["OMP_NUM_THREADS"], old = "1", os.environ.get("OMP_NUM_THREADS")  # the server inherits ours
+    try:
+        with running(root) as extra:
+            yield root, {**env, **extra}
+    finally:
+        os.environ.pop("OMP_NUM_THREADS") if old is None else os.environ.__setitem__("OMP_NUM_THREADS", old)
+
+
+def test_served_stages_write_the_bytes_of_stage_processes_of_their_own(served, tmp_path, tiny_model_dir):
+    root, env = served
+    plain = make_project(tmp_path / "plain", tiny_model_dir)
+    for args in (["rollout", "--iter", "1"], ["probe", "--iter", "1"], ["credit", "--iter", "1"],
+                 ["update", "--iter", "1"]):
+        stage(root, env, *args)
+        stage(plain, base_env(), *args)
+    forked = [line for line in log_lines(root) if line.startswith("forked")]
+    assert [line.split(": ", 1)[1] for line in forked][:4] == [
+        "stage rollout --iter 1", "stage probe --iter 1", "stage credit --iter 1", "stage update --iter 1"]
+    for name in ("trajectories.zarr", "prompt_embeds.safetensors", "probe.parquet", "credit.parquet", "policy"):
+        a, b = root / "data" / "iters" / "0001" / name, plain / "data" / "iters" / "0001" / name
+        assert (digest(a) if a.is_dir() else a.read_bytes()) == (digest(b) if b.is_dir() else b.read_bytes()), name
+
+
+def test_a_served_error_is_the_same_one_line_and_exit_code(served):
+    root, env = served
+    served_run = stage(root, env, "credit", "--iter", "99", check=False)
+    plain_run = stage(root, base_env(), "credit", "--iter", "99", check=False)
+    assert served_run.returncode == plain_run.returncode == 2
+    assert served_run.stderr == plain_run.stderr
+    assert served_run.stderr.startswith("error: --iter 99:") and served_run.stderr.count("\n") == 1
+    assert log_lines(root)[-1].endswith("stage credit --iter 99")
+
+
+def test_a_caller_with_another_thread_count_runs_the_stage_itself(served):
+    root, env = served
+    done = stage(root, dict(env, OMP_NUM_THREADS="2"), "credit", "--iter", "99", check=False)
+    assert done.returncode == 2 and done.stderr.startswith("error: --iter 99:")
+    assert "environment differs in OMP_NUM_THREADS" in log_lines(root)[-1]
+
+
+def test_without_a_reachable_server_the_caller_runs_the_stage_itself(tmp_path):
+    done = subprocess.run([TPGRPO, "stage", "credit", "--iter", "1", "--params", str(tmp_path / "none.yaml")],
+                          env=dict(base_env(), **{ENV_VAR: str(tmp_path / "gone.sock")}), capture_output=True,
+                          text=True)
+    assert done.returncode == 2 and "none.yaml" in done.stderr  # the CLI's own error, from the caller
+
+
+def test_a_signal_to_the_caller_reaches_the_forked_stage(served):
+    root, env = served
+    before = len(log_lines(root))
+    caller = subprocess.Popen([TPGRPO, "stage", "rollout", "--iter", "1", "--params", "params.yaml"], cwd=root,
+                              env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    deadline, pid = time.time() + 60, None
+    while pid is None and time.time() < deadline:
+        new = [line for line in log_lines(root)[before:] if line.startswith("forked")]
+        pid = int(new[0].split()[1].rstrip(":")) if new else None
+        time.sleep(0.05)
+    assert pid is not None
+    caller.send_signal(signal.SIGTERM)
+    assert caller.wait(timeout=30) == -signal.SIGTERM  # died of the signal the stage died of
+    for _ in range(200):
+        if not Path(f"/proc/{pid}").exists():
+            break
+        time.sleep(0.05)
+    assert not Path(f"/proc/{pid}").exists()
+
+
+def test_the_server_exits_when_its_parent_is_killed(tmp_path):
+    (tmp_path / ".dvc").mkdir()
+    parent = subprocess.Popen([sys.executable, "-c", (
+        "import os, signal, sys, time; from pathlib import Path; from tpgrpo.stage_server import running\n"
+        "with running(Path(sys.argv[1])):\n"
+        "    time.sleep(600)\n"), str(tmp_path)], env=base_env())
+    log = tmp_path / ".dvc" / "tmp" / "stage_server.log"
+    deadline = time.time() + 120
+    while not (log.is_file() and "ready" in log.read_text()) and time.time() < deadline:
+        time.sleep(0.1)
+    server = int(log.read_text().split()[2].rstrip(":"))
+    parent.kill()
+    parent.wait()
+    for _ in range(100):
+        if _state(server) in ("gone", "Z"):  # exited (a zombie until init reaps it)
+            break
+        time.sleep(0.05)
+    assert _state(server) in ("gone", "Z")
+
+
+def _state(pid: int) -> str:
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+    except FileNotFoundError:
+        return "gone"
+
+
+@pytest.mark.slow
+def test_tpgrpo_run_forks_every_stage_and_writes_what_it_writes_without_the_server(tmp_path, tiny_model_dir):
+    from conftest import make_tiny_project
+
+    runs = {}
+    for server in (True, False):
+        root = make_tiny_project(tmp_path / f"server_{server}", tiny_model_dir)
+        params = yaml.safe_load((root / "params.yaml").read_text())
+        params["launch"]["stage_server"] = server
+        (root / "params.yaml").write_text(yaml.safe_dump(params, sort_keys=False))
+        env = dict(base_env(), PATH=str(Path(sys.executable).parent) + os.pathsep + os.environ["PATH"])
+        done = subprocess.run([sys.executable, "-m", "tpgrpo", "run"], cwd=root, env=env, capture_output=True,
+                              text=True)
+        assert done.returncode == 0, done.stderr[-2000:]
+        runs[server] = root
+    forked = [line.split(": ", 1)[1] for line in log_lines(runs[True]) if line.startswith("forked")]
+    expected = ["stage baseline", *(f"stage {s} --iter {i}" for i in (1, 2)
+                                    for s in ("rollout", "probe", "credit", "update", "eval")), "stage summary"]
+    assert forked == expected  # every stage DVC ran went through the server, none was refused
+    assert not (runs[False] / ".dvc" / "tmp" / "stage_server.log").exists()
+    for name in ("baseline_eval.parquet", "0002/probe.parquet", "0002/credit.parquet", "0002/eval.parquet",
+                 "0002/policy"):
+        a, b = (runs[s] / "data" / "iters" / name for s in (True, False))
+        assert (digest(a) if a.is_dir() else a.read_bytes()) == (digest(b) if b.is_dir() else b.read_bytes()), name
