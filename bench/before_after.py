@@ -7,7 +7,8 @@ the overrides, train.iterations N, 8 held-out prompts and eval.every 0 (only the
 ``tpgrpo run`` timed. Prints per commit: the mean per-iteration ``wall_seconds`` of rollout, probe, credit and
 update (from each stage's JSON; 0 where a stage did not run), the ``tpgrpo run`` wall, the sum of every
 stage's ``wall_seconds``, and their ratio (the staging overhead: process start-up, imports, DVC). The two runs
-are sequential, on the same machine, with the same thread count.
+are sequential (``--parallel``: at the same time, so other load on the machine weighs on both alike), on the
+same machine, with the same thread count.
 """
 
 from __future__ import annotations
@@ -19,6 +20,7 @@ import shutil
 import subprocess
 import sys
 import time
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import yaml
@@ -72,16 +74,27 @@ def main() -> None:
     ap.add_argument("--iterations", type=int, default=3)
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--work", type=Path, default=Path("/tmp/tpgrpo_before_after"))
+    ap.add_argument("--parallel", action="store_true", help="run both at once (each with --threads threads)")
     ap.add_argument("--eval-as-params", action="store_true", help="keep params.yaml's eval (every, prompts)")
     args = ap.parse_args()
     overrides = {k: yaml.safe_load(v) for k, v in (s.split("=", 1) for s in args.sets)}
     args.work.mkdir(parents=True, exist_ok=True)
     rows = {}
-    for label, rev in (("before", args.before), ("after", args.after)):
+
+    def one(label: str, rev: str) -> None:
         sha = subprocess.run(["git", "rev-parse", "--short", rev], cwd=REPO, capture_output=True, text=True).stdout
         folder = project(sha.strip(), args.work, overrides, args.iterations, args.eval_as_params)
         rows[label] = measure(folder, args.iterations, args.threads)
         print(label, sha.strip(), json.dumps(rows[label]), flush=True)
+
+    sides = (("before", args.before), ("after", args.after))
+    if args.parallel:  # both at once: whatever else loads the machine loads both alike
+        with ThreadPoolExecutor(2) as pool:
+            list(pool.map(lambda side: one(*side), sides))
+    else:
+        for side in sides:
+            one(*side)
+    rows = {label: rows[label] for label, _ in sides}
     b, a = rows["before"], rows["after"]
     print("| | " + " | ".join(f"{s} s/iter" for s in STAGES) + " | train s/iter | run wall s | stage sum s | ratio |")
     print("|---|" + "---|" * (len(STAGES) + 4))

@@ -2,9 +2,10 @@
 
 Usage: ``python bench/stage_startup.py [--model data/base] [--repeat 3]``. In a temporary project with the
 repo's params.yaml it runs iteration 1's rollout, probe and credit once, then times (best of ``--repeat``,
-fresh processes, 1 torch thread): ``tpgrpo --help``; ``tpgrpo stage credit``; ``tpgrpo stage probe`` with
-credit.mode flow_grpo (no probe: R_fin from the rollout); the rollout stage; and, in a fresh process, importing the libraries
-and loading the policy (``tpgrpo.pipeline.load_policy``). "start-up" = command wall - the stage's
+fresh processes, 1 torch thread): ``tpgrpo --help``; ``tpgrpo stage credit``; ``tpgrpo stage credit`` with
+credit.mode flow_grpo (no probe: R_fin from the rollout); the rollout stage; and, in a fresh process, importing
+the libraries and loading the policy (``tpgrpo.pipeline.load_policy``); then the same stage commands through the stage
+server ``tpgrpo run`` starts (``launch.stage_server``). "start-up" = command wall - the stage's
 ``wall_seconds`` (which already counts model loading inside the stage).
 """
 
@@ -22,6 +23,9 @@ from pathlib import Path
 
 import yaml
 
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from tpgrpo.stage_server import running  # noqa: E402
+
 REPO = Path(__file__).resolve().parents[1]
 TPGRPO = [sys.executable, "-m", "tpgrpo"]
 LOAD = ("import time, sys; t = time.perf_counter(); from pathlib import Path; from tpgrpo.config import load_config; "
@@ -36,6 +40,17 @@ def _timed(cmd: list[str], cwd: Path, env: dict) -> tuple[float, str]:
     if out.returncode:
         raise SystemExit(f"{' '.join(cmd)} failed: {out.stderr.strip().splitlines()[-1]}")
     return time.perf_counter() - start, out.stdout
+
+
+def _print_best(label: str, cmd: list[str], metrics: str | None, root: Path, folder: Path, env: dict,
+                repeat: int) -> None:
+    best = None
+    for _ in range(repeat):
+        wall, _ = _timed(cmd, root, env)
+        inner = json.loads((folder / f"{metrics}.json").read_text())["wall_seconds"] if metrics else 0.0
+        if best is None or wall < best[0]:
+            best = (wall, inner)
+    print(f"{label:<34}{best[0]:>8.2f}{best[1]:>9.2f}{best[0] - best[1]:>12.2f}", flush=True)
 
 
 def main() -> None:
@@ -62,15 +77,17 @@ def main() -> None:
         cases = [("tpgrpo --help", [*TPGRPO, "--help"], None), ("stage credit", stage("credit"), "credit"),
                  ("stage credit (flow_grpo)", stage("credit", "flow.yaml"), "credit"),
                  ("stage rollout", stage("rollout"), "rollout")]
-        print(f"{'command':<26}{'wall s':>8}{'stage s':>9}{'start-up s':>12}   (best of {args.repeat}, 1 thread)")
+        print(f"{'command':<34}{'wall s':>8}{'stage s':>9}{'start-up s':>12}   (best of {args.repeat}, 1 thread)")
         for label, cmd, metrics in cases:
-            best = None
-            for _ in range(args.repeat):
-                wall, _ = _timed(cmd, root, env)
-                inner = json.loads((folder / f"{metrics}.json").read_text())["wall_seconds"] if metrics else 0.0
-                if best is None or wall < best[0]:
-                    best = (wall, inner)
-            print(f"{label:<26}{best[0]:>8.2f}{best[1]:>9.2f}{best[0] - best[1]:>12.2f}")
+            _print_best(label, cmd, metrics, root, folder, env, args.repeat)
+        os.environ.update(env)  # the server imports with the callers' environment
+        with running(root) as server_env:  # what `tpgrpo run` starts (launch.stage_server)
+            for label, cmd, metrics in cases[1:]:
+                _print_best(f"{label} (stage server)", cmd, metrics, root, folder, {**env, **server_env},
+                            args.repeat)
+        log = (root / ".dvc" / "tmp" / "stage_server.log").read_text().splitlines()
+        forked = sum(line.startswith("forked") for line in log)
+        print(f"(the server forked {forked} of the {3 * args.repeat} calls)")
         loads = [float(_timed([sys.executable, "-c", LOAD, str(root / "params.yaml"), str(args.first)], root, env)[1])
                  for _ in range(args.repeat)]
         print(f"{'imports + load_policy':<26}{min(loads):>8.2f}   (fresh process: libraries and weights)")
