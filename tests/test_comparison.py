@@ -377,3 +377,12 @@ def test_comparison_end_to_end_with_resume_and_report(tmp_path, tiny_model_dir):
         with Image.open(md.parent / "replication" / f"cmp-{name}.png") as image:
             assert image.format == "PNG"
     assert "TP-GRPO beats Flow-GRPO at equal wall-clock time" in md.read_text()
+
+
+def test_a_run_finds_its_code_snapshot_from_a_relative_comparison_root(tmp_path, monkeypatch):
+    from tpgrpo.comparison import run_env
+
+    (tmp_path / "out" / "tp" / "seed0").mkdir(parents=True)
+    monkeypatch.chdir(tmp_path)
+    # the run's processes start inside the run folder: a relative PYTHONPATH would point nowhere from there
+    assert run_env(Path("out/tp/seed0"), 1)["PYTHONPATH"] == str(tmp_path / "out" / "tp" / "seed0")
