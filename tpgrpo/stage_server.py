@@ -174,6 +174,7 @@ def _accept(listener: socket.socket, own: dict, set_by_imports: dict[str, str],
     pid = os.fork()
     if pid == 0:
         listener.close()
+        conn.close()  # only the server answers the caller: its EOF then means the server is gone
         for other in children.values():
             other.close()
         os._exit(_run_child(request, fds, set_by_imports))
@@ -226,6 +227,9 @@ def _run_child(request: dict, fds: list[int], set_by_imports: dict[str, str]) ->
     except BaseException:  # noqa: BLE001 - as an uncaught exception would end a stage process
         traceback.print_exc()
     finally:
+        import logging
+
+        logging.shutdown()  # what interpreter exit would do; os._exit skips it
         sys.stdout.flush()
         sys.stderr.flush()
     return code
