@@ -261,7 +261,7 @@ def section(out: Path, fig_dir: Path, md_dir: Path, n_boot: int = N_BOOT) -> lis
         w = json.loads((out / "equal_wall.json").read_text())
         lines += [f"Equal wall clock: {w['reference']} took {w['reference_s_per_iter']} s per iteration, {w['target']} "
                   f"{w['target_s_per_iter']} s (ratio {w['ratio']}), so {w['target']} ran {w['iterations']} iterations "
-                  f"instead of {w['budget']}.", ""]
+                  f"instead of {w['budget']}." + (f" {w['note']}" if w.get("note") else ""), ""]
     lines += ["### Runs", "", *setup_table(runs, tables["curves"]), "", "### Held-out reward at the last evaluated "
               "iteration", "", *final_table(runs, tables["curves"]), "", "### Figures", ""]
     for path in draw_figures(tables, runs, fig_dir, label):
