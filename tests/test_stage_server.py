@@ -61,13 +61,10 @@ def log_lines(root: Path) -> list[str]:
 def served(tmp_path_factory, tiny_model_dir):
     """A project with a server running for it (the test process is its parent), and the server's env."""
     root = make_project(tmp_path_factory.mktemp("served") / "project", tiny_model_dir)
-    env = base_env()
-    os.environ["OMP_NUM_THREADS"], old = "1", os.environ.get("OMP_NUM_THREADS")  # the server inherits ours
-    try:
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setenv("OMP_NUM_THREADS", "1")  # the server inherits our environment; the callers use base_env()
         with running(root) as extra:
-            yield root, {**env, **extra}
-    finally:
-        os.environ.pop("OMP_NUM_THREADS") if old is None else os.environ.__setitem__("OMP_NUM_THREADS", old)
+            yield root, {**base_env(), **extra}
 
 
 def test_served_stages_write_the_bytes_of_stage_processes_of_their_own(served, tmp_path, tiny_model_dir):
