@@ -106,6 +106,16 @@ def test_without_a_reachable_server_the_caller_runs_the_stage_itself(tmp_path):
     assert done.returncode == 2 and "none.yaml" in done.stderr  # the CLI's own error, from the caller
 
 
+def test_a_caller_that_comes_the_moment_the_server_starts_is_served(tmp_path):
+    import socket
+
+    (tmp_path / ".dvc").mkdir()
+    with running(tmp_path) as extra:  # the first stage of a run comes this early: it must not find no socket
+        probe = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+        probe.connect(extra[ENV_VAR])  # raises FileNotFoundError/ConnectionRefusedError if not listening yet
+        probe.close()
+
+
 def test_a_signal_to_the_caller_reaches_the_forked_stage(served):
     root, env = served
     before = len(log_lines(root))

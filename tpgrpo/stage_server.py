@@ -30,6 +30,7 @@ import socket
 import subprocess
 import sys
 import tempfile
+import time
 import traceback
 from pathlib import Path
 from typing import Iterator
@@ -128,8 +129,9 @@ def serve(path: str, parent: int, names=PRELOAD) -> None:
     """Listen on ``path`` (bound before the imports, so early callers wait instead of falling back), import
     ``names``, then fork one child per request until ``parent`` exits."""
     listener = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
-    listener.bind(path)
+    listener.bind(path + ".tmp")
     listener.listen(64)
+    os.rename(path + ".tmp", path)  # the name appears only once connect() can succeed: running() waits for it
     start_env = dict(os.environ)
     failed = preload(names)
     # what the imports set (OMP_WAIT_POLICY, torch's cache folders): a fresh stage process would set it too
@@ -292,6 +294,7 @@ def running(root: Path, enabled: bool = True) -> Iterator[dict[str, str]]:
                                   cwd=root, stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT,
                                   start_new_session=True)  # the terminal's Ctrl-C reaches callers, not it
     try:
+        _wait_for_socket(server, path)
         yield {ENV_VAR: path}
     finally:
         server.terminate()
@@ -301,6 +304,14 @@ def running(root: Path, enabled: bool = True) -> Iterator[dict[str, str]]:
             server.kill()
             server.wait()
         shutil.rmtree(folder, ignore_errors=True)
+
+
+def _wait_for_socket(server: subprocess.Popen, path: str, timeout: float = 60.0) -> None:
+    """Wait until the server has bound ``path`` (it does so before its slow imports): a caller that came
+    earlier would find no socket and run its stage itself. Gives up quietly if the server died or is slow."""
+    deadline = time.monotonic() + timeout
+    while not os.path.exists(path) and server.poll() is None and time.monotonic() < deadline:
+        time.sleep(0.01)
 
 
 def main() -> None:
