@@ -116,8 +116,8 @@ def test_a_caller_that_comes_the_moment_the_server_starts_is_served(tmp_path):
         probe.close()
 
 
-def test_a_signal_to_the_caller_reaches_the_forked_stage(served):
-    root, env = served
+def _served_rollout(root: Path, env: dict) -> tuple[subprocess.Popen, int]:
+    """Start a rollout through the server; returns its caller and the forked stage's PID."""
     before = len(log_lines(root))
     caller = subprocess.Popen([TPGRPO, "stage", "rollout", "--iter", "1", "--params", "params.yaml"], cwd=root,
                               env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
@@ -127,13 +127,31 @@ def test_a_signal_to_the_caller_reaches_the_forked_stage(served):
         pid = int(new[0].split()[1].rstrip(":")) if new else None
         time.sleep(0.05)
     assert pid is not None
-    caller.send_signal(signal.SIGTERM)
-    assert caller.wait(timeout=30) == -signal.SIGTERM  # died of the signal the stage died of
+    return caller, pid
+
+
+def _ends(pid: int) -> bool:
+    """Whether process ``pid`` is gone within 10 s (the server reaps its children)."""
     for _ in range(200):
         if not Path(f"/proc/{pid}").exists():
-            break
+            return True
         time.sleep(0.05)
-    assert not Path(f"/proc/{pid}").exists()
+    return False
+
+
+def test_a_signal_to_the_caller_reaches_the_forked_stage(served):
+    caller, pid = _served_rollout(*served)
+    caller.send_signal(signal.SIGTERM)
+    assert caller.wait(timeout=30) == -signal.SIGTERM  # died of the signal the stage died of
+    assert _ends(pid)
+
+
+def test_a_caller_killed_outright_takes_its_forked_stage_with_it(served):
+    caller, pid = _served_rollout(*served)
+    caller.kill()  # SIGKILL: the caller cannot forward it; the server sees its socket close
+    caller.wait()
+    assert _ends(pid)
+    assert f"caller of {pid} gone: terminating it" in log_lines(served[0])
 
 
 def test_the_server_exits_when_its_parent_is_killed(tmp_path):

@@ -139,12 +139,16 @@ def serve(path: str, parent: int, names=PRELOAD) -> None:
     print(f"stage server {os.getpid()}: ready; threads {len(os.listdir('/proc/self/task'))}; not imported: "
           f"{failed or 'none'}", flush=True)
     own = fingerprint(start_env)
-    children: dict[int, socket.socket] = {}
+    children: dict[int, socket.socket | None] = {}
     try:
         while os.getppid() == parent:
-            ready, _, _ = select.select([listener], [], [], 0.05)
-            if ready:
-                _accept(listener, own, set_by_imports, children)
+            callers = {conn: pid for pid, conn in children.items() if conn is not None}
+            ready, _, _ = select.select([listener, *callers], [], [], 0.05)
+            for sock in ready:
+                if sock is listener:
+                    _accept(listener, own, set_by_imports, children)
+                else:  # a caller sends nothing after its request: readable means it is gone (SIGKILL)
+                    _caller_gone(callers[sock], children)
             _reap(children)
     finally:
         listener.close()
@@ -154,7 +158,7 @@ def serve(path: str, parent: int, names=PRELOAD) -> None:
 
 
 def _accept(listener: socket.socket, own: dict, set_by_imports: dict[str, str],
-            children: dict[int, socket.socket]) -> None:
+            children: dict[int, socket.socket | None]) -> None:
     conn, _ = listener.accept()
     try:
         message, fds, _, _ = socket.recv_fds(conn, MAX_MESSAGE, 3)
@@ -178,7 +182,8 @@ def _accept(listener: socket.socket, own: dict, set_by_imports: dict[str, str],
         listener.close()
         conn.close()  # only the server answers the caller: its EOF then means the server is gone
         for other in children.values():
-            other.close()
+            if other is not None:
+                other.close()
         os._exit(_run_child(request, fds, set_by_imports))
     for fd in fds:
         os.close(fd)
@@ -251,7 +256,17 @@ def _fresh_global_generators() -> None:
     random.seed()
 
 
-def _reap(children: dict[int, socket.socket]) -> None:
+def _caller_gone(pid: int, children: dict[int, socket.socket | None]) -> None:
+    """The caller of child ``pid`` died without forwarding a signal (SIGKILL): end the stage as the
+    caller's own process would have ended, instead of letting it run on unseen."""
+    print(f"caller of {pid} gone: terminating it", flush=True)
+    with contextlib.suppress(ProcessLookupError):
+        os.kill(pid, signal.SIGTERM)
+    children[pid].close()
+    children[pid] = None
+
+
+def _reap(children: dict[int, socket.socket | None]) -> None:
     while children:
         try:
             pid, status = os.waitpid(-1, os.WNOHANG)
