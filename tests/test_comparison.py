@@ -311,6 +311,28 @@ def test_a_folder_of_another_comparison_is_refused(tmp_path, tiny_model_dir):
         cmp.check_run(other, params, 2)
 
 
+def test_a_folder_made_before_a_bookkeeping_key_keeps_its_params_and_a_done_run_its_code(tmp_path, tiny_model_dir,
+                                                                                        monkeypatch):
+    base = make_tiny_project(tmp_path / "base", tiny_model_dir)
+    params = yaml.safe_load((base / "params.yaml").read_text())
+    code = cmp.snapshot_code(tmp_path / "out", REPO)
+    spec = cmp.RunSpec(cmp.Variant("tp", "tp", {}), 0, tmp_path / "out" / "tp" / "seed0")
+    cmp.prepare_run(spec, base, params, code, budget=2)
+    old = yaml.safe_load((spec.folder / "params.yaml").read_text())
+    del old["launch"]["stage_server"], old["train"]["block_size"]  # as older code wrote it
+    (spec.folder / "params.yaml").write_text(yaml.safe_dump(old, sort_keys=False))
+    cmp.prepare_run(spec, base, params, code, budget=2)  # no "a different comparison" error
+    kept = yaml.safe_load((spec.folder / "params.yaml").read_text())
+    assert "stage_server" not in kept["launch"] and "block_size" not in kept["train"]  # its code may not know them
+    with pytest.raises(PipelineError, match="sampling.noise_level is 0.7 there"):  # a key that changes results
+        cmp.check_run(cmp.RunSpec(cmp.Variant("tp", "tp", {"sampling.noise_level": 0.4}), 0, spec.folder), params, 2)
+    monkeypatch.setattr(cmp, "run_state", lambda folder: ("done", 2, 2))  # as test_run_state_done_only_... builds
+    (code / "tpgrpo" / "cli.py").unlink()
+    (code / "tpgrpo" / "cli.py").write_text("# refreshed\n")
+    cmp.prepare_run(spec, base, params, code, budget=2, refresh_code=True)
+    assert (spec.folder / "tpgrpo/cli.py").read_text() != "# refreshed\n"  # a finished run keeps its code
+
+
 def test_cli_bad_override_is_one_line_and_writes_nothing(tmp_path, tiny_model_dir):
     base = make_tiny_project(tmp_path / "base", tiny_model_dir)
     out = tmp_path / "out"

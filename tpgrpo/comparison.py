@@ -51,6 +51,11 @@ TRAIN_STAGES = ("rollout", "probe", "credit", "update")  # the training cost; ev
 SUMMARY = Path("data") / "metrics" / "summary.json"
 # Keys a run folder may differ in from a re-planned comparison: the equal-wall pass raises train.iterations.
 MUTABLE_KEYS = {"train.iterations"}
+# Keys that change how a run executes or what it keeps, not what it computes (tests/test_stage_server.py and
+# tests/test_sealing.py: the same bytes): an existing folder keeps its own value, or its lack of the key (it
+# may predate the key, and so may the code it was made with).
+NEUTRAL_KEYS = {"launch.stage_server", "train.block_size", "retention.keep_trajectories",
+                "retention.keep_adapter_every"}
 
 
 @dataclass(frozen=True)
@@ -210,15 +215,29 @@ def _check_same_run(spec: RunSpec, params: dict) -> None:
                                     f"{new.get(key)!r} (a different comparison: use another output folder)")
 
 
+def _existing_params(folder: Path) -> dict:
+    path = folder / "params.yaml"
+    return yaml.safe_load(path.read_text()) if path.is_file() else {}
+
+
+def _keep_neutral(params: dict, old: dict) -> dict:
+    """``params`` with an existing folder's own values (or lack) of :data:`NEUTRAL_KEYS`; as is if new."""
+    out = json.loads(json.dumps(params))
+    for section, _, key in (k.partition(".") for k in NEUTRAL_KEYS if old):
+        if key in old.get(section, {}):
+            out[section][key] = old[section][key]
+        else:
+            out[section].pop(key, None)
+    return out
+
+
 def check_run(spec: RunSpec, base_params: dict, budget: int, base_root: Path | None = None) -> dict:
     """The run's params (train.iterations = max(budget, what the folder has: the equal-wall pass may have
     raised it)), checked against the folder if it exists and, with ``base_root``, that its data exist.
     Writes nothing."""
-    old_iters = 0
-    if (spec.folder / "params.yaml").is_file():
-        old_iters = int(yaml.safe_load((spec.folder / "params.yaml").read_text())["train"]["iterations"])
-    params = run_params(base_params, spec.variant, spec.seed, max(budget, old_iters))
-    _check_same_run(spec, params)
+    old = _existing_params(spec.folder)
+    params = run_params(base_params, spec.variant, spec.seed, max(budget, old["train"]["iterations"] if old else 0))
+    _check_same_run(spec, _keep_neutral(params, old))
     for rel in data_paths(params) if base_root is not None else ():
         if not (spec.folder / rel).exists() and not (base_root / rel).exists():
             raise PipelineError(f"{base_root / rel}: missing (named in {base_root / 'params.yaml'})")
@@ -228,21 +247,22 @@ def check_run(spec: RunSpec, base_params: dict, budget: int, base_root: Path | N
 def prepare_run(spec: RunSpec, base_root: Path, base_params: dict, code: Path, budget: int,
                 refresh_code: bool = False) -> None:
     """Create or complete the run folder: params.yaml, run.json, data and code as hard links. Idempotent.
-    ``refresh_code``: link the (re-snapshotted) code again in an existing folder too."""
+    ``refresh_code``: link the (re-snapshotted) code again in an existing folder not yet done."""
     folder = spec.folder
     params = check_run(spec, base_params, budget, base_root)
     folder.mkdir(parents=True, exist_ok=True)
+    text = yaml.safe_dump(_keep_neutral(params, _existing_params(folder)), sort_keys=False)
+    if not (folder / "params.yaml").is_file() or (folder / "params.yaml").read_text() != text:
+        (folder / "params.yaml").write_text(text)
     for rel in data_paths(params):
         if not (folder / rel).exists():
             _link_tree(base_root / rel, folder / rel)
+    refresh_code = refresh_code and run_state(folder)[0] != "done"  # a finished run keeps the code that made it
     for name in CODE_DIRS:
         if refresh_code and (folder / name).exists():
             shutil.rmtree(folder / name)  # hard links to the old snapshot's files
         if not (folder / name).exists():
             _link_tree(code / name, folder / name)
-    text = yaml.safe_dump(params, sort_keys=False)
-    if not (folder / "params.yaml").is_file() or (folder / "params.yaml").read_text() != text:
-        (folder / "params.yaml").write_text(text)
     v = spec.variant
     meta = {"variant": v.name, "mode": v.mode, "seed": spec.seed, "family": v.family, "reference": v.reference,
             "overrides": v.overrides, "budget": budget}
