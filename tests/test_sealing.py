@@ -12,7 +12,7 @@ from conftest import tiny_params
 
 from tpgrpo.config import ConfigError, config_from_dict
 from tpgrpo.dvcfile import STAGE_PARAMS, block_out_paths, block_stage, iteration_stages, render
-from tpgrpo.sealing import kept_outs, retain, stage_names, unseal_changed
+from tpgrpo.sealing import kept_outs, repro_ends, retain, stage_names, unseal_changed
 from tpgrpo.seals import Block, full_blocks, param_values, read_lock, read_seal, write_lock, write_yaml
 
 
@@ -94,6 +94,22 @@ def test_dvc_yaml_work_stays_bounded_as_sealed_blocks_pile_up(tmp_path):
     assert counts[200][1] < flat_deps / 10, (counts, flat_deps)
     summary = render(cfg, root)["stages"]["summary"]
     assert len(summary["deps"]) < 30  # not one dep per iteration's logs
+
+
+def test_a_run_is_reproduced_block_by_block_each_rendered_through_its_end(tmp_path):
+    root = _project(tmp_path, iterations=5, block_size=2)
+    cfg = _cfg(iterations=5, block_size=2)
+    assert repro_ends(root, cfg) == [2, 4, 5]  # nothing sealed yet: every block, then the rest
+    first = render(cfg, root, upto=2)["stages"]
+    assert "rollout-0002" in first and "rollout-0003" not in first and "summary" not in first
+    lock = {"schema": "2.0", "stages": {}}
+    _seal(root, cfg, Block(1, 2), lock)
+    assert repro_ends(root, cfg) == [4, 5]
+    second = render(cfg, root, upto=4)["stages"]
+    assert "iters-0001-0002" in second and "rollout-0001" not in second and "rollout-0005" not in second
+    assert render(cfg, root, upto=5) == render(cfg, root)  # the last repro sees the whole run
+    assert "summary" in render(cfg, root)["stages"]
+    assert repro_ends(root, _cfg(iterations=5, block_size=0)) == [5]  # sealing off: one repro
 
 
 def _four_iterations_sealed(tmp_path: Path):
@@ -223,6 +239,8 @@ def test_sealed_run_keeps_dvc_guarantees_retention_and_sharing_through_a_remote(
     _sh(root, "git", "-c", "user.name=t", "-c", "user.email=t@t", "commit", "-q", "--allow-empty", "-m", "init")
     first = _tpgrpo(root, "run")
     assert "sealed iters-0001-0002" in first
+    # block by block: the first block was sealed before iteration 3 ran, so dvc.lock never held both
+    assert first.index("sealed iters-0001-0002") < first.index("Running stage 'rollout-0003'")
     stages = yaml.safe_load((root / "dvc.yaml").read_text())["stages"]
     assert "iters-0001-0002" in stages and "rollout-0003" in stages and "rollout-0001" not in stages
     _clean(root)

@@ -135,8 +135,8 @@ def dvc_yaml_command(params: ParamsOpt = Path("params.yaml")) -> None:
 
 @app.command("run")
 def run_command(params: ParamsOpt = Path("params.yaml")) -> None:
-    """The main job: render dvc.yaml, `dvc repro` (trains train.iterations iterations), then seal each
-    finished block of train.block_size iterations into one DVC stage."""
+    """The main job: render dvc.yaml and `dvc repro` (trains train.iterations iterations) block by block,
+    sealing each finished block of train.block_size iterations into one DVC stage before the next."""
     import subprocess
     import sys
 
@@ -144,9 +144,10 @@ def run_command(params: ParamsOpt = Path("params.yaml")) -> None:
 
     from tpgrpo import stage_server
     from tpgrpo.config import ConfigError, load_config
+    from tpgrpo.dvcfile import write_dvc_yaml
     from tpgrpo.dvclock import clear_stale_lock
     from tpgrpo.errors import PipelineError
-    from tpgrpo.sealing import dvc_env, relink, seal_finished, unseal_changed
+    from tpgrpo.sealing import dvc_env, relink, repro_ends, seal_finished, unseal_changed
 
     root = Path(params).resolve().parent
     try:
@@ -170,19 +171,22 @@ def run_command(params: ParamsOpt = Path("params.yaml")) -> None:
                            ("cache.type", "reflink,hardlink,copy")):
             subprocess.run([sys.executable, "-m", "dvc", "config", key, value], cwd=root, env=env, check=True)
     lock = root / "dvc.lock"
-    before = lock.stat().st_mtime_ns if lock.exists() else None
     with stage_server.running(root, stage_server.wanted(cfg)) as server_env:
-        code = subprocess.run([sys.executable, "-m", "dvc", "repro"], cwd=root, env={**env, **server_env}).returncode
-    if code != 0:
-        _fail(f"dvc repro failed with exit code {code}")
-    try:
-        sealed = seal_finished(root, cfg)
-        if sealed or (lock.exists() and lock.stat().st_mtime_ns != before):  # something ran: link, not copy
-            relink(root)
-    except PipelineError as exc:
-        _fail(str(exc))
-    if sealed:
-        typer.echo(f"sealed {', '.join(b.name for b in sealed)} (one DVC stage per block from now on)")
+        for upto in repro_ends(root, cfg):  # block by block: dvc.lock stays about one block long
+            before = lock.stat().st_mtime_ns if lock.exists() else None
+            write_dvc_yaml(cfg, root, upto)
+            code = subprocess.run([sys.executable, "-m", "dvc", "repro"], cwd=root,
+                                  env={**env, **server_env}).returncode
+            if code != 0:
+                _fail(f"dvc repro failed with exit code {code}")
+            try:
+                sealed = seal_finished(root, cfg, upto)
+                if sealed or (lock.exists() and lock.stat().st_mtime_ns != before):  # something ran: link
+                    relink(root)
+            except PipelineError as exc:
+                _fail(str(exc))
+            if sealed:
+                typer.echo(f"sealed {', '.join(b.name for b in sealed)} (one DVC stage per block from now on)")
 
 
 @app.command("block")

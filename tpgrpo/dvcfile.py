@@ -174,8 +174,11 @@ def block_out_paths(cfg: Config, block: Block) -> list[str]:
     return [_out_path(o) for o in block_stage(cfg, block)["outs"]]
 
 
-def render(cfg: Config, root: Path | None = None) -> dict:
-    """The whole ``dvc.yaml`` as a mapping; blocks sealed under ``root`` appear as one stage each."""
+def render(cfg: Config, root: Path | None = None, upto: int | None = None) -> dict:
+    """The whole ``dvc.yaml`` as a mapping; blocks sealed under ``root`` appear as one stage each. With
+    ``upto`` < train.iterations: only iterations 1..upto and no summary (``tpgrpo run`` trains block by
+    block, sealing each before the next, so that DVC's dvc.lock, rewritten after every stage, stays small)."""
+    last = cfg.train.iterations if upto is None else upto
     stages: dict[str, dict] = {
         "baseline": {
             "cmd": stage_command(cfg, "baseline"), "params": STAGE_PARAMS["baseline"],
@@ -183,14 +186,16 @@ def render(cfg: Config, root: Path | None = None) -> dict:
                      cfg.model.path, cfg.task.eval_prompts],
             "outs": [_uncached("data/iters/baseline_eval.parquet")]},
     }
-    sealed = sealed_outs(root, full_blocks(cfg.train.block_size, cfg.train.iterations)) if root else {}
+    blocks = [b for b in full_blocks(cfg.train.block_size, cfg.train.iterations) if b.last <= last]
+    sealed = sealed_outs(root, blocks) if root else {}
     in_sealed = {i for block in sealed for i in block.iterations}
     for block, outs in sealed.items():
         stages[block.name] = block_stage(cfg, block, outs)
-    open_iters = [i for i in iterations(cfg) if i not in in_sealed]
+    open_iters = [i for i in iterations(cfg) if i not in in_sealed and i <= last]
     for i in open_iters:
         stages.update(iteration_stages(cfg, i))
-    stages["summary"] = summary_stage(cfg, open_iters, list(sealed))
+    if last == cfg.train.iterations:
+        stages["summary"] = summary_stage(cfg, open_iters, list(sealed))
     return {"stages": stages, "plots": PLOTS}
 
 
@@ -224,13 +229,14 @@ class _NoAliasDumper(yaml.SafeDumper):
         return True
 
 
-def write_dvc_yaml(cfg: Config, root: Path) -> bool:
-    """Write ``dvc.yaml`` if its content changed; returns whether it did."""
+def write_dvc_yaml(cfg: Config, root: Path, upto: int | None = None) -> bool:
+    """Write ``dvc.yaml`` (through iteration ``upto``: see :func:`render`) if its content changed; returns
+    whether it did."""
     config_file = cfg.launch.config_file
     if config_file and not (root / config_file).is_file():
         raise ConfigError(f"params: launch.config_file = {config_file!r}: file not found "
                           "(expected an accelerate config file, path relative to the project root)")
-    text = HEADER + yaml.dump(render(cfg, root), Dumper=_NoAliasDumper, sort_keys=False, default_flow_style=False, width=120)
+    text = HEADER + yaml.dump(render(cfg, root, upto), Dumper=_NoAliasDumper, sort_keys=False, default_flow_style=False, width=120)
     path = root / "dvc.yaml"
     if path.exists() and path.read_text() == text:
         return False

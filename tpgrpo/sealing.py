@@ -51,9 +51,21 @@ def stage_names(cfg: Config, block: Block) -> list[str]:
     return [name for i in block.iterations for name in iteration_stages(cfg, i)]
 
 
-def seal_finished(root: Path, cfg: Config) -> list[Block]:
+def repro_ends(root: Path, cfg: Config) -> list[int]:
+    """The iterations ``tpgrpo run`` renders dvc.yaml through, one ``dvc repro`` each: the end of every full
+    block not yet sealed, then the run's last. DVC rewrites the whole dvc.lock after every stage it runs,
+    so a run repro'd in one piece pays for every earlier stage's entry again at each stage (quadratic in
+    the run's length); block by block, with each block sealed before the next, the lock stays about one
+    block's stages long (bench/lock_growth.py)."""
+    sealed = seal_files(root)
+    ends = [b.last for b in full_blocks(cfg.train.block_size, cfg.train.iterations) if b not in sealed]
+    return [e for e in ends if e < cfg.train.iterations] + [cfg.train.iterations]
+
+
+def seal_finished(root: Path, cfg: Config, upto: int | None = None) -> list[Block]:
     """Seal every complete, not yet sealed block whose stages all have a ``dvc.lock`` entry. Call only
-    after a successful ``dvc repro`` (then every entry is up to date). Returns the blocks sealed."""
+    after a successful ``dvc repro`` of dvc.yaml rendered through ``upto`` (then every entry is up to
+    date). Returns the blocks sealed."""
     lock, sealed = read_lock(root), seal_files(root)
     stages = lock.setdefault("stages", {})
     new = [b for b in full_blocks(cfg.train.block_size, cfg.train.iterations)
@@ -67,9 +79,11 @@ def seal_finished(root: Path, cfg: Config) -> list[Block]:
             del stages[n]
     if new:
         write_lock(root, lock)
-        write_dvc_yaml(cfg, root)
-        # the summary's deps list changed with the blocks (it ran just now, so it is up to date)
-        dvc(root, "commit", "--force", "--quiet", *[b.name for b in new], "summary")
+        write_dvc_yaml(cfg, root, upto)
+        # the summary's deps list changed with the blocks (it ran just now, so it is up to date); before
+        # the last block's repro dvc.yaml has no summary
+        summary = ["summary"] if upto in (None, cfg.train.iterations) else []
+        dvc(root, "commit", "--force", "--quiet", *[b.name for b in new], *summary)
     return new
 
 

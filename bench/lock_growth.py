@@ -1,0 +1,158 @@
+"""DVC's dvc.lock rewrite after every stage, as a run grows: one `dvc repro` of the whole run vs block by block.
+
+Usage: ``python bench/lock_growth.py [--from PROJECT] [--flat 12,25,100,300] [--blocks 12,25,100,300,1000]
+[--block-size 25] [--repeats 2]``.
+
+After each stage it runs, DVC loads the whole dvc.lock (ruamel round-trip YAML), updates that stage's entry
+and writes the file again (``dvc.dvcfile.Lockfile.dump_stages`` -> ``modify_yaml``). This bench times exactly
+that call on lock files made of real entries:
+
+- ``flat``: the whole run in one ``dvc repro`` (``tpgrpo run`` before block-by-block): while iteration N's
+  stages run, the lock holds the entries of iterations 1..N;
+- ``blocks``: ``tpgrpo run`` now reproduces block by block and seals each finished block before the next:
+  the lock holds one entry per sealed block plus the open block's stages (measured at the open block's
+  last iteration N, its largest point).
+
+Entries: a real finished iteration's (``--from`` a project whose iteration 1 finished, or one trained here as
+bench/dvc_scale.py does), renumbered for iteration i; a sealed block's entry is built from its stages'
+entries with the fields ``dvc commit`` writes (its stages' outside deps once, their params merged, every
+output). Prints the measured seconds of one rewrite (best of --repeats, one process, whatever else shares
+the cores) and lock size at iteration N; and, ESTIMATED from a least-squares line of those seconds against
+lock bytes, the total rewrite seconds over a run of N iterations (the sum over its stages).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import yaml
+
+BENCH = Path(__file__).resolve().parent
+sys.path.insert(0, str(BENCH.parent))
+sys.path.insert(0, str(BENCH))
+
+from dvc_scale import STEMS, renumbered, train_one  # noqa: E402
+
+from tpgrpo.seals import read_lock  # noqa: E402
+
+
+def iteration_entries(src: dict, i: int, policy: dict) -> dict[str, dict]:
+    """Iteration i's per-stage lock entries, renumbered from iteration 1's."""
+    return {f"{s}-{i:04d}": renumbered(src[f"{s}-0001"], i, policy if i > 1 else None)
+            for s in STEMS if f"{s}-0001" in src}
+
+
+def block_entry(entries: list[dict], first: int, last: int) -> dict:
+    """A sealed block's entry as `dvc commit` writes it: outside deps once, params merged, every out."""
+    produced = {o["path"] for e in entries for o in e["outs"]}
+    deps = {d["path"]: d for e in entries for d in e.get("deps", []) if d["path"] not in produced}
+    params: dict = {}
+    for e in entries:
+        params.update(e.get("params", {}).get("params.yaml", {}))
+    return {"cmd": f"tpgrpo block --first {first} --last {last}", "deps": [deps[p] for p in sorted(deps)],
+            "params": {"params.yaml": params}, "outs": [o for e in entries for o in e["outs"]]}
+
+
+def lock_at(src: dict, n: int, block_size: int) -> dict:
+    """The lock while iteration n's last stage is written: flat (block_size 0) or block by block."""
+    policy = next(o for o in src["update-0001"]["outs"] if o["path"].endswith("/policy"))
+    sealed_through = (n - 1) // block_size * block_size if block_size else 0
+    stages = {"baseline": src["baseline"]}
+    for first in range(1, sealed_through + 1, block_size or 1):
+        last = first + block_size - 1
+        inner = [e for i in range(first, last + 1) for e in iteration_entries(src, i, policy).values()]
+        stages[f"iters-{first:04d}-{last:04d}"] = block_entry(inner, first, last)
+    for i in range(sealed_through + 1, n + 1):
+        stages.update(iteration_entries(src, i, policy))
+    stages["summary"] = src["summary"]
+    return {"schema": "2.0", "stages": stages}
+
+
+def time_rewrite(lock: dict, repeats: int) -> tuple[float, int]:
+    """(best seconds of DVC's load-update-dump of dvc.lock, file bytes)."""
+    from dvc.utils.serialize import dump_yaml, modify_yaml
+
+    with tempfile.TemporaryDirectory() as tmp:
+        path = os.path.join(tmp, "dvc.lock")
+        dump_yaml(path, lock)
+        name = [k for k in lock["stages"] if k != "summary"][-1]
+        best = float("inf")
+        for _ in range(repeats):
+            start = time.perf_counter()
+            with modify_yaml(path) as data:  # what Lockfile.dump_stages does for one stage
+                data["stages"].update({name: lock["stages"][name]})
+            best = min(best, time.perf_counter() - start)
+        return best, os.path.getsize(path)
+
+
+def run_total(src: dict, n: int, block_size: int, fit: tuple[float, float]) -> float:
+    """Estimated rewrite seconds over a run of n iterations: per stage a + b * (lock bytes then)."""
+    sizes = {name: len(yaml.safe_dump({name: e})) for name, e in lock_at(src, 1, 0)["stages"].items()}
+    per_iter = sum(v for k, v in sizes.items() if k.endswith("-0001"))
+    per_stage = per_iter / len(STEMS)
+    sealed_block = len(yaml.safe_dump(lock_at(src, block_size + 1, block_size)["stages"])) if block_size else 0
+    sealed_block -= (sizes["baseline"] + sizes["summary"] + per_iter) if block_size else 0
+    total, a, b = 0.0, *fit
+    for i in range(1, n + 1):
+        sealed = (i - 1) // block_size if block_size else 0
+        open_before = (i - 1 - sealed * block_size) * per_iter
+        for s in range(1, len(STEMS) + 1):
+            total += a + b * (sizes["baseline"] + sealed * sealed_block + open_before + s * per_stage)
+    return total
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--from", dest="source", type=Path, help="project whose iteration 1 finished")
+    ap.add_argument("--flat", default="12,25,100,300", help="iterations measured in the flat layout")
+    ap.add_argument("--blocks", default="12,25,100,300,1000", help="iterations measured block by block")
+    ap.add_argument("--block-size", type=int, default=25)
+    ap.add_argument("--repeats", type=int, default=2)
+    ap.add_argument("--work", type=Path, default=Path("/tmp/tpgrpo_lock_growth"))
+    args = ap.parse_args()
+    source = args.source.resolve() if args.source else train_one(args.work)
+    src = read_lock(source)["stages"]
+    print(f"threads: OMP_NUM_THREADS={os.environ.get('OMP_NUM_THREADS', 'unset')}, cpus {os.cpu_count()}; "
+          f"entries from {source}", flush=True)
+    rows, points = [], []
+    for layout, sizes, bs in (("flat", args.flat, 0), ("blocks", args.blocks, args.block_size)):
+        for n in map(int, sizes.split(",")):
+            lock = lock_at(src, n, bs)
+            seconds, size = time_rewrite(lock, args.repeats if size_hint(lock) < 2e6 else 1)
+            points.append((len(yaml.safe_dump(lock["stages"])), seconds))  # the bytes run_total counts
+            rows.append({"layout": layout, "iterations": n, "entries": len(lock["stages"]), "lock KB": size / 1e3,
+                         "one rewrite s": seconds})
+            print(json.dumps(rows[-1]), flush=True)
+    fit = least_squares(points)
+    print(f"fit: rewrite s = {fit[0]:.4f} + {fit[1] * 1e6:.3f} s per MB of YAML (the totals below are estimates)")
+    measured = {(r["layout"], r["iterations"]): r for r in rows}
+    print("| iterations | dvc.lock KB at N: flat / blocks | one rewrite s at N, measured: flat / blocks | all "
+          "rewrites of the run, s, estimated: flat / blocks | flat / blocks |")
+    print("|---|---|---|---|---|")
+    for n in sorted({r["iterations"] for r in rows}):
+        flat, blocks = measured.get(("flat", n)), measured.get(("blocks", n))
+        kb = " / ".join(f"{r['lock KB']:.0f}" if r else "-" for r in (flat, blocks))
+        one = " / ".join(f"{r['one rewrite s']:.2f}" if r else "-" for r in (flat, blocks))
+        est = run_total(src, n, 0, fit), run_total(src, n, args.block_size, fit)
+        print(f"| {n} | {kb} | {one} | {est[0]:.0f} / {est[1]:.0f} | {est[0] / est[1]:.1f}x |")
+
+
+def size_hint(lock: dict) -> int:
+    return 3300 * len(lock["stages"])  # ~bytes: skip repeats on the slow, large files
+
+
+def least_squares(points: list[tuple[float, float]]) -> tuple[float, float]:
+    n = len(points)
+    mx, my = sum(p[0] for p in points) / n, sum(p[1] for p in points) / n
+    b = sum((x - mx) * (y - my) for x, y in points) / max(sum((x - mx) ** 2 for x, _ in points), 1e-12)
+    return my - b * mx, b
+
+
+if __name__ == "__main__":
+    main()
