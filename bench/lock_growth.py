@@ -148,10 +148,13 @@ def size_hint(lock: dict) -> int:
 
 
 def least_squares(points: list[tuple[float, float]]) -> tuple[float, float]:
+    """(a, b) of seconds = a + b * bytes; through the origin when the free fit's a is negative (noise)."""
     n = len(points)
     mx, my = sum(p[0] for p in points) / n, sum(p[1] for p in points) / n
     b = sum((x - mx) * (y - my) for x, y in points) / max(sum((x - mx) ** 2 for x, _ in points), 1e-12)
-    return my - b * mx, b
+    if my - b * mx >= 0:
+        return my - b * mx, b
+    return 0.0, sum(x * y for x, y in points) / sum(x * x for x, _ in points)
 
 
 if __name__ == "__main__":
