@@ -1,7 +1,8 @@
 """Paired held-out differences at chosen iterations of a comparison's runs (the report pairs by recorded
 seconds; this pairs by iteration, e.g. tp at its budget against flow_grpo at its equal-compute iteration).
 
-Usage: ``python bench/compare_points.py [--out runs/compare] [--pair tp@12-flow_grpo@30 ...]``. Same seeds on
+Usage: ``python bench/compare_points.py [--out runs/compare] [--pair tp@12-flow_grpo@30 ...] [--seeds 0,1,2]``;
+a side may name another root (``runs/compare_long/tp@36``). Same seeds on
 both sides, pooled per image over the seeds, 10,000 bootstrap resamples of prompts
 (``tpgrpo.comparison_results.paired_difference``); iteration 0 is the base model.
 """
@@ -9,6 +10,7 @@ both sides, pooled per image over the seeds, 10,000 bootstrap resamples of promp
 from __future__ import annotations
 
 import argparse
+import re
 from pathlib import Path
 
 from tpgrpo.comparison_results import paired_difference
@@ -17,8 +19,18 @@ DEFAULT = ("tp@12-flow_grpo@30", "flow_grpo@30-flow_grpo@12", "flow_grpo@30-flow
 
 
 def side(out: Path, text: str, seeds: list[int]) -> list[tuple[Path, int]]:
-    variant, _, iteration = text.partition("@")
-    return [(out / variant / f"seed{s}", int(iteration)) for s in seeds]
+    """``variant@i`` under OUT, or ``ROOT/variant@i`` (a path with a slash: another comparison root)."""
+    variant, _, iteration = text.rpartition("@")
+    folder = Path(variant) if "/" in variant else out / variant
+    return [(folder / f"seed{s}", int(iteration)) for s in seeds]
+
+
+def split_pair(pair: str) -> tuple[str, str]:
+    """``A@i-B@j`` -> (``A@i``, ``B@j``); variant names may hold hyphens (``flow_grpo-lr0.0003@30``)."""
+    match = re.fullmatch(r"(.+@\d+)-(.+@\d+)", pair)
+    if not match:
+        raise SystemExit(f"--pair {pair!r}: expected A@i-B@j")
+    return match.group(1), match.group(2)
 
 
 def main() -> None:
@@ -29,7 +41,7 @@ def main() -> None:
     args = ap.parse_args()
     seeds = [int(s) for s in args.seeds.split(",")]
     for pair in args.pair or DEFAULT:
-        a, b = pair.split("-")
+        a, b = split_pair(pair)
         d = paired_difference(side(args.out, a, seeds), side(args.out, b, seeds))
         print(f"{a} - {b}: {d['reward_a']:.4f} vs {d['reward_b']:.4f}: {d['reward_diff']:+.4f} "
               f"[{d['reward_lo']:+.4f}, {d['reward_hi']:+.4f}]; per seed "
