@@ -20,6 +20,7 @@ import yaml
 from conftest import REPO, make_tiny_project, tiny_params
 
 from tpgrpo import comparison as cmp
+from tpgrpo import comparison_variants as variants
 from tpgrpo.compare import EVAL_TABLE_COLUMNS
 from tpgrpo.comparison_results import (Pair, collect, collect_curves, compare_pair, by_variant, paired_difference,
                                        verdict)
@@ -262,19 +263,19 @@ def test_run_params_apply_overrides_and_reject_bad_ones():
 
 
 def test_variants_of_the_cli_flags():
-    main = cmp.main_variants(["flow_grpo", "tp"], [0, 1], {"task.reward": "geneval"},
+    main = variants.main_variants(["flow_grpo", "tp"], [0, 1], {"task.reward": "geneval"},
                              {"flow_grpo": {"update.lr": 3e-4}})
     assert [(v.name, v.overrides) for v in main] == [("flow_grpo", {"task.reward": "geneval", "update.lr": 3e-4}),
                                                      ("tp", {"task.reward": "geneval"})]
-    sweep = cmp.lr_sweep_variants(main, [1e-2], [0])
+    sweep = variants.lr_sweep_variants(main, [1e-2], [0])
     assert [v.name for v in sweep] == ["flow_grpo-lr0.01", "tp-lr0.01"] and sweep[0].overrides["update.lr"] == 1e-2
-    abl = cmp.ablation_variants(main[1], ["window8", "cps"], [0])
+    abl = variants.ablation_variants(main[1], ["window8", "cps"], [0])
     assert [(v.name, v.reference, v.family) for v in abl] == [("tp-window8", "tp", "ablation"),
                                                               ("tp-cps", "tp", "ablation")]
     with pytest.raises(ConfigError, match="modes"):
-        cmp.main_variants(["grpo"], [0])
+        variants.main_variants(["grpo"], [0])
     with pytest.raises(ConfigError, match="ablations"):
-        cmp.ablation_variants(main[1], ["window5"], [0])
+        variants.ablation_variants(main[1], ["window5"], [0])
 
 
 def test_run_state_done_only_when_the_summary_is_newer_than_every_iteration(tmp_path):

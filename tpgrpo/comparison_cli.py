@@ -14,7 +14,7 @@ from typing import Annotated, Optional
 
 import typer
 
-from tpgrpo.comparison import MODES  # no heavy imports: yaml and the config only
+from tpgrpo.comparison_variants import MODES  # no heavy imports: yaml and the config only
 
 app = typer.Typer(help="Compare credit modes over training seeds, by iteration and by wall clock.",
                   no_args_is_help=True, pretty_exceptions_enable=False)
@@ -53,7 +53,7 @@ def _report_results(results: dict[str, str]) -> None:
 def _variants(modes: str, seeds: str, set_: list[str], mode_set: list[str], lr_sweep: str, sweep_seeds: str,
               ablations: str, ablation_seeds: str) -> list:
     """The comparison's variants from the command line: the main modes, the lr sweep, the ablations."""
-    from tpgrpo import comparison as cmp
+    from tpgrpo import comparison_variants as arms
     from tpgrpo.config import ConfigError
 
     per_mode: dict[str, dict] = {}
@@ -61,19 +61,19 @@ def _variants(modes: str, seeds: str, set_: list[str], mode_set: list[str], lr_s
         mode, sep, assignment = item.partition(":")
         if not sep:
             raise ConfigError(f"--mode-set {item!r}: expected MODE:section.key=value")
-        per_mode.setdefault(mode, {}).update(cmp.parse_assignments([assignment], "--mode-set"))
-    main = cmp.main_variants(_list(modes, str, "--modes"), _list(seeds, int, "--seeds"),
-                             cmp.parse_assignments(set_, "--set"), per_mode)
+        per_mode.setdefault(mode, {}).update(arms.parse_assignments([assignment], "--mode-set"))
+    main = arms.main_variants(_list(modes, str, "--modes"), _list(seeds, int, "--seeds"),
+                             arms.parse_assignments(set_, "--set"), per_mode)
     variants = list(main)
     if lr_sweep:
-        variants += cmp.lr_sweep_variants(main, _list(lr_sweep, float, "--lr-sweep"),
+        variants += arms.lr_sweep_variants(main, _list(lr_sweep, float, "--lr-sweep"),
                                           _list(sweep_seeds, int, "--sweep-seeds"))
     if ablations:
-        names = list(cmp.ABLATIONS) if ablations == "all" else _list(ablations, str, "--ablations")
+        names = list(arms.ABLATIONS) if ablations == "all" else _list(ablations, str, "--ablations")
         reference = next((v for v in main if v.mode == "tp"), None)
         if reference is None:
             raise ConfigError("--ablations: they vary tp: add tp to --modes")
-        variants += cmp.ablation_variants(reference, names, _list(ablation_seeds, int, "--ablation-seeds"))
+        variants += arms.ablation_variants(reference, names, _list(ablation_seeds, int, "--ablation-seeds"))
     return variants
 
 
