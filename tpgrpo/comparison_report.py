@@ -140,15 +140,18 @@ def setup_table(runs: list[dict], curves: pd.DataFrame) -> list[str]:
     rows = []
     for v in dict.fromkeys(r["variant"] for r in runs):
         group = [r for r in runs if r["variant"] == v]
-        seconds = curves[(curves["variant"] == v) & (curves["iteration"] > 0)]["train_seconds"]
+        trained = curves[(curves["variant"] == v) & (curves["iteration"] > 0)]
+        seconds, kl = trained["train_seconds"], trained["approx_kl"].dropna()
         over = ", ".join(f"{k}={val}" for k, val in sorted(group[0]["overrides"].items())) or "-"
         planned = sorted({int(r["params"]["train"]["iterations"]) for r in group})
         done = curves[curves["variant"] == v].groupby("seed")["iteration"].max()
         rows.append((v, group[0]["mode"], over, ",".join(str(r["seed"]) for r in group), group[0]["budget"],
                      "/".join(map(str, planned)), ",".join(str(int(d)) for d in done) or "0",
-                     f"{seconds.mean():.1f}" if len(seconds) else "-"))
+                     f"{seconds.mean():.1f}" if len(seconds) else "-", f"{kl.mean():.2e}" if len(kl) else "-"))
+    # approx KL: the update's own estimate between the policy before and after it, mean over iterations and
+    # seeds; the step size each mode actually took (Flow-GRPO's copied reward pushes harder at the same lr)
     return _table(("variant", "credit.mode", "overrides", "seeds", "budget", "iterations planned",
-                   "done (per seed)", "train s / iteration"), rows)
+                   "done (per seed)", "train s / iteration", "approx KL / iteration"), rows)
 
 
 def final_table(runs: list[dict], curves: pd.DataFrame) -> list[str]:
