@@ -191,6 +191,20 @@ def test_pairs_at_the_same_iteration_and_at_equal_wall_clock(tmp_path):
     assert one_seed["seeds"] == "0"
 
 
+def test_equal_wall_pairs_by_the_budget_runs_rate_not_by_seconds_recorded_under_other_load(tmp_path):
+    make_comparison(tmp_path)
+    for s in (0, 1):  # flow_grpo's extension ran while the machine was busy: 4x the seconds per iteration
+        for i in range(5, 9):
+            for stage in ("rollout", "credit", "update"):
+                path = tmp_path / "flow_grpo" / f"seed{s}" / "data" / "iters" / f"{i:04d}" / f"{stage}.json"
+                log = json.loads(path.read_text())
+                path.write_text(json.dumps({**log, "wall_seconds": 4 * log["wall_seconds"]}))
+    runs, curves = by_variant(cmp.discover(tmp_path)), collect_curves(cmp.discover(tmp_path))[0]
+    wall = compare_pair(Pair("tp", "flow_grpo", "equal_wall"), runs, curves, n_boot=100)
+    # over the budget (iterations 1-4) tp takes 10 s per iteration and flow_grpo 5 s: tp's 4 cost flow_grpo's 8
+    assert (wall["iteration_a"], wall["iteration_b"]) == ("4", "8")
+
+
 def test_collect_writes_tables_and_marks_claims(tmp_path):
     make_comparison(tmp_path)
     tables = collect(tmp_path, n_boot=300)

@@ -202,8 +202,10 @@ def method_text(n_boot: int = N_BOOT) -> str:
   The interval covers prompt and eval-noise sampling for these training seeds; the spread between training
   seeds is shown beside it (the per-seed mean differences), not folded into it.
 - **Iteration**: both at the last iteration evaluated in every run of both within the iteration budget.
-  **Equal wall**: A at that iteration, B (flow_grpo, given extra iterations by the equal-wall pass) at its
-  evaluated iteration whose cumulative training seconds are nearest A's, seed by seed.
+  **Equal wall**: A at that iteration i, B (flow_grpo, given extra iterations by the equal-wall pass) at its
+  evaluated iteration nearest i x (A's / B's mean training seconds per iteration over the budget, all seeds):
+  the rate the pass planned with, not the seconds B's extra iterations recorded (those depend on what else
+  shared the machine then).
 - **Training seconds**: the sum of the rollout, probe, credit and update stages' own `wall_seconds` (eval and
   process start-up left out), cumulated over iterations; measured while the runs shared the machine as the
   recorded command lines say (jobs x threads).

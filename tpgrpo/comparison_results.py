@@ -223,15 +223,25 @@ def _sides(pair: Pair, runs: dict, curves: pd.DataFrame) -> tuple[list, list, li
         return side(pair.a), side(pair.b), seeds
     if pair.kind != "equal_wall":
         raise ValueError(f"pair kind {pair.kind!r}: expected iteration or equal_wall")
+    # B's iteration that costs A's `it` iterations, at each side's mean training seconds per iteration over
+    # the budget (what the equal-wall pass planned with), not B's recorded seconds of its extension: those
+    # depend on what else shared the machine while it ran
+    target = it * _seconds_per_iteration(curves, pair.a, seeds, budget) / _seconds_per_iteration(
+        curves, pair.b, seeds, budget)
     a, b = side(pair.a), []
-    for s, (_, _, seconds) in zip(seeds, a):
+    for s in seeds:
         run = runs[pair.b][s]
         if int(run["params"]["train"]["iterations"]) <= int(run["budget"]):
             return f"{pair.b} was not given extra iterations (run the equal-wall pass)"
         rows = _evaluated(curves, pair.b, s)
-        nearest = rows.iloc[int(np.argmin(np.abs(rows["cum_seconds"].to_numpy() - seconds)))]
+        nearest = rows.iloc[int(np.argmin(np.abs(rows["iteration"].to_numpy() - target)))]
         b.append((run["folder"], int(nearest["iteration"]), float(nearest["cum_seconds"])))
     return a, b, seeds
+
+
+def _seconds_per_iteration(curves: pd.DataFrame, variant: str, seeds: Sequence[int], budget: int) -> float:
+    rows = curves[(curves["variant"] == variant) & curves["seed"].isin(seeds) & curves["iteration"].between(1, budget)]
+    return float(rows["train_seconds"].mean())
 
 
 def _cum(curves: pd.DataFrame, variant: str, seed: int, iteration: int) -> float:
