@@ -21,18 +21,20 @@ REPO = Path(__file__).resolve().parents[1]
 
 def write_all(out: Path) -> None:
     """Write one of each artifact into ``out`` from fixed inputs."""
+    prompts = ["a red circle", "a blue circle"]
+    write_model_artifacts(out, prompts)
+    write_tables(out, prompts)
+
+
+def write_model_artifacts(out: Path, prompts: list[str]) -> None:
+    """A LoRA policy (adapter, optimizer state, EMA) and prompt embeddings of a tiny model."""
     import json
 
-    import numpy as np
-    import pandas as pd
     import torch
 
-    from stages.credit import credit_table
     from tpgrpo import policy
-    from tpgrpo.artifacts import write_embeddings, write_json, write_table, write_zarr
-    from tpgrpo.config import Config
+    from tpgrpo.artifacts import write_embeddings
     from tpgrpo.models.tiny import TinyConfig, build_tiny
-    from tpgrpo.schemas import CREDIT, PROBE
     from tpgrpo.update import save_policy
 
     torch.set_num_threads(1)
@@ -51,13 +53,22 @@ def write_all(out: Path) -> None:
         optimizer.step()
         ema.step(backend)
     save_policy(out / "policy", backend, optimizer, ema)
-
-    prompts = ["a red circle", "a blue circle"]
     embeds = backend.encode_prompts(prompts)
     write_embeddings(out / "prompt_embeds.safetensors",
                      {"embeds": embeds.embeds, "pooled": embeds.pooled, "uncond_embeds": embeds.uncond_embeds,
                       "uncond_pooled": embeds.uncond_pooled},
                      {"prompts": json.dumps(prompts), "model": "0123abcd"})
+
+
+def write_tables(out: Path, prompts: list[str]) -> None:
+    """Probe and credit tables, a trajectories Zarr store and a metrics JSON from seeded random data."""
+    import numpy as np
+    import pandas as pd
+
+    from stages.credit import credit_table
+    from tpgrpo.artifacts import write_json, write_table, write_zarr
+    from tpgrpo.config import Config
+    from tpgrpo.schemas import CREDIT, PROBE
 
     n, k = 4, 2
     rng = np.random.default_rng(0)
