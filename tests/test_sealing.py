@@ -12,7 +12,7 @@ from conftest import tiny_params
 
 from tpgrpo.config import ConfigError, config_from_dict
 from tpgrpo.dvcfile import STAGE_PARAMS, block_out_paths, block_stage, iteration_stages, render
-from tpgrpo.sealing import kept_outs, repro_ends, retain, stage_names, unseal_changed
+from tpgrpo.sealing import kept_outs, repro_ends, retain, sealable, stage_names, unseal_changed
 from tpgrpo.seals import Block, full_blocks, param_values, read_lock, read_seal, write_lock, write_yaml
 
 
@@ -110,6 +110,15 @@ def test_a_run_is_reproduced_block_by_block_each_rendered_through_its_end(tmp_pa
     assert render(cfg, root, upto=5) == render(cfg, root)  # the last repro sees the whole run
     assert "summary" in render(cfg, root)["stages"]
     assert repro_ends(root, _cfg(iterations=5, block_size=0)) == [5]  # sealing off: one repro
+
+
+def test_only_blocks_reproduced_in_this_repro_are_sealed():
+    cfg = _cfg(iterations=4, block_size=2)
+    entries = {n: {} for b in full_blocks(2, 4) for n in stage_names(cfg, b)}  # both blocks have entries
+    # block 2's entries may be stale (restored by unsealing) while only iterations 1..2 were reproduced
+    assert sealable(cfg, entries, {}, upto=2) == [Block(1, 2)]
+    assert sealable(cfg, entries, {}) == [Block(1, 2), Block(3, 4)]
+    assert sealable(cfg, entries, {Block(1, 2): None}, upto=4) == [Block(3, 4)]
 
 
 def _four_iterations_sealed(tmp_path: Path):

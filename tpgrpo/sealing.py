@@ -62,14 +62,22 @@ def repro_ends(root: Path, cfg: Config) -> list[int]:
     return [e for e in ends if e < cfg.train.iterations] + [cfg.train.iterations]
 
 
+def sealable(cfg: Config, lock_stages: dict, sealed, upto: int | None = None) -> list[Block]:
+    """The full blocks, not yet sealed and ending by ``upto``, whose stages all have a lock entry. Only
+    those were just reproduced: a later block's entries may be stale (restored by unsealing, not yet
+    re-run), and sealing it would commit its old outputs as up to date."""
+    last = cfg.train.iterations if upto is None else upto
+    return [b for b in full_blocks(cfg.train.block_size, cfg.train.iterations)
+            if b not in sealed and b.last <= last and all(n in lock_stages for n in stage_names(cfg, b))]
+
+
 def seal_finished(root: Path, cfg: Config, upto: int | None = None) -> list[Block]:
     """Seal every complete, not yet sealed block whose stages all have a ``dvc.lock`` entry. Call only
     after a successful ``dvc repro`` of dvc.yaml rendered through ``upto`` (then every entry is up to
     date). Returns the blocks sealed."""
     lock, sealed = read_lock(root), seal_files(root)
     stages = lock.setdefault("stages", {})
-    new = [b for b in full_blocks(cfg.train.block_size, cfg.train.iterations)
-           if b not in sealed and all(n in stages for n in stage_names(cfg, b))]
+    new = sealable(cfg, stages, sealed, upto)
     for block in new:
         names = stage_names(cfg, block)
         write_yaml(block.entries_path(root), {n: stages[n] for n in names})
