@@ -57,13 +57,21 @@ def measure(folder: Path, iterations: int, threads: int) -> dict:
     if done.returncode:
         raise SystemExit(f"{folder}: tpgrpo run failed: {done.stderr.strip()[-500:]}")
     logs = [json.loads(p.read_text()) for p in (folder / "data" / "iters").glob("**/*.json")
-            if p.name != "summary.json"]
+            if p.name not in ("summary.json", "summary_log.json")]
     folders = sorted(p for p in (folder / "data" / "iters").iterdir() if p.name.isdigit())  # numbered from 0 or 1
     assert len(folders) == iterations, folders
     per_stage = {s: sum(json.loads((f / f"{s}.json").read_text())["wall_seconds"] for f in folders
                         if (f / f"{s}.json").is_file()) / iterations for s in STAGES}
     stage_sum = sum(m.get("wall_seconds", 0.0) for m in logs)
-    return {"per_iteration": per_stage, "run_wall": wall, "stage_sum": stage_sum, "ratio": wall / stage_sum}
+    # The summary stage logs its own seconds since the code manifests (it samples two policies for the
+    # figures); older commits do not, so the ratio leaves it out on both sides and "ratio_with_summary"
+    # counts it as stage compute where it is known.
+    summary_log = folder / "data" / "iters" / "summary_log.json"
+    summary = json.loads(summary_log.read_text())["wall_seconds"] if summary_log.is_file() else None
+    return {"per_iteration": per_stage, "run_wall": wall, "stage_sum": stage_sum, "ratio": wall / stage_sum,
+            "summary_seconds": summary,
+            "ratio_with_summary": None if summary is None else wall / (stage_sum + summary),
+            "lock_bytes": (folder / "dvc.lock").stat().st_size}
 
 
 def main() -> None:
@@ -96,12 +104,15 @@ def main() -> None:
             one(*side)
     rows = {label: rows[label] for label, _ in sides}
     b, a = rows["before"], rows["after"]
-    print("| | " + " | ".join(f"{s} s/iter" for s in STAGES) + " | train s/iter | run wall s | stage sum s | ratio |")
-    print("|---|" + "---|" * (len(STAGES) + 4))
+    print("| | " + " | ".join(f"{s} s/iter" for s in STAGES)
+          + " | train s/iter | run wall s | stage sum s | ratio | summary s | ratio with summary | dvc.lock KB |")
+    print("|---|" + "---|" * (len(STAGES) + 7))
     for label, r in rows.items():
         train = sum(r["per_iteration"].values())
         print(f"| {label} | " + " | ".join(f"{r['per_iteration'][s]:.1f}" for s in STAGES)
-              + f" | {train:.1f} | {r['run_wall']:.0f} | {r['stage_sum']:.0f} | {r['ratio']:.2f} |")
+              + f" | {train:.1f} | {r['run_wall']:.0f} | {r['stage_sum']:.0f} | {r['ratio']:.2f} | "
+              + (f"{r['summary_seconds']:.1f} | {r['ratio_with_summary']:.2f}" if r["summary_seconds"] else "- | -")
+              + f" | {r['lock_bytes'] / 1000:.0f} |")
     print(f"train s/iter after / before: {sum(a['per_iteration'].values()) / sum(b['per_iteration'].values()):.2f}")
 
 

@@ -102,6 +102,7 @@ def test_reward_sections_are_validated(raw, section, key, value, expected):
 
 
 def test_dvc_yaml_lists_configured_reward_folders(raw):
+    from tpgrpo.code_manifest import KIND_CODE
     from tpgrpo.dvcfile import render
 
     mixed = copy.deepcopy(raw)
@@ -109,8 +110,10 @@ def test_dvc_yaml_lists_configured_reward_folders(raw):
     mixed["reward_models"]["pickscore_path"] = "models/PickScore_v1"
     mixed["reward_models"]["geneval_detector_path"] = "models/owlv2"  # not used by any spec: not a dep
     stages = render(config_from_dict(mixed))["stages"]
-    for name in ("rollout-0001", "probe-0001", "eval-0001", "baseline"):
-        assert "models/PickScore_v1" in stages[name]["deps"] and "tpgrpo/rewards" in stages[name]["deps"]
+    for name, kind in (("rollout-0001", "rollout"), ("probe-0001", "probe"), ("eval-0001", "eval"),
+                       ("baseline", "eval")):
+        assert "models/PickScore_v1" in stages[name]["deps"]
+        assert f"data/code/{kind}.json" in stages[name]["deps"] and "tpgrpo/rewards" in KIND_CODE[kind]
         assert "models/owlv2" not in stages[name]["deps"]
         assert "reward_models" in stages[name]["params"] and "remote_reward" in stages[name]["params"]
     assert "models/PickScore_v1" not in stages["update-0001"]["deps"]

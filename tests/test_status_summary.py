@@ -121,7 +121,7 @@ def test_dvc_yaml_declares_only_the_summary_as_a_metric_and_named_plots():
     stages = render(cfg)["stages"]
     metrics = [m for stage in stages.values() for m in stage.get("metrics", [])]
     assert metrics == [{f"data/metrics/{name}.json": {"cache": False}} for name in GLANCE]
-    assert list(stages) == ["baseline", *[f"{n}-{i:04d}" for i in (1, 2, 3)
+    assert list(stages) == ["code", "baseline", *[f"{n}-{i:04d}" for i in (1, 2, 3)
                                           for n in ("rollout", "probe", "credit", "update", "eval")], "summary"]
     assert "data/iters/0001/policy" in stages["rollout-0002"]["deps"]
     assert not any(d.endswith("/policy") for d in stages["rollout-0001"]["deps"])  # iteration 1 samples the base

@@ -89,6 +89,17 @@ def summary_stage(params: ParamsOpt = Path("params.yaml")) -> None:
     _run_stage("summary", None, params)
 
 
+@stage_app.command("code")
+def code_stage(params: ParamsOpt = Path("params.yaml")) -> None:
+    """Write data/code/<kind>.json: the md5 of every code file each kind of stage runs (its dependency)."""
+    from tpgrpo.code_manifest import write_manifests
+
+    try:
+        write_manifests(Path(params).resolve().parent)
+    except FileNotFoundError as exc:
+        _fail(str(exc))
+
+
 @app.command("status")
 def status_command(params: ParamsOpt = Path("params.yaml")) -> None:
     """One screen: iterations done, the stage running or failed last, held-out reward vs base, disk."""

@@ -3,7 +3,8 @@
 DVC's ``foreach`` cannot do arithmetic (iteration i needs iteration i - 1's policy), so the iteration
 list is written out here; ``tpgrpo run`` re-renders it before ``dvc repro``, so raising
 ``train.iterations`` adds stages and DVC runs only the new ones. Each stage lists exactly the params it
-reads (a test checks this against the code) and its own code as dependencies.
+reads (a test checks this against the code) and its code, through its kind's manifest written by the
+``code`` stage (:mod:`tpgrpo.code_manifest`).
 """
 
 from __future__ import annotations
@@ -13,14 +14,11 @@ from pathlib import Path
 
 import yaml
 
+from tpgrpo.code_manifest import code_deps, code_stage, uses_code_files
 from tpgrpo.config import Config, ConfigError
 from tpgrpo.figures import figure_names
-from tpgrpo.seals import Block, full_blocks, sealed_outs
+from tpgrpo.seals import Block, full_blocks, read_lock, sealed_outs
 
-MODEL_CODE = ["tpgrpo/models", "tpgrpo/trajectory.py", "tpgrpo/sampling.py", "tpgrpo/schedule.py",
-              "tpgrpo/pipeline.py", "tpgrpo/policy.py", "tpgrpo/artifacts.py", "tpgrpo/schemas.py", "tpgrpo/probe_modes.py"]
-EVAL_CODE = ["stages/eval.py", "tpgrpo/compare.py", "tpgrpo/generate.py"]
-REWARD_CODE = ["tpgrpo/tasks", "tpgrpo/rewards"]
 REWARD_PARAMS = ["reward_models", "remote_reward"]  # read by every stage that scores images
 
 # The params each stage reads (DVC re-runs a stage when one of these changes). No stage reads `launch`:
@@ -57,12 +55,11 @@ def _iter_dir(i: int) -> str:
     return f"data/iters/{i:04d}"
 
 
-def reward_deps(cfg: Config, *specs) -> list[str]:
-    """The reward code and the configured local reward-model folders the given reward specs load."""
-    from tpgrpo.tasks.rewards import reward_folders
+def reward_folders(cfg: Config, *specs) -> list[str]:
+    """The configured local reward-model folders the given reward specs load."""
+    from tpgrpo.tasks.rewards import reward_folders as folders_of
 
-    folders = [f for spec in specs for f in reward_folders(spec, cfg)]
-    return [*REWARD_CODE, *dict.fromkeys(folders)]
+    return list(dict.fromkeys(f for spec in specs for f in folders_of(spec, cfg)))
 
 
 def _uncached(path: str) -> dict:
@@ -106,41 +103,40 @@ def stage_command(cfg: Config, name: str, iteration: int | None = None) -> str:
     return f"accelerate launch {how} -m tpgrpo {args}"
 
 
-def iteration_stages(cfg: Config, i: int) -> dict[str, dict]:
-    """The rollout, probe, credit, update and eval stages of iteration ``i``."""
+def iteration_stages(cfg: Config, i: int, manifests: bool = True) -> dict[str, dict]:
+    """The rollout, probe, credit, update and eval stages of iteration ``i``; each depends on its kind's
+    code manifest (``manifests`` False: on the code files, the layout of older projects)."""
     d, prev = _iter_dir(i), [f"{_iter_dir(i - 1)}/policy"] if i > 1 else []  # policy 0 = the base model
     cmd = lambda name: stage_command(cfg, name, i)  # noqa: E731
-    model = [cfg.model.path]
+    code = lambda kind: code_deps(kind, manifests)  # noqa: E731
+    model, scorers = [cfg.model.path], reward_folders(cfg, cfg.task.reward)
     # Flow-GRPO's credit needs only R_fin, which the rollout has: no probe stage, credit reads the rollout.
     flow_grpo = cfg.credit.mode == "flow_grpo"
-    credit_input = [f"{d}/trajectories.zarr", "stages/probe.py"] if flow_grpo else [f"{d}/probe.parquet"]
+    credit_kind, credit_input = (("credit_from_rollout", f"{d}/trajectories.zarr") if flow_grpo
+                                 else ("credit", f"{d}/probe.parquet"))
     stages: dict[str, dict] = {
         f"rollout-{i:04d}": {
             "cmd": cmd("rollout"), "params": STAGE_PARAMS["rollout"],
-            "deps": ["stages/rollout.py", *MODEL_CODE, *reward_deps(cfg, cfg.task.reward), *model,
-                     cfg.task.train_prompts, *prev],
+            "deps": [*code("rollout"), *scorers, *model, cfg.task.train_prompts, *prev],
             "outs": [f"{d}/trajectories.zarr", f"{d}/prompt_embeds.safetensors"]},
         f"credit-{i:04d}": {
             "cmd": cmd("credit"), "params": STAGE_PARAMS["credit"],
-            "deps": ["stages/credit.py", "tpgrpo/credit.py", "tpgrpo/advantages.py", "tpgrpo/artifacts.py",
-                     "tpgrpo/schemas.py", *credit_input],
+            "deps": [*code(credit_kind), credit_input],
             "outs": [f"{d}/credit.parquet"]},
         f"update-{i:04d}": {
             "cmd": cmd("update"), "params": STAGE_PARAMS["update"],
-            "deps": ["stages/update.py", "tpgrpo/update.py", "tpgrpo/loss.py", *MODEL_CODE, *model,
-                     f"{d}/trajectories.zarr", f"{d}/prompt_embeds.safetensors", f"{d}/credit.parquet", *prev],
+            "deps": [*code("update"), *model, f"{d}/trajectories.zarr", f"{d}/prompt_embeds.safetensors", f"{d}/credit.parquet", *prev],
             "outs": [f"{d}/policy"]},
         f"eval-{i:04d}": {
             "cmd": cmd("eval"), "params": STAGE_PARAMS["eval"],
-            "deps": [*EVAL_CODE, *MODEL_CODE, *reward_deps(cfg, cfg.task.reward, cfg.task.eval_reward),
-                     *model, cfg.task.eval_prompts, f"{d}/policy"],
+            "deps": [*code("eval"), *reward_folders(cfg, cfg.task.reward, cfg.task.eval_reward), *model,
+                     cfg.task.eval_prompts, f"{d}/policy"],
             "outs": [_uncached(f"{d}/eval.parquet")]},
     }
     if not flow_grpo:
         stages[f"probe-{i:04d}"] = {
             "cmd": cmd("probe"), "params": STAGE_PARAMS["probe"],
-            "deps": ["stages/probe.py", "tpgrpo/probe_modes.py", *MODEL_CODE, *reward_deps(cfg, cfg.task.reward),
-                     *model, f"{d}/trajectories.zarr", f"{d}/prompt_embeds.safetensors", *prev],
+            "deps": [*code("probe"), *scorers, *model, f"{d}/trajectories.zarr", f"{d}/prompt_embeds.safetensors", *prev],
             "outs": [f"{d}/probe.parquet"]}
     order = ("rollout", "probe", "credit", "update", "eval")  # dvc.yaml reads in pipeline order
     return {name: stages[name] for stem in order for name in stages if name.startswith(stem + "-")}
@@ -154,11 +150,11 @@ def _covered(key: str, keys: list[str]) -> bool:
     return any(key.startswith(k + ".") for k in keys)
 
 
-def block_stage(cfg: Config, block: Block, outs: list[str] | None = None) -> dict:
+def block_stage(cfg: Config, block: Block, outs: list[str] | None = None, manifests: bool = True) -> dict:
     """One stage for a sealed block: the union of its iterations' params and of their deps from outside
     the block, the block's artifacts (only ``outs`` when given: what retention kept) as outputs, and a
     command that re-runs the block's stages in order (``tpgrpo block``)."""
-    inner = [st for i in block.iterations for st in iteration_stages(cfg, i).values()]
+    inner = [st for i in block.iterations for st in iteration_stages(cfg, i, manifests).values()]
     produced = {_out_path(o) for st in inner for o in st["outs"]}
     params = list(dict.fromkeys(p for st in inner for p in st["params"]))
     deps = dict.fromkeys(d for st in inner for d in st["deps"] if d not in produced)
@@ -179,27 +175,27 @@ def render(cfg: Config, root: Path | None = None, upto: int | None = None) -> di
     ``upto`` < train.iterations: only iterations 1..upto and no summary (``tpgrpo run`` trains block by
     block, sealing each before the next, so that DVC's dvc.lock, rewritten after every stage, stays small)."""
     last = cfg.train.iterations if upto is None else upto
-    stages: dict[str, dict] = {
-        "baseline": {
-            "cmd": stage_command(cfg, "baseline"), "params": STAGE_PARAMS["baseline"],
-            "deps": [*EVAL_CODE, *MODEL_CODE, *reward_deps(cfg, cfg.task.reward, cfg.task.eval_reward),
-                     cfg.model.path, cfg.task.eval_prompts],
-            "outs": [_uncached("data/iters/baseline_eval.parquet")]},
-    }
+    manifests = not (root and uses_code_files(read_lock(root)))  # an older project keeps its layout
+    stages: dict[str, dict] = {"code": code_stage()} if manifests else {}
+    stages["baseline"] = {
+        "cmd": stage_command(cfg, "baseline"), "params": STAGE_PARAMS["baseline"],
+        "deps": [*code_deps("eval", manifests), *reward_folders(cfg, cfg.task.reward, cfg.task.eval_reward),
+                 cfg.model.path, cfg.task.eval_prompts],
+        "outs": [_uncached("data/iters/baseline_eval.parquet")]}
     blocks = [b for b in full_blocks(cfg.train.block_size, cfg.train.iterations) if b.last <= last]
     sealed = sealed_outs(root, blocks) if root else {}
     in_sealed = {i for block in sealed for i in block.iterations}
     for block, outs in sealed.items():
-        stages[block.name] = block_stage(cfg, block, outs)
+        stages[block.name] = block_stage(cfg, block, outs, manifests)
     open_iters = [i for i in iterations(cfg) if i not in in_sealed and i <= last]
     for i in open_iters:
-        stages.update(iteration_stages(cfg, i))
+        stages.update(iteration_stages(cfg, i, manifests))
     if last == cfg.train.iterations:
-        stages["summary"] = summary_stage(cfg, open_iters, list(sealed))
+        stages["summary"] = summary_stage(cfg, open_iters, list(sealed), manifests)
     return {"stages": stages, "plots": PLOTS}
 
 
-def summary_stage(cfg: Config, open_iters: list[int], sealed: list[Block]) -> dict:
+def summary_stage(cfg: Config, open_iters: list[int], sealed: list[Block], manifests: bool = True) -> dict:
     """Metrics, curves and figures of the whole run. It reads every iteration's stage JSON and eval table;
     as DVC deps it lists them for open iterations only and, per sealed block, its last credit table (which
     a re-run of the block rewrites), so its dependency count does not grow with the run."""
@@ -213,7 +209,7 @@ def summary_stage(cfg: Config, open_iters: list[int], sealed: list[Block]) -> di
     last = _iter_dir(cfg.train.iterations)  # the figures draw its tables and its policy's images
     last_iteration = [f"{last}/{name}" for name in ("probe.parquet", "credit.parquet", "policy")
                       if name != "probe.parquet" or cfg.credit.mode != "flow_grpo"]
-    deps = ["stages/summary.py", "tpgrpo/figures.py", "tpgrpo/plots.py", "data/iters/baseline_eval.json",
+    deps = [*code_deps("summary", manifests), "data/iters/baseline_eval.json",
             "data/iters/baseline_eval.parquet", *per_iter, *evals, *blocks, *last_iteration]
     return {
         "cmd": "tpgrpo stage summary", "params": STAGE_PARAMS["summary"], "deps": list(dict.fromkeys(deps)),

@@ -1,0 +1,126 @@
+"""Code manifests: every stage depends on its kind's manifest, which changes exactly when its code does."""
+
+from __future__ import annotations
+
+import json
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import yaml
+from conftest import REPO, make_tiny_project, tiny_params
+
+from tpgrpo.code_manifest import ALL_CODE, KIND_CODE, manifest_path, uses_code_files, write_manifests
+from tpgrpo.config import config_from_dict
+from tpgrpo.dvcfile import render
+
+CODE_ROOTS = ("stages/", "tpgrpo/")
+
+
+def _kind(name: str, cfg) -> str:
+    stem = name.split("-")[0]
+    if stem == "credit" and cfg.credit.mode == "flow_grpo":
+        return "credit_from_rollout"
+    return {"baseline": "eval"}.get(stem, stem)
+
+
+@pytest.mark.parametrize("mode", ["tp", "flow_grpo"])
+def test_each_stage_depends_on_its_kinds_manifest_and_no_code_file(mode):
+    cfg = config_from_dict(tiny_params(train={"iterations": 2}, credit={"mode": mode}))
+    stages = render(cfg)["stages"]
+    code = stages.pop("code")
+    assert code["cmd"] == "tpgrpo stage code" and code["deps"] == ALL_CODE
+    assert code["outs"] == [manifest_path(kind) for kind in KIND_CODE]
+    assert all(path in ALL_CODE for paths in KIND_CODE.values() for path in paths)
+    for name, stage in stages.items():
+        assert not any(dep.startswith(CODE_ROOTS) for dep in stage["deps"]), name
+        assert [d for d in stage["deps"] if d.startswith("data/code/")] == [manifest_path(_kind(name, cfg))], name
+
+
+def _copy_code(root: Path) -> None:
+    for folder in ("stages", "tpgrpo"):
+        shutil.copytree(REPO / folder, root / folder, ignore=shutil.ignore_patterns("__pycache__"))
+
+
+def _manifests(root: Path) -> dict[str, bytes]:
+    write_manifests(root)
+    return {kind: (root / manifest_path(kind)).read_bytes() for kind in KIND_CODE}
+
+
+def test_a_manifest_changes_exactly_when_a_file_of_its_kind_changes(tmp_path):
+    _copy_code(tmp_path)
+    before = _manifests(tmp_path)
+    assert json.loads(before["update"])["files"]["tpgrpo/loss.py"]  # folders are listed file by file
+    assert any(f.startswith("tpgrpo/models/") for f in json.loads(before["rollout"])["files"])
+    assert _manifests(tmp_path) == before  # deterministic
+
+    (tmp_path / "tpgrpo" / "models" / "__pycache__").mkdir(exist_ok=True)  # byte code is not code
+    (tmp_path / "tpgrpo" / "models" / "__pycache__" / "x.cpython-311.pyc").write_bytes(b"\0")
+    assert _manifests(tmp_path) == before
+
+    with open(tmp_path / "tpgrpo" / "loss.py", "a") as f:
+        f.write("# a comment\n")
+    after = _manifests(tmp_path)
+    assert {k for k in KIND_CODE if after[k] != before[k]} == {k for k, v in KIND_CODE.items() if "tpgrpo/loss.py" in v}
+    assert {k for k in KIND_CODE if after[k] != before[k]} == {"update"}
+
+    model_file = sorted((tmp_path / "tpgrpo" / "models").glob("*.py"))[0]
+    model_file.write_text(model_file.read_text() + "# a comment\n")
+    changed = {k for k in KIND_CODE if _manifests(tmp_path)[k] != after[k]}
+    assert changed == {"rollout", "probe", "update", "eval"}  # not credit, not summary
+
+
+def test_a_missing_code_path_is_a_one_line_error(tmp_path):
+    _copy_code(tmp_path)
+    (tmp_path / "tpgrpo" / "loss.py").unlink()
+    with pytest.raises(FileNotFoundError, match=r"code path tpgrpo/loss\.py: not found under"):
+        write_manifests(tmp_path)
+    assert not (tmp_path / "data" / "code").exists()  # no manifest written: none goes stale beside the others
+
+
+def test_a_project_locked_with_code_files_keeps_that_layout(tmp_path):
+    """Switching an older project to manifests would give every stage a new dependency (DVC would re-run all);
+    its dvc.yaml keeps listing the code files, the lists the stages had before."""
+    cfg = config_from_dict(tiny_params(train={"iterations": 2}))
+    old = {"stages": {"rollout-0001": {"cmd": "tpgrpo stage rollout --iter 1",
+                                       "deps": [{"path": "stages/rollout.py", "md5": "0" * 32}]}}}
+    assert uses_code_files(old) and not uses_code_files({"stages": {}})
+    (tmp_path / "dvc.lock").write_text(yaml.safe_dump(old))
+    stages = render(cfg, tmp_path)["stages"]
+    assert "code" not in stages
+    for name, stage in stages.items():
+        assert not any(dep.startswith("data/code/") for dep in stage["deps"]), name
+        assert set(KIND_CODE[_kind(name, cfg)]) <= set(stage["deps"]), name
+    (tmp_path / "dvc.lock").unlink()
+    assert "code" in render(cfg, tmp_path)["stages"]  # a new project: manifests
+    assert not uses_code_files({"stages": {"code": {"cmd": "tpgrpo stage code", "deps": [{"path": "stages/a.py"}]}}})
+
+
+@pytest.mark.slow
+def test_a_code_change_reruns_the_stages_of_its_kind_only(tmp_path, tiny_model_dir):
+    """Real DVC: after a run, a comment added to tpgrpo/loss.py (update's code) re-runs the code stage and
+    the updates, and nothing of the rollout, probe, credit or baseline; one added to tpgrpo/figures.py re-runs
+    the summary only (besides the code stage)."""
+    from test_dvc_pipeline import env, ran, repro, tpgrpo_run
+
+    root = make_tiny_project(tmp_path / "project", tiny_model_dir)
+    first = tpgrpo_run(root)
+    assert first.returncode == 0, first.stdout[-3000:] + first.stderr[-3000:]
+    lock = yaml.safe_load((root / "dvc.lock").read_text())
+    assert not uses_code_files(lock) and "code" in lock["stages"]
+    assert ran(repro(root)) == set()
+
+    with open(root / "tpgrpo" / "loss.py", "a") as f:
+        f.write("# a comment\n")
+    rerun = ran(repro(root))
+    assert {"code", "update-0001"} <= rerun, rerun
+    assert not any(n.startswith(("rollout-0001", "probe-", "credit-", "baseline")) for n in rerun), rerun
+
+    with open(root / "tpgrpo" / "figures.py", "a") as f:
+        f.write("# a comment\n")
+    assert ran(repro(root)) == {"code", "summary"}
+    status = subprocess.run([sys.executable, "-m", "dvc", "status"], cwd=root, env=env(), capture_output=True,
+                            text=True)
+    assert status.returncode == 0 and "up to date" in status.stdout, status.stdout
