@@ -6,8 +6,10 @@ the overrides, train.iterations N, 8 held-out prompts and eval.every 0 (only the
 ``--eval-as-params`` params.yaml's eval instead), then
 ``tpgrpo run`` timed. Prints per commit: the mean per-iteration ``wall_seconds`` of rollout, probe, credit and
 update (from each stage's JSON; 0 where a stage did not run), the ``tpgrpo run`` wall, the sum of every
-stage's ``wall_seconds``, and their ratio (the staging overhead: process start-up, imports, DVC). The two runs
-are sequential (``--parallel``: at the same time, so other load on the machine weighs on both alike), on the
+stage's ``wall_seconds``, and their ratio (the staging overhead: process start-up, imports, DVC); the
+``dvc repro`` window (the stage server's start to the last ``dvc.lock`` write) and its ratio (the issue's
+measure); the summary stage's own seconds where the commit logs them (and the window's ratio counting them as
+stage compute); the final ``dvc.lock`` size. The two runs are sequential (``--parallel``: at the same time, so other load on the machine weighs on both alike), on the
 same machine, with the same thread count.
 """
 
@@ -64,14 +66,29 @@ def measure(folder: Path, iterations: int, threads: int) -> dict:
                         if (f / f"{s}.json").is_file()) / iterations for s in STAGES}
     stage_sum = sum(m.get("wall_seconds", 0.0) for m in logs)
     # The summary stage logs its own seconds since the code manifests (it samples two policies for the
-    # figures); older commits do not, so the ratio leaves it out on both sides and "ratio_with_summary"
+    # figures); older commits do not, so the ratios leave it out on both sides and "repro_ratio_with_summary"
     # counts it as stage compute where it is known.
     summary_log = folder / "data" / "iters" / "summary_log.json"
     summary = json.loads(summary_log.read_text())["wall_seconds"] if summary_log.is_file() else None
+    repro = repro_window(folder)
     return {"per_iteration": per_stage, "run_wall": wall, "stage_sum": stage_sum, "ratio": wall / stage_sum,
+            "repro_window": repro, "repro_ratio": None if repro is None else repro / stage_sum,
             "summary_seconds": summary,
-            "ratio_with_summary": None if summary is None else wall / (stage_sum + summary),
+            "repro_ratio_with_summary": None if summary is None or repro is None else repro / (stage_sum + summary),
             "lock_bytes": (folder / "dvc.lock").stat().st_size}
+
+
+def repro_window(folder: Path) -> float | None:
+    """Seconds from the stage server's start (its log file's birth) to the last ``dvc.lock`` write: the
+    ``dvc repro`` part of ``tpgrpo run``, without DVC's first-run init and the final relink. None without
+    a server log or where the filesystem keeps no birth time."""
+    log = folder / ".dvc" / "tmp" / "stage_server.log"
+    if not log.is_file():
+        return None
+    born = subprocess.run(["stat", "-c", "%W", str(log)], capture_output=True, text=True).stdout.strip()
+    if not born.isdigit() or int(born) == 0:
+        return None
+    return (folder / "dvc.lock").stat().st_mtime - int(born)
 
 
 def main() -> None:
@@ -105,13 +122,16 @@ def main() -> None:
     rows = {label: rows[label] for label, _ in sides}
     b, a = rows["before"], rows["after"]
     print("| | " + " | ".join(f"{s} s/iter" for s in STAGES)
-          + " | train s/iter | run wall s | stage sum s | ratio | summary s | ratio with summary | dvc.lock KB |")
-    print("|---|" + "---|" * (len(STAGES) + 7))
+          + " | train s/iter | run wall s | stage sum s | ratio | repro window s | its ratio | summary s"
+          + " | repro ratio, summary counted as a stage | dvc.lock KB |")
+    print("|---|" + "---|" * (len(STAGES) + 9))
     for label, r in rows.items():
         train = sum(r["per_iteration"].values())
         print(f"| {label} | " + " | ".join(f"{r['per_iteration'][s]:.1f}" for s in STAGES)
               + f" | {train:.1f} | {r['run_wall']:.0f} | {r['stage_sum']:.0f} | {r['ratio']:.2f} | "
-              + (f"{r['summary_seconds']:.1f} | {r['ratio_with_summary']:.2f}" if r["summary_seconds"] else "- | -")
+              + (f"{r['repro_window']:.0f} | {r['repro_ratio']:.3f} | " if r["repro_window"] else "- | - | ")
+              + (f"{r['summary_seconds']:.1f} | {r['repro_ratio_with_summary']:.3f}"
+                 if r["repro_ratio_with_summary"] else "- | -")
               + f" | {r['lock_bytes'] / 1000:.0f} |")
     print(f"train s/iter after / before: {sum(a['per_iteration'].values()) / sum(b['per_iteration'].values()):.2f}")
 

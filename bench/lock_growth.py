@@ -63,7 +63,7 @@ def lock_at(src: dict, n: int, block_size: int) -> dict:
     """The lock while iteration n's last stage is written: flat (block_size 0) or block by block."""
     policy = next(o for o in src["update-0001"]["outs"] if o["path"].endswith("/policy"))
     sealed_through = (n - 1) // block_size * block_size if block_size else 0
-    stages = {"baseline": src["baseline"]}
+    stages = {name: src[name] for name in ("code", "baseline") if name in src}  # `code`: since the manifests
     for first in range(1, sealed_through + 1, block_size or 1):
         last = first + block_size - 1
         inner = [e for i in range(first, last + 1) for e in iteration_entries(src, i, policy).values()]
@@ -115,7 +115,12 @@ def main() -> None:
     ap.add_argument("--block-size", type=int, default=25)
     ap.add_argument("--repeats", type=int, default=2)
     ap.add_argument("--work", type=Path, default=Path("/tmp/tpgrpo_lock_growth"))
+    ap.add_argument("--compare", nargs=2, type=Path, metavar=("OLD", "NEW"),
+                    help="two projects of one finished iteration each (e.g. before and after a layout change): "
+                         "flat locks of --flat iterations from each, timed alternately")
     args = ap.parse_args()
+    if args.compare:
+        return compare_layouts(*args.compare, [int(n) for n in args.flat.split(",")], args.repeats)
     source = args.source.resolve() if args.source else train_one(args.work)
     src = read_lock(source)["stages"]
     print(f"threads: OMP_NUM_THREADS={os.environ.get('OMP_NUM_THREADS', 'unset')}, cpus {os.cpu_count()}; "
@@ -141,6 +146,33 @@ def main() -> None:
         one = " / ".join(f"{r['one rewrite s']:.2f}" if r else "-" for r in (flat, blocks))
         est = run_total(src, n, 0, fit), run_total(src, n, args.block_size, fit)
         print(f"| {n} | {kb} | {one} | {est[0]:.0f} / {est[1]:.0f} | {est[0] / est[1]:.1f}x |")
+
+
+def compare_layouts(old: Path, new: Path, sizes: list[int], repeats: int) -> None:
+    """One rewrite of a flat N-iteration lock made of OLD's entries and of NEW's, timed alternately (so the
+    machine's load weighs on both alike), and the estimated rewrites of a whole N-iteration run of each."""
+    srcs = {"old": read_lock(old.resolve())["stages"], "new": read_lock(new.resolve())["stages"]}
+    print(f"threads: OMP_NUM_THREADS={os.environ.get('OMP_NUM_THREADS', 'unset')}, cpus {os.cpu_count()}; "
+          f"old = {old}, new = {new}", flush=True)
+    best: dict = {}
+    points: dict = {"old": [], "new": []}
+    for _ in range(repeats):
+        for n in sizes:
+            for side, src in srcs.items():
+                lock = lock_at(src, n, 0)
+                seconds, size = time_rewrite(lock, 1)
+                key = (side, n)
+                best[key] = (min(seconds, best.get(key, (float("inf"), 0))[0]), size)
+    for (side, n), (seconds, _) in best.items():
+        points[side].append((len(yaml.safe_dump(lock_at(srcs[side], n, 0)["stages"])), seconds))
+    print("| iterations N | dvc.lock KB at N: old / new | one rewrite s at N (best of "
+          f"{repeats}): old / new | all rewrites of an N-iteration run, s (estimated): old / new | new / old |")
+    print("|---|---|---|---|---|")
+    for n in sizes:
+        (so, ko), (sn, kn) = best[("old", n)], best[("new", n)]
+        tot = [run_total(srcs[side], n, 0, least_squares(points[side])) for side in ("old", "new")]
+        print(f"| {n} | {ko / 1e3:.0f} / {kn / 1e3:.0f} | {so:.2f} / {sn:.2f} | {tot[0]:.0f} / {tot[1]:.0f} "
+              f"| {tot[1] / tot[0]:.2f} |")
 
 
 def size_hint(lock: dict) -> int:
