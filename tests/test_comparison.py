@@ -228,6 +228,47 @@ def test_collect_writes_tables_and_marks_claims(tmp_path):
     assert notes["TP-GRPO beats Flow-GRPO at the same iteration"].startswith(f"only {PROMPTS} held-out prompts")
 
 
+def test_with_a_sweep_the_claims_are_also_made_at_each_modes_best_learning_rate(tmp_path):
+    """flow_grpo at lr 3e-4 has the higher training reward, so it is Flow-GRPO's best rate: the claims table
+    gains tp (its only rate) against it, at the same iteration and at equal wall clock."""
+    make_comparison(tmp_path)
+    base = noisy(0.3, 0)
+    for s in (0, 1):
+        folder = fake_run(tmp_path, "flow_grpo-lr0.0003", "flow_grpo", s, {0: base, 2: noisy(0.5, s + 20),
+                          4: noisy(0.7, s + 21), 6: noisy(0.7, s + 22), 8: noisy(0.75, s + 23)}, 4, planned=8,
+                          family="lr_sweep", reference="flow_grpo", scale=5 / 3, overrides={"update.lr": 3e-4})
+        for i in range(1, 9):
+            log = folder / "data" / "iters" / f"{i:04d}" / "rollout.json"
+            log.write_text(json.dumps({**json.loads(log.read_text()), "mean_reward": 1.0}))
+    tables = collect(tmp_path, n_boot=300)
+    claims = tables["claims"].set_index("claim")
+    same = claims.loc["TP-GRPO beats Flow-GRPO at the same iteration, each at its best learning rate"]
+    wall = claims.loc["TP-GRPO beats Flow-GRPO at equal wall-clock time, each at its best learning rate"]
+    assert (same["a"], same["b"], wall["a"], wall["b"]) == ("tp", "flow_grpo-lr0.0003", "tp", "flow_grpo-lr0.0003")
+    assert same["reward_diff"] == pytest.approx(0.0, abs=0.05)  # both 0.7 at iteration 4
+    pairs = tables["pairs"].set_index(["a", "b", "kind"])
+    at_wall = pairs.loc[("tp", "flow_grpo-lr0.0003", "equal_wall")]
+    assert (at_wall["iteration_a"], at_wall["iteration_b"]) == ("4", "8")  # tp's 40 s buy flow_grpo 8 iterations
+    assert wall["reward_diff"] == pytest.approx(-0.05, abs=0.03)
+    # without the sweep variant's extra iterations the equal-wall claim is not run, and says why
+    plain = collect_claims_without_extension(tmp_path)
+    assert plain["verdict"] == "not run" and "equal-wall pass" in plain["note"]
+
+
+def collect_claims_without_extension(out: Path):
+    import shutil
+
+    for s in (0, 1):
+        folder = out / "flow_grpo-lr0.0003" / f"seed{s}"
+        params = yaml.safe_load((folder / "params.yaml").read_text())
+        params["train"]["iterations"] = 4
+        (folder / "params.yaml").write_text(yaml.safe_dump(params, sort_keys=False))
+        for i in range(5, 9):
+            shutil.rmtree(folder / "data" / "iters" / f"{i:04d}")
+    claims = collect(out, n_boot=50)["claims"].set_index("claim")
+    return claims.loc["TP-GRPO beats Flow-GRPO at equal wall-clock time, each at its best learning rate"]
+
+
 def test_equal_wall_is_not_run_until_flow_grpo_gets_its_extra_iterations(tmp_path):
     make_comparison(tmp_path, extended=False)
     claims = collect(tmp_path, n_boot=50)["claims"].set_index("claim")

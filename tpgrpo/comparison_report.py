@@ -214,7 +214,10 @@ def method_text(n_boot: int = N_BOOT) -> str:
   *refuted* if it excludes 0 on B's side, else *not detectable*; *not run* where the runs are missing or the
   reference does not have the paper's setting.
 - **Best learning rate** (with a sweep): per mode the rate with the highest training reward (rollout mean
-  over its last 3 iterations, mean over seeds), so the held-out set is not used to pick it.
+  over its last 3 iterations, mean over seeds), so the held-out set is not used to pick it. With a sweep
+  the claims table repeats the TP-vs-Flow-GRPO claims with each mode at its best rate (at equal wall clock
+  when that Flow-GRPO variant was given the extra iterations): Flow-GRPO copies the final reward to every
+  window step, so one learning rate gives it a stronger update than per-step credit gets.
 """
 
 

@@ -295,11 +295,37 @@ def standard_pairs(runs: Sequence[dict], curves: pd.DataFrame) -> list[tuple[str
                     out.append(("equal wall", Pair(v, BASELINE_MODE, "equal_wall")))
     out += [("ablation", Pair(v, r["reference"])) for v, r in
             {r["variant"]: r for r in runs if r["family"] == "ablation"}.items()]
-    if any(r["family"] == "lr_sweep" for r in runs):
-        best = {m: best_lr_variant(m, runs, curves) for m in dict.fromkeys(r["mode"] for r in runs)}
-        if best.get(BASELINE_MODE):
-            out += [("best lr", Pair(best[m], best[BASELINE_MODE])) for m in best if m != BASELINE_MODE and best[m]]
+    best = best_variants(runs, curves)
+    if best.get(BASELINE_MODE):
+        flow = best[BASELINE_MODE]
+        extended = any(int(r["params"]["train"]["iterations"]) > int(r["budget"]) for r in runs if r["variant"] == flow)
+        for m, v in best.items():
+            if m != BASELINE_MODE and v:
+                out.append(("best lr", Pair(v, flow)))
+                if extended:
+                    out.append(("best lr, equal wall", Pair(v, flow, "equal_wall")))
     return out
+
+
+def best_variants(runs: Sequence[dict], curves: pd.DataFrame) -> dict[str, str | None]:
+    """Each mode's variant at its best learning rate (:func:`best_lr_variant`); empty without a sweep."""
+    if not any(r["family"] == "lr_sweep" for r in runs):
+        return {}
+    return {m: best_lr_variant(m, runs, curves) for m in dict.fromkeys(r["mode"] for r in runs)}
+
+
+def best_lr_claims(runs: Sequence[dict], curves: pd.DataFrame) -> list[Claim]:
+    """The step-size-fair versions of the TP-vs-Flow-GRPO claims: each mode at its own best learning rate
+    of the sweep (Flow-GRPO copies R_fin to every window step, so one learning rate gives it a stronger
+    update than per-step credit gets). None without a sweep of both."""
+    best = best_variants(runs, curves)
+    tp, flow = best.get("tp"), best.get(BASELINE_MODE)
+    if not (tp and flow):
+        return []
+    return [Claim("tp_beats_flow_best_lr", "TP-GRPO beats Flow-GRPO at the same iteration, each at its best "
+                  "learning rate", PAPER, Pair(tp, flow)),
+            Claim("equal_wall_best_lr", "TP-GRPO beats Flow-GRPO at equal wall-clock time, each at its best "
+                  "learning rate", "Figure 8 (PickScore)", Pair(tp, flow, "equal_wall"))]
 
 
 def claim_row(claim: Claim, pairs: pd.DataFrame, runs: dict) -> dict:
@@ -348,11 +374,12 @@ def collect(out: Path, n_boot: int = N_BOOT) -> dict[str, pd.DataFrame]:
     curves, tp_rates = collect_curves(runs)
     grouped = by_variant(runs)
     computed = {}
-    for label, pair in [*standard_pairs(runs, curves), *(("claim", c.pair) for c in CLAIMS)]:
+    claims_here = [*CLAIMS, *best_lr_claims(runs, curves)]
+    for label, pair in [*standard_pairs(runs, curves), *(("claim", c.pair) for c in claims_here)]:
         if pair not in computed and Pair(pair.b, pair.a, pair.kind) not in computed:
             computed[pair] = {"set": label, **compare_pair(pair, grouped, curves, n_boot)}
     pairs = pd.DataFrame(list(computed.values()))
-    claims = pd.DataFrame([claim_row(c, pairs, grouped) for c in CLAIMS])
+    claims = pd.DataFrame([claim_row(c, pairs, grouped) for c in claims_here])
     tables = {"curves": curves, "tp_rates": tp_rates, "pairs": pairs, "claims": claims}
     folder = out / RESULTS
     for name, frame in tables.items():
