@@ -10,6 +10,8 @@ Iterations are numbered 1..N; policy 0 is the base model. Layout under the proje
     data/iters/0003/credit.parquet      credit: one row per (trajectory, window step)
     data/iters/0003/policy/             update: policy 3 (LoRA adapter + optimizer state), what iteration 4 samples from
     data/iters/0003/eval.json           eval metrics
+    data/iters/summary_log.json         the summary stage's seconds (a log, like the stage JSONs)
+    data/code/<kind>.json               the code stage: md5 of each file a kind of stage runs (its dependency)
 """
 
 from __future__ import annotations
