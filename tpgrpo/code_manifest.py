@@ -37,7 +37,9 @@ KIND_CODE: dict[str, list[str]] = {
     "credit_from_rollout": [*CREDIT_CODE, "stages/probe.py"],
     "update": ["stages/update.py", "tpgrpo/update.py", "tpgrpo/loss.py", *MODEL_CODE],
     "eval": [*EVAL_CODE, *MODEL_CODE, *REWARD_CODE],
-    "summary": ["stages/summary.py", "tpgrpo/figures.py", "tpgrpo/plots.py"],
+    # the summary's figures sample the base and last policies: the model code and generate.py (tasks: prompts)
+    "summary": ["stages/summary.py", "tpgrpo/figures.py", "tpgrpo/plots.py", "tpgrpo/generate.py", *MODEL_CODE,
+                "tpgrpo/tasks"],
 }
 KIND_CODE = {kind: list(dict.fromkeys(paths)) for kind, paths in KIND_CODE.items()}  # each path once
 ALL_CODE = sorted({p for paths in KIND_CODE.values() for p in paths} | {"tpgrpo/code_manifest.py"})
