@@ -49,8 +49,14 @@ def project(rev: str, work: Path, overrides: dict, iterations: int, eval_as_para
     return folder
 
 
-def measure(folder: Path, iterations: int, threads: int) -> dict:
-    env = dict(os.environ, PYTHONPATH=str(folder), OMP_NUM_THREADS=str(threads), DVC_NO_ANALYTICS="1")
+def measure(folder: Path, iterations: int, threads: int, pure_yaml: bool = False) -> dict:
+    path = str(folder)
+    if pure_yaml:  # a module that shadows ruamel.yaml's C parser: its import fails, ruamel uses pure Python
+        blocker = folder.parent / f"{folder.name}-pure-yaml"
+        blocker.mkdir(exist_ok=True)
+        (blocker / "_ruamel_yaml.py").write_text("raise ImportError('blocked by bench/before_after.py')\n")
+        path += os.pathsep + str(blocker)
+    env = dict(os.environ, PYTHONPATH=path, OMP_NUM_THREADS=str(threads), DVC_NO_ANALYTICS="1")
     env["PATH"] = str(Path(sys.executable).parent) + os.pathsep + env["PATH"]
     start = time.perf_counter()
     done = subprocess.run([sys.executable, "-m", "tpgrpo", "run"], cwd=folder, env=env, capture_output=True,
@@ -101,6 +107,8 @@ def main() -> None:
     ap.add_argument("--work", type=Path, default=Path("/tmp/tpgrpo_before_after"))
     ap.add_argument("--parallel", action="store_true", help="run both at once (each with --threads threads)")
     ap.add_argument("--eval-as-params", action="store_true", help="keep params.yaml's eval (every, prompts)")
+    ap.add_argument("--pure-yaml-before", action="store_true",
+                    help="the before side without ruamel.yaml's C parser (a dependency only since 8f403ec)")
     args = ap.parse_args()
     overrides = {k: yaml.safe_load(v) for k, v in (s.split("=", 1) for s in args.sets)}
     args.work.mkdir(parents=True, exist_ok=True)
@@ -109,7 +117,7 @@ def main() -> None:
     def one(label: str, rev: str) -> None:
         sha = subprocess.run(["git", "rev-parse", "--short", rev], cwd=REPO, capture_output=True, text=True).stdout
         folder = project(sha.strip(), args.work, overrides, args.iterations, args.eval_as_params)
-        rows[label] = measure(folder, args.iterations, args.threads)
+        rows[label] = measure(folder, args.iterations, args.threads, args.pure_yaml_before and label == "before")
         print(label, sha.strip(), json.dumps(rows[label]), flush=True)
 
     sides = (("before", args.before), ("after", args.after))
