@@ -4,6 +4,7 @@
     equal-wall  give flow_grpo the iterations its cheaper iteration buys in tp's time, and train them
     status      where each run stands
     report      collect the stored results and write the Markdown report with its figures
+    archive     copy a root's result files (no artifacts) to a folder small enough to commit; report reads it
 """
 
 from __future__ import annotations
@@ -104,6 +105,7 @@ def run_command(
     import yaml
 
     from tpgrpo import comparison as cmp
+    from tpgrpo.comparison_archive import refuse_archive
     from tpgrpo.config import ConfigError, config_from_dict
     from tpgrpo.errors import PipelineError
 
@@ -113,6 +115,7 @@ def run_command(
             raise ConfigError(f"--base {base}: no params.yaml there (expected a project folder)")
         base_params = yaml.safe_load(params_path.read_text())
         config_from_dict(base_params)
+        refuse_archive(out)
         variants = _variants(modes, seeds, set_ or [], mode_set or [], lr_sweep, sweep_seeds, ablations,
                              ablation_seeds)
         specs = cmp.plan(out.resolve(), variants)
@@ -145,10 +148,12 @@ def equal_wall_command(
 ) -> None:
     """Second pass: raise the target's train.iterations to match the reference's training time, train."""
     from tpgrpo import comparison as cmp
+    from tpgrpo.comparison_archive import refuse_archive
     from tpgrpo.config import ConfigError
     from tpgrpo.errors import PipelineError
 
     try:
+        refuse_archive(out)
         record, specs = cmp.equal_wall_plan(out, reference, target)
         cmp.record_command(out, _command_line())
         typer.echo(f"{target}: {record['iterations']} iterations ({reference} {record['reference_s_per_iter']} s "
@@ -190,6 +195,24 @@ def report_command(
     except (PipelineError, ValueError) as exc:
         _fail(str(exc))
     typer.echo(str(path))
+
+
+@app.command("archive")
+def archive_command(
+    results: Annotated[Path, typer.Option("--results", help="comparison root to archive")],
+    to: Annotated[Path, typer.Option("--to", help="archive folder (replaced whole), e.g. docs/replication/runs/NAME")],
+) -> None:
+    """Copy the root's result files (stage logs, per-image eval tables, run.json, params.yaml, commands.txt,
+    equal_wall.json, the code snapshot's record) to TO, in the same layout: `report --results TO` gives the
+    same report without the run folders."""
+    from tpgrpo.comparison_archive import write_archive
+    from tpgrpo.errors import PipelineError
+
+    try:
+        record = write_archive(results, to)
+    except PipelineError as exc:
+        _fail(str(exc))
+    typer.echo(f"{to}: {record['runs']} runs, {record['files']} files, {record['bytes'] / 1e6:.2f} MB")
 
 
 if __name__ == "__main__":  # pragma: no cover

@@ -16,6 +16,7 @@ import pandas as pd
 
 from tpgrpo.artifacts import atomic_path
 from tpgrpo.comparison import discover
+from tpgrpo.comparison_archive import MARKER as ARCHIVE_MARKER
 from tpgrpo.comparison_results import LEVEL, N_BOOT, collect
 from tpgrpo.plots import _new_figure, _save
 
@@ -258,6 +259,10 @@ def section(out: Path, fig_dir: Path, md_dir: Path, n_boot: int = N_BOOT) -> lis
     commands = (out / "commands.txt").read_text().splitlines() if (out / "commands.txt").is_file() else []
     snap = out / "code" / "SNAPSHOT.json"
     snapshot = json.loads(snap.read_text()) if snap.is_file() else {}
+    if (out / ARCHIVE_MARKER).is_file():
+        a = json.loads((out / ARCHIVE_MARKER).read_text())
+        lines += [f"Read from an archive of `{a['source']}` made {a['time']} (`bench/compare_modes.py archive`: the "
+                  f"runs' result files only, {a['runs']} runs, {a['bytes'] / 1e6:.2f} MB).", ""]
     if commands:
         lines += ["Built by:", "", "```", *commands, "```", ""]
     if snapshot:

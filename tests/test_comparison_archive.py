@@ -1,0 +1,73 @@
+"""Archives of a comparison: the result files only, and the same report from them as from the run folders."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import pandas as pd
+import pytest
+from conftest import REPO
+from test_comparison import make_comparison
+
+from tpgrpo.comparison_archive import MARKER, archived_files, refuse_archive, write_archive
+from tpgrpo.comparison_results import collect
+from tpgrpo.errors import PipelineError
+
+
+def comparison_with_artifacts(root):
+    """make_comparison's runs plus what a real root also holds: code, a code record, commands, trajectories."""
+    make_comparison(root)
+    (root / "code" / "tpgrpo").mkdir(parents=True)
+    (root / "code" / "tpgrpo" / "cli.py").write_text("# code\n")
+    (root / "code" / "SNAPSHOT.json").write_text(json.dumps({"commit": "abc", "time": "then"}))
+    (root / "commands.txt").write_text("python bench/compare_modes.py run --out cmp\n")
+    zarr = root / "tp" / "seed0" / "data" / "iters" / "0001" / "trajectories.zarr"
+    zarr.mkdir()
+    (zarr / "chunk").write_bytes(b"\0" * 100_000)
+    (root / "tp" / "seed0" / "data" / "iters" / "0001" / "credit.parquet").write_bytes(b"x")
+
+
+def test_an_archive_keeps_the_result_files_only_and_reports_the_same(tmp_path):
+    root, dest = tmp_path / "cmp", tmp_path / "docs" / "cmp"
+    comparison_with_artifacts(root)
+    record = write_archive(root, dest)
+    kept = {p.relative_to(dest).as_posix() for p in dest.rglob("*") if p.is_file()}
+    assert kept == {p.as_posix() for p in archived_files(root)} | {MARKER}
+    assert "code/SNAPSHOT.json" in kept and "commands.txt" in kept and "tp/seed0/run.json" in kept
+    assert "tp/seed0/data/iters/0004/eval.parquet" in kept and "tp/seed0/data/iters/baseline_eval.parquet" in kept
+    assert not any("trajectories" in k or "credit.parquet" in k or k.startswith("code/tpgrpo") for k in kept)
+    assert record["runs"] == 6 and record["files"] == len(kept) - 1
+    assert json.loads((dest / MARKER).read_text())["source"] == str(root)
+
+    original, archived = collect(root, n_boot=300), collect(dest, n_boot=300)
+    for name in ("curves", "tp_rates", "pairs", "claims"):
+        pd.testing.assert_frame_equal(original[name], archived[name])
+
+
+def test_an_archive_is_not_trained_nor_archived_again_and_lands_outside_its_root(tmp_path):
+    root, dest = tmp_path / "cmp", tmp_path / "arch"
+    comparison_with_artifacts(root)
+    with pytest.raises(PipelineError, match="inside the comparison root"):
+        write_archive(root, root / "archive")
+    with pytest.raises(PipelineError, match="no run folders"):
+        write_archive(tmp_path / "empty", dest)
+    assert not dest.exists()
+    write_archive(root, dest)
+    with pytest.raises(PipelineError, match="already an archive"):
+        write_archive(dest, tmp_path / "again")
+    refuse_archive(root)  # a real root: no error
+    with pytest.raises(PipelineError, match="results only, nothing can be trained"):
+        refuse_archive(dest)
+
+
+def test_cli_run_in_an_archive_is_refused_in_one_line(tmp_path):
+    root, dest = tmp_path / "cmp", tmp_path / "arch"
+    comparison_with_artifacts(root)
+    write_archive(root, dest)
+    before = sorted(p for p in dest.rglob("*"))
+    res = subprocess.run([sys.executable, str(REPO / "bench" / "compare_modes.py"), "run", "--base", str(REPO),
+                          "--out", str(dest), "--modes", "tp", "--seeds", "0"], capture_output=True, text=True)
+    assert res.returncode == 2 and res.stderr.strip().count("\n") == 0 and MARKER in res.stderr
+    assert sorted(p for p in dest.rglob("*")) == before
