@@ -71,3 +71,7 @@ def test_cli_run_in_an_archive_is_refused_in_one_line(tmp_path):
                           "--out", str(dest), "--modes", "tp", "--seeds", "0"], capture_output=True, text=True)
     assert res.returncode == 2 and res.stderr.strip().count("\n") == 0 and MARKER in res.stderr
     assert sorted(p for p in dest.rglob("*")) == before
+    status = subprocess.run([sys.executable, str(REPO / "bench" / "compare_modes.py"), "status", "--out", str(dest)],
+                            capture_output=True, text=True)
+    assert "tp/seed0: archived (4/4 iterations)" in status.stdout
+    assert "flow_grpo/seed0: archived (8/8 iterations)" in status.stdout

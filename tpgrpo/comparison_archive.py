@@ -16,7 +16,7 @@ import shutil
 import time
 from pathlib import Path
 
-from tpgrpo.comparison import SUMMARY, discover
+from tpgrpo.comparison import ITER_FILES, SUMMARY, discover
 from tpgrpo.errors import PipelineError
 
 MARKER = "ARCHIVE.json"
@@ -72,3 +72,12 @@ def write_archive(root: Path, dest: Path) -> dict:
                   "files": len(files), "bytes": sum((tmp / rel).stat().st_size for rel in files)}
         (tmp / MARKER).write_text(json.dumps(record, indent=2, sort_keys=True) + "\n")
     return record
+
+
+def archived_iterations(folder: Path) -> int:
+    """Iterations 1..k of an archived run whose result files are all there (its policies are not kept, so
+    ``comparison.run_state`` would call every archived run new)."""
+    done = 0
+    while all((Path(folder) / "data" / "iters" / f"{done + 1:04d}" / f).is_file() for f in ITER_FILES):
+        done += 1
+    return done

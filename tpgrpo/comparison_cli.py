@@ -172,8 +172,12 @@ def status_command(out: OutOpt = Path("runs/compare")) -> None:
     runs = cmp.discover(out)
     if not runs:
         _fail(f"{out}: no run folders (*/seed*/run.json)")
+    from tpgrpo.comparison_archive import archived_iterations, is_archive
+
     for r in runs:
         state, done, planned = cmp.run_state(Path(r["folder"]))
+        if is_archive(out):
+            state, done = "archived", archived_iterations(Path(r["folder"]))
         typer.echo(f"{r['variant']}/seed{r['seed']}: {state} ({done}/{planned} iterations)")
 
 
