@@ -43,16 +43,20 @@ def main() -> None:
     import yaml
 
     from tpgrpo.compare import compare_tables
+    from tpgrpo.comparison import apply_overrides
     from tpgrpo.comparison_variants import parse_assignments
-    from tpgrpo.config import config_from_dict
+    from tpgrpo.config import ConfigError, config_from_dict
 
     if args.threads:
         torch.set_num_threads(args.threads)
-    raw = yaml.safe_load((args.run / "params.yaml").read_text())
-    for key, value in parse_assignments(args.sets, "--set").items():
-        section, _, name = key.partition(".")
-        raw[section][name] = value
-    cfg = config_from_dict(raw)
+    params = args.run / "params.yaml"
+    if not params.is_file():
+        raise SystemExit(f"error: --run {args.run}: no params.yaml there (expected a run folder)")
+    try:
+        cfg = config_from_dict(apply_overrides(yaml.safe_load(params.read_text()),
+                                               parse_assignments(args.sets, "--set"), "--set"))
+    except ConfigError as exc:
+        raise SystemExit(f"error: {exc}") from None
     iterations = sorted({0, *(int(i) for i in args.iterations.split(",") if i.strip())})
     out = args.out or Path(tempfile.mkdtemp(prefix="eval_at-"))
     out.mkdir(parents=True, exist_ok=True)

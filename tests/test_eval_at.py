@@ -48,3 +48,9 @@ def test_rescoring_under_the_runs_own_params_gives_the_eval_stages_tables(tiny_p
     assert not two_steps["eval_reward"].equals(base["eval_reward"]) or not two_steps["train_reward"].equals(
         base["train_reward"])
     assert "iteration   1: held-out" in res.stdout and "vs base" in res.stdout
+
+
+def test_a_misspelt_override_is_one_line_naming_the_key(tiny_project):
+    res = subprocess.run([sys.executable, str(REPO / "bench" / "eval_at.py"), "--run", str(tiny_project),
+                          "--set", "eval.num_stepz=10"], capture_output=True, text=True)
+    assert res.returncode != 0 and res.stderr.strip().count("\n") == 0 and "eval.num_stepz" in res.stderr

@@ -78,14 +78,13 @@ def write_manifests(root: Path) -> list[Path]:
     temporary file and renamed); returns them. A manifest's bytes change exactly when a file of its kind's
     code changes."""
     texts = {kind: json.dumps(manifest(root, kind), indent=1, sort_keys=True) + "\n" for kind in KIND_CODE}
+    from tpgrpo.artifacts import atomic_path
+
     written = []
     for kind, text in texts.items():
-        path = root / manifest_path(kind)
-        path.parent.mkdir(parents=True, exist_ok=True)
-        tmp = path.with_name(f".{path.name}.tmp")
-        tmp.write_text(text)
-        tmp.replace(path)
-        written.append(path)
+        with atomic_path(root / manifest_path(kind)) as tmp:
+            tmp.write_text(text)
+        written.append(root / manifest_path(kind))
     return written
 
 

@@ -61,16 +61,23 @@ def flatten(raw: dict, prefix: str = "") -> dict[str, Any]:
     return out
 
 
-def run_params(base: dict, variant: Variant, seed: int, iterations: int) -> dict:
-    """The run's params.yaml mapping: ``base`` with the overrides, credit.mode, train.seed and
-    train.iterations set; validated (a bad override is a one-line ConfigError naming the variant)."""
+def apply_overrides(base: dict, settings: dict[str, Any], what: str) -> dict:
+    """A deep copy of the params mapping ``base`` with ``{"section.key": value}`` set; a key params.yaml does
+    not have is a one-line ConfigError that starts with ``what``."""
     raw = json.loads(json.dumps(base))  # deep copy
-    settings = {**variant.overrides, "credit.mode": variant.mode, "train.seed": seed, "train.iterations": iterations}
     for dotted, value in settings.items():
         section, _, key = dotted.partition(".")
         if section not in raw or not isinstance(raw[section], dict) or key not in raw[section]:
-            raise ConfigError(f"variant {variant.name}: override {dotted!r}: no such key in params.yaml")
+            raise ConfigError(f"{what}: override {dotted!r}: no such key in params.yaml")
         raw[section][key] = value
+    return raw
+
+
+def run_params(base: dict, variant: Variant, seed: int, iterations: int) -> dict:
+    """The run's params.yaml mapping: ``base`` with the overrides, credit.mode, train.seed and
+    train.iterations set; validated (a bad override is a one-line ConfigError naming the variant)."""
+    settings = {**variant.overrides, "credit.mode": variant.mode, "train.seed": seed, "train.iterations": iterations}
+    raw = apply_overrides(base, settings, f"variant {variant.name}")
     try:
         config_from_dict(raw)
     except ConfigError as exc:

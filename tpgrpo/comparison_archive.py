@@ -23,7 +23,7 @@ MARKER = "ARCHIVE.json"
 ROOT_FILES = ("commands.txt", "equal_wall.json", "code/SNAPSHOT.json")
 RUN_FILES = ("run.json", "params.yaml", str(SUMMARY), "data/iters/baseline_eval.json",
              "data/iters/baseline_eval.parquet")
-ITERATION_FILES = ("rollout.json", "probe.json", "credit.json", "update.json", "eval.json", "eval.parquet")
+ITERATION_FILES = (*ITER_FILES, "probe.json")  # what finishes an iteration, and the probe log where there is one
 
 
 def is_archive(root: Path) -> bool:
