@@ -293,6 +293,20 @@ def test_report_writes_markdown_and_figures(tmp_path):
     assert "`make it`" in text and "200 bootstrap resamples" in text
 
 
+def test_report_says_when_the_eval_reward_has_no_strict_result(tmp_path):
+    from tpgrpo.comparison_report import section
+
+    jpeg = {"task.reward": "jpeg_compressibility", "task.eval_reward": "jpeg_compressibility"}
+    for mode in ("tp", "flow_grpo"):
+        for seed in (0, 1):  # rewards below 0.5 everywhere: no image is ever strictly right
+            fake_run(tmp_path / "cmp", mode, mode, seed, {0: noisy(0.2, 9), 2: noisy(0.3, seed)}, 2, overrides=jpeg)
+    text = "\n".join(section(tmp_path / "cmp", tmp_path / "fig", tmp_path, n_boot=50))
+    assert "training reward `jpeg_compressibility`, held-out reward `jpeg_compressibility`" in text
+    assert "the strict-accuracy columns below say nothing" in text
+    make_comparison(tmp_path / "geneval")  # some images strictly right: no such note
+    assert "say nothing" not in "\n".join(section(tmp_path / "geneval", tmp_path / "fig", tmp_path, n_boot=50))
+
+
 # ---- planning, folders and resume ----------------------------------------------------------------------------
 
 def test_equal_wall_iterations_round_up_to_an_evaluated_iteration():

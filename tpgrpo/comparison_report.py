@@ -254,8 +254,13 @@ def section(out: Path, fig_dir: Path, md_dir: Path, n_boot: int = N_BOOT) -> lis
     out = Path(out)
     tables, runs = collect(out, n_boot), discover(out)
     label = _label(out)
-    reward = runs[0]["params"]["task"]["reward"]
-    lines = [f"## `{out}`: training reward `{reward}`", ""]
+    task = runs[0]["params"]["task"]
+    lines = [f"## `{out}`: training reward `{task['reward']}`"
+             + (f", held-out reward `{task['eval_reward']}`" if task["eval_reward"] != "geneval" else ""), ""]
+    if not (tables["curves"]["strict_accuracy"].fillna(0) != 0).any():
+        # e.g. jpeg_compressibility: no strict result is defined, so every strict column would read 0
+        lines += [f"No held-out image of any run is strictly right under `{task['eval_reward']}` (it may define "
+                  "no strict result): the strict-accuracy columns below say nothing.", ""]
     commands = (out / "commands.txt").read_text().splitlines() if (out / "commands.txt").is_file() else []
     snap = out / "code" / "SNAPSHOT.json"
     snapshot = json.loads(snap.read_text()) if snap.is_file() else {}
