@@ -44,7 +44,8 @@ def main() -> None:
         a, b = split_pair(pair)
         d = paired_difference(side(args.out, a, seeds), side(args.out, b, seeds))
         print(f"{a} - {b}: {d['reward_a']:.4f} vs {d['reward_b']:.4f}: {d['reward_diff']:+.4f} "
-              f"[{d['reward_lo']:+.4f}, {d['reward_hi']:+.4f}]; per seed "
+              f"[{d['reward_lo']:+.4f}, {d['reward_hi']:+.4f}] over prompts, "
+              f"[{d['reward_seed_lo']:+.4f}, {d['reward_seed_hi']:+.4f}] over seeds and prompts; per seed "
               f"{', '.join(f'{x:+.4f}' for x in d['per_seed_reward_diff'])}; strict accuracy "
               f"{d['strict_diff']:+.4f} [{d['strict_lo']:+.4f}, {d['strict_hi']:+.4f}]")
 

@@ -109,6 +109,7 @@ def test_a_run_against_itself_is_exactly_zero(tmp_path):
     assert (d["reward_diff"], d["reward_lo"], d["reward_hi"]) == (0.0, 0.0, 0.0)
     assert (d["strict_diff"], d["strict_lo"], d["strict_hi"]) == (0.0, 0.0, 0.0)
     assert d["per_seed_reward_diff"] == [0.0, 0.0] and d["prompts"] == PROMPTS and d["images"] == PROMPTS * SAMPLES
+    assert (d["reward_seed_lo"], d["reward_seed_hi"]) == (0.0, 0.0)
 
 
 def test_seeds_are_pooled_per_image_before_the_bootstrap(tmp_path):
@@ -121,7 +122,30 @@ def test_seeds_are_pooled_per_image_before_the_bootstrap(tmp_path):
     # per image: mean over seeds 0.7 - 0.5 = 0.2 everywhere, so the interval has no width
     assert d["reward_diff"] == pytest.approx(0.2) and d["reward_lo"] == pytest.approx(0.2) == d["reward_hi"]
     assert d["per_seed_reward_diff"] == pytest.approx([0.1, 0.3])
+    # over seeds and prompts: a draw of seed 0 twice gives 0.1, of seed 1 twice 0.3 (each 1 in 4 draws)
+    assert d["reward_seed_lo"] == pytest.approx(0.1) and d["reward_seed_hi"] == pytest.approx(0.3)
     assert d["strict_diff"] == pytest.approx(1.0)  # both seeds strict (> 0.5) vs neither
+
+
+def test_a_seed_that_reverses_the_difference_widens_only_the_seed_interval(tmp_path):
+    base, n = noisy(0.3, 0), PROMPTS * SAMPLES
+    gains = (0.2, 0.2, -0.15)  # seed 2 goes the other way: every prompt agrees within a seed
+    a = [fake_run(tmp_path, "tp", "tp", s, {0: base, 1: 0.5 + g + noisy(0.0, s)}, 1) for s, g in enumerate(gains)]
+    b = [fake_run(tmp_path, "flow_grpo", "flow_grpo", s, {0: base, 1: 0.5 + noisy(0.0, s)}, 1) for s in range(3)]
+    d = paired_difference([(f, 1) for f in a], [(f, 1) for f in b], n_boot=2000)
+    assert d["reward_lo"] > 0.05  # over prompts alone the pooled gain looks certain
+    assert d["reward_seed_lo"] < 0 < d["reward_seed_hi"] and verdict(d["reward_seed_lo"], d["reward_seed_hi"]) \
+        == "not detectable"
+
+
+def test_the_seed_prompt_bootstrap_with_one_seed_is_the_prompt_bootstrap():
+    from tpgrpo.compare import paired_bootstrap, seed_prompt_bootstrap
+
+    rng = np.random.default_rng(3)
+    a, b, ids = rng.normal(0.5, 0.1, 40), rng.normal(0.45, 0.1, 40), np.repeat(np.arange(10), 4)
+    assert seed_prompt_bootstrap((a - b)[None], ids, n_boot=300) == pytest.approx(paired_bootstrap(a, b, ids, 300))
+    with pytest.raises(ValueError, match="diffs must be"):
+        seed_prompt_bootstrap(np.zeros((2, 39)), ids)
 
 
 def test_runs_scored_on_other_images_are_not_paired(tmp_path):

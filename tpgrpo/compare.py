@@ -57,6 +57,62 @@ def paired_bootstrap(a: Sequence[float], b: Sequence[float], prompt_ids: Sequenc
     return float(diff.mean()), float(lo), float(hi)
 
 
+def seed_prompt_bootstrap(diffs, prompt_ids: Sequence, n_boot: int = 10_000, seed: int = 0,
+                          level: float = 0.95) -> tuple[float, float, float]:
+    """Mean paired difference over training seeds and images, and a two-level bootstrap interval that
+    resamples the training seeds as well as the prompts (the prompt-only interval of
+    :func:`paired_bootstrap` leaves out how much another training seed would change the result).
+
+    Args:
+        diffs: (S, N) per training seed s (A's and B's runs of seed s) the per-image differences A - B,
+            column i the same (prompt, eval seed) in every row.
+        prompt_ids: (N,) the prompt of each column. A draw picks P prompts (drawn first, exactly as
+            ``paired_bootstrap`` draws them, so S = 1 gives its interval) and S seeds, with replacement,
+            and averages the chosen seeds' differences over all images of the chosen prompts.
+
+    Returns:
+        ``(mean_diff, lo, hi)``. With few seeds (3) the seed draw sees at most S distinct values: the
+        interval is then still too narrow for the spread between training seeds, not too wide.
+    """
+    d = np.asarray(diffs, dtype=np.float64)
+    ids = np.asarray(prompt_ids)
+    if d.ndim != 2 or d.shape[0] < 1 or d.shape[1] != len(ids) or len(ids) == 0:
+        raise ValueError(f"diffs must be (S, N) with N = len(prompt_ids) > 0, got {d.shape} and {ids.shape}")
+    if not np.isfinite(d).all():
+        raise ValueError("diffs must be finite (found NaN or inf)")
+    if n_boot < 1 or not 0.0 < level < 1.0:
+        raise ValueError(f"need n_boot >= 1 and 0 < level < 1, got n_boot={n_boot}, level={level}")
+    _, prompt = np.unique(ids, return_inverse=True)
+    n_prompts, n_seeds = prompt.max() + 1, d.shape[0]
+    sums = np.stack([np.bincount(prompt, weights=row, minlength=n_prompts) for row in d])  # (S, P)
+    counts = np.bincount(prompt, minlength=n_prompts).astype(np.float64)
+    rng = np.random.default_rng(seed)
+    prompt_draws = rng.integers(0, n_prompts, size=(n_boot, n_prompts))
+    seed_draws = rng.integers(0, n_seeds, size=(n_boot, n_seeds)) if n_seeds > 1 else np.zeros((n_boot, 1), int)
+    prompt_weights = np.stack([np.bincount(r, minlength=n_prompts) for r in prompt_draws]).astype(np.float64)
+    seed_weights = np.stack([np.bincount(r, minlength=n_seeds) for r in seed_draws]).astype(np.float64)
+    boot = ((seed_weights @ sums) * prompt_weights).sum(axis=1) / (n_seeds * (prompt_weights @ counts))
+    tail = (1.0 - level) / 2.0
+    lo, hi = np.quantile(boot, [tail, 1.0 - tail])
+    return float(d.mean()), float(lo), float(hi)
+
+
+def verdict(lo: float, hi: float, direction: int = 1) -> str:
+    """The claim "A beats B" (``direction`` +1) or "B beats A" (-1) from the interval of A - B:
+    confirmed if it excludes 0 on the claimed side, refuted if it excludes 0 on the other, else
+    not detectable. NaN bounds (no data) -> not run."""
+    if not (np.isfinite(lo) and np.isfinite(hi)):
+        return "not run"
+    if lo > hi:
+        raise ValueError(f"interval [{lo}, {hi}]: lower bound above upper bound")
+    lo, hi = (lo, hi) if direction > 0 else (-hi, -lo)
+    if lo > 0:
+        return "confirmed"
+    if hi < 0:
+        return "refuted"
+    return "not detectable"
+
+
 def read_eval_table(path: Path):
     """An eval stage's per-image table, checked: one-line ``PipelineError`` naming the file if it is not one."""
     import pandas as pd

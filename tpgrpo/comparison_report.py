@@ -80,10 +80,15 @@ def differences_figure(pairs: pd.DataFrame, path: Path, dpi: int = 100):
     ax = fig.subplots()
     ys = np.arange(len(rows))[::-1]
     diff, lo, hi = (rows[c].to_numpy(dtype=float) for c in ("reward_diff", "reward_lo", "reward_hi"))
-    ax.errorbar(diff, ys, xerr=[diff - lo, hi - diff], fmt="o", color="tab:blue", capsize=3)
+    seed_lo, seed_hi = (rows[c].to_numpy(dtype=float) for c in ("reward_seed_lo", "reward_seed_hi"))
+    ax.errorbar(diff, ys, xerr=[diff - seed_lo, seed_hi - diff], fmt="none", color="tab:orange", capsize=5,
+                linewidth=1.0, label="over seeds and prompts")
+    ax.errorbar(diff, ys, xerr=[diff - lo, hi - diff], fmt="o", color="tab:blue", capsize=3, linewidth=2.0,
+                label="over prompts")
+    ax.legend(fontsize=8, loc="best")
     ax.axvline(0.0, color="black", linewidth=0.8)
     ax.set_yticks(ys, labels=[pair_label(r) for _, r in rows.iterrows()], fontsize=8)
-    ax.set(xlabel=f"held-out reward difference A - B ({LEVEL:.0%} bootstrap interval over prompts)",
+    ax.set(xlabel=f"held-out reward difference A - B ({LEVEL:.0%} bootstrap intervals)",
            title="paired differences (seeds pooled per image)")
     ax.grid(alpha=0.3, axis="x")
     _save(fig, path)
@@ -173,23 +178,32 @@ def final_table(runs: list[dict], curves: pd.DataFrame) -> list[str]:
 
 def pairs_table(pairs: pd.DataFrame) -> list[str]:
     rows = [(r["set"], f"{r['a']} - {r['b']}", r["kind"], f"{r['iteration_a']} vs {r['iteration_b']}",
-             f"{r['seconds_a']:.0f} vs {r['seconds_b']:.0f}", r["seeds"], _ci(r), r["per_seed_reward_diff"],
-             _ci(r, "strict"))
+             f"{r['seconds_a']:.0f} vs {r['seconds_b']:.0f}", r["seeds"], _ci(r), _seed_ci(r),
+             r["per_seed_reward_diff"], _ci(r, "strict"))
             for _, r in pairs.iterrows() if np.isfinite(float(r["reward_diff"]))]
     return _table(("set", "A - B", "kind", "iterations", "train seconds", "seeds",
-                   f"reward diff [{LEVEL:.0%} CI]", "per seed", "strict accuracy diff [CI]"), rows)
+                   f"reward diff [{LEVEL:.0%} CI over prompts]", "[CI over seeds and prompts]", "per seed",
+                   "strict accuracy diff [CI over prompts]"), rows)
+
+
+def _seed_ci(row) -> str:
+    lo, hi = row.get("reward_seed_lo"), row.get("reward_seed_hi")
+    return "-" if lo is None or not np.isfinite(float(lo)) else f"[{float(lo):+.4f}, {float(hi):+.4f}]"
 
 
 def _claim_note(row) -> str:
+    only = row.get("verdict_prompts_only")
     parts = [f"per seed: {row['per_seed_reward_diff']}" if isinstance(row.get("per_seed_reward_diff"), str) else "",
+             f"over prompts only: {only}" if isinstance(only, str) and only != row["verdict"] else "",
              row.get("note") if isinstance(row.get("note"), str) else ""]
     return "; ".join(p for p in parts if p)
 
 
 def claims_table(claims: pd.DataFrame) -> list[str]:
-    rows = [(r["claim"], r["paper"], f"{r['a']} vs {r['b']} ({r['kind']})", _ci(r), f"**{r['verdict']}**",
-             _claim_note(r)) for _, r in claims.iterrows()]
-    return _table(("claim", "paper", "comparison", "held-out reward diff [CI]", "verdict", "note"), rows)
+    rows = [(r["claim"], r["paper"], f"{r['a']} vs {r['b']} ({r['kind']})", _ci(r), _seed_ci(r),
+             f"**{r['verdict']}**", _claim_note(r)) for _, r in claims.iterrows()]
+    return _table(("claim", "paper", "comparison", "held-out reward diff [CI over prompts]",
+                   "[CI over seeds and prompts]", "verdict", "note"), rows)
 
 
 def method_text(n_boot: int = N_BOOT) -> str:
@@ -200,8 +214,11 @@ def method_text(n_boot: int = N_BOOT) -> str:
   x eval seed; every run uses the same eval seeds) at the compared iteration; per image the mean over the
   training seeds of A minus that of B; the mean over images, and a {LEVEL:.0%} percentile interval from
   {n_boot:,} bootstrap resamples of whole prompts (each with all its eval seeds), `tpgrpo.compare.paired_bootstrap`.
-  The interval covers prompt and eval-noise sampling for these training seeds; the spread between training
-  seeds is shown beside it (the per-seed mean differences), not folded into it.
+  That interval covers prompt and eval-noise sampling for these training seeds only. A second interval,
+  **over seeds and prompts** (`tpgrpo.compare.seed_prompt_bootstrap`), resamples the training seeds too (seed
+  s of A paired with seed s of B) in each of the same prompt draws; the per-seed mean differences are shown
+  beside both. With 3 seeds the seed draw sees at most 3 values, so even this interval understates the
+  spread between training seeds; it does not overstate it.
 - **Iteration**: both at the last iteration evaluated in every run of both within the iteration budget.
   **Equal wall**: A at that iteration i, B (flow_grpo, given extra iterations by the equal-wall pass) at its
   evaluated iteration nearest i x (A's / B's mean training seconds per iteration over the budget, all seeds):
@@ -211,7 +228,8 @@ def method_text(n_boot: int = N_BOOT) -> str:
   process start-up left out), cumulated over iterations; measured while the runs shared the machine as the
   recorded command lines say (jobs x threads).
 - **Bands** in the curves: the line is the mean over training seeds, the band their minimum to maximum.
-- **Verdict** of a claim "A beats B" from the interval of A - B: *confirmed* if it excludes 0 on A's side,
+- **Verdict** of a claim "A beats B" from the interval of A - B over seeds and prompts (the prompt-only
+  interval's verdict is in the note where it differs): *confirmed* if it excludes 0 on A's side,
   *refuted* if it excludes 0 on B's side, else *not detectable*; *not run* where the runs are missing or the
   reference does not have the paper's setting.
 - **Best learning rate** (with a sweep): per mode the rate with the highest training reward (rollout mean

@@ -6,9 +6,10 @@ Paired difference of variant A against variant B (both scored on the same held-o
    compared iteration (one row per prompt x eval sample);
 2. pool the seeds: per (prompt, eval sample) the mean over training seeds (strict results as 0/1);
 3. ``tpgrpo.compare.paired_bootstrap`` of A - B: the mean over images, and a 95% percentile interval from
-   10,000 resamples of whole prompts (each with all its eval samples).
-The interval covers prompt and eval-noise sampling given these training seeds; the spread between
-training seeds is reported beside it (the per-seed mean differences), not folded into it.
+   10,000 resamples of whole prompts (each with all its eval samples): prompt and eval-noise sampling given
+   these training seeds;
+4. ``tpgrpo.compare.seed_prompt_bootstrap``: a second interval that resamples the training seeds too (seed
+   s of A paired with seed s of B), beside the per-seed mean differences. Verdicts use this one.
 """
 
 from __future__ import annotations
@@ -21,7 +22,7 @@ from typing import Sequence
 import numpy as np
 import pandas as pd
 
-from tpgrpo.compare import PAIR_KEYS, paired_bootstrap, read_eval_table
+from tpgrpo.compare import PAIR_KEYS, paired_bootstrap, read_eval_table, seed_prompt_bootstrap, verdict
 from tpgrpo.comparison import BASELINE_MODE, TRAIN_STAGES, discover, flatten, stage_seconds
 from tpgrpo.errors import PipelineError
 
@@ -120,28 +121,15 @@ def paired_difference(a_side: Sequence[tuple[Path, int]], b_side: Sequence[tuple
                                         n_boot=n_boot, seed=0, level=level)
         out.update({f"{name}_a": float(merged[f"{column}_a"].mean()), f"{name}_b": float(merged[f"{column}_b"].mean()),
                     f"{name}_diff": mean, f"{name}_lo": lo, f"{name}_hi": hi})
-    per_seed = []
-    for (fa, ia), (fb, ib) in zip(a_side, b_side):
-        ta, tb = pooled_scores([(fa, ia)]), pooled_scores([(fb, ib)])
-        per_seed.append(float(ta["eval_reward"].mean() - tb["eval_reward"].mean()))
-    out["per_seed_reward_diff"] = per_seed
+    per_image = []  # (S, N): seed i's A - B per image, in merged's row order
+    for side_a, side_b in zip(a_side, b_side):
+        pair = pooled_scores([side_a]).merge(pooled_scores([side_b]), on=PAIR_KEYS, suffixes=("_a", "_b"))
+        pair = merged[PAIR_KEYS].merge(pair, on=PAIR_KEYS, how="left", validate="one_to_one")
+        per_image.append((pair["eval_reward_a"] - pair["eval_reward_b"]).to_numpy())
+    out["per_seed_reward_diff"] = [float(d.mean()) for d in per_image]
+    _, out["reward_seed_lo"], out["reward_seed_hi"] = seed_prompt_bootstrap(
+        np.stack(per_image), merged["prompt_id"], n_boot=n_boot, seed=0, level=level)
     return out
-
-
-def verdict(lo: float, hi: float, direction: int = 1) -> str:
-    """The claim "A beats B" (``direction`` +1) or "B beats A" (-1) from the interval of A - B:
-    confirmed if it excludes 0 on the claimed side, refuted if it excludes 0 on the other, else
-    not detectable. NaN bounds (no data) -> not run."""
-    if not (np.isfinite(lo) and np.isfinite(hi)):
-        return "not run"
-    if lo > hi:
-        raise ValueError(f"interval [{lo}, {hi}]: lower bound above upper bound")
-    lo, hi = (lo, hi) if direction > 0 else (-hi, -lo)
-    if lo > 0:
-        return "confirmed"
-    if hi < 0:
-        return "refuted"
-    return "not detectable"
 
 
 @dataclass(frozen=True)
@@ -255,7 +243,8 @@ def compare_pair(pair: Pair, runs: dict, curves: pd.DataFrame, n_boot: int = N_B
     row = {"a": pair.a, "b": pair.b, "kind": pair.kind}
     sides = _sides(pair, runs, curves)
     if isinstance(sides, str):
-        return {**row, "reward_diff": np.nan, "reward_lo": np.nan, "reward_hi": np.nan, "note": sides}
+        return {**row, **dict.fromkeys(("reward_diff", "reward_lo", "reward_hi", "reward_seed_lo", "reward_seed_hi"),
+                                       np.nan), "note": sides}
     a, b, seeds = sides
     diff = paired_difference([x[:2] for x in a], [x[:2] for x in b], n_boot=n_boot)
     per_seed = diff.pop("per_seed_reward_diff")
@@ -341,9 +330,11 @@ def claim_row(claim: Claim, pairs: pd.DataFrame, runs: dict) -> dict:
     h = lookup(pairs, claim.pair)
     if h is None or not np.isfinite(h["reward_diff"]):
         return {**row, "verdict": "not run", "note": "not compared" if h is None else h["note"]}
-    return {**row, "reward_diff": h["reward_diff"], "reward_lo": h["reward_lo"], "reward_hi": h["reward_hi"],
-            "seeds": h["seeds"], "per_seed_reward_diff": h["per_seed_reward_diff"],
-            "verdict": verdict(h["reward_lo"], h["reward_hi"]),
+    keys = ("reward_diff", "reward_lo", "reward_hi", "reward_seed_lo", "reward_seed_hi", "seeds", "per_seed_reward_diff")
+    # the verdict is the interval over training seeds and prompts: over prompts alone, a difference one
+    # seed of three reverses can still look certain
+    return {**row, **{k: h[k] for k in keys}, "verdict": verdict(h["reward_seed_lo"], h["reward_seed_hi"]),
+            "verdict_prompts_only": verdict(h["reward_lo"], h["reward_hi"]),
             "note": f"only {int(h['prompts'])} held-out prompts: the interval is unreliable"
                     if h["prompts"] < MIN_PROMPTS else ""}
 
@@ -357,6 +348,7 @@ def lookup(pairs: pd.DataFrame, pair: Pair) -> dict | None:
             h = hit.iloc[0].to_dict()
             if sign < 0 and np.isfinite(h["reward_diff"]):
                 h.update(reward_diff=-h["reward_diff"], reward_lo=-h["reward_hi"], reward_hi=-h["reward_lo"],
+                         reward_seed_lo=-h["reward_seed_hi"], reward_seed_hi=-h["reward_seed_lo"],
                          per_seed_reward_diff=", ".join(f"{-float(d):+.4f}"
                                                         for d in h["per_seed_reward_diff"].split(",")))
             return h
