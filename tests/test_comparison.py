@@ -331,6 +331,22 @@ def test_report_says_when_the_eval_reward_has_no_strict_result(tmp_path):
     assert "say nothing" not in "\n".join(section(tmp_path / "geneval", tmp_path / "fig", tmp_path, n_boot=50))
 
 
+def test_equal_wall_passes_of_two_targets_are_both_recorded_and_reported(tmp_path):
+    from tpgrpo.comparison_report import section
+
+    make_comparison(tmp_path, extended=False)
+    (tmp_path / "equal_wall.json").write_text(json.dumps({"target": "old", "reference": "tp"}))  # older format
+    assert cmp.equal_wall_records(tmp_path) == [{"target": "old", "reference": "tp"}]
+    (tmp_path / "equal_wall.json").unlink()
+    first, _ = cmp.equal_wall_plan(tmp_path, "tp", "flow_grpo")
+    cmp.equal_wall_plan(tmp_path, "tp", "incremental")
+    cmp.equal_wall_plan(tmp_path, "tp", "flow_grpo")  # again: replaces its own record, keeps the other
+    records = cmp.equal_wall_records(tmp_path)
+    assert [r["target"] for r in records] == ["incremental", "flow_grpo"] and records[1] == first
+    text = "\n".join(section(tmp_path, tmp_path / "fig", tmp_path, n_boot=50))
+    assert text.count("Equal wall clock: tp took") == 2 and "so incremental ran" in text
+
+
 # ---- planning, folders and resume ----------------------------------------------------------------------------
 
 def test_equal_wall_iterations_round_up_to_an_evaluated_iteration():

@@ -9,7 +9,8 @@ Layout under the output root ``OUT``::
                               variant's overrides, credit.mode, train.seed), run.json (variant, mode, seed,
                               overrides, iteration budget), data/base and prompt files (hard links), the code
                               (hard links to OUT/code), run.log (every attempt appended)
-    OUT/equal_wall.json       the equal-wall-clock pass: measured seconds per iteration, iterations given
+    OUT/equal_wall.json       the equal-wall-clock passes, one record per target: measured seconds per
+                              iteration, iterations given
     OUT/commands.txt          the command lines that built OUT (the report quotes them)
 
 A variant is a credit mode plus param overrides (``tp``, ``tp-noise0.4``, ``flow_grpo-lr3e-4``). Resuming is
@@ -32,6 +33,7 @@ from typing import Any, Callable, Sequence
 
 import yaml
 
+from tpgrpo.artifacts import atomic_path
 from tpgrpo.comparison_variants import BASELINE_MODE, RunSpec, Variant
 from tpgrpo.config import ConfigError, config_from_dict
 from tpgrpo.errors import PipelineError
@@ -366,5 +368,17 @@ def equal_wall_plan(out: Path, reference: str = "tp", target: str = BASELINE_MOD
             params["train"]["iterations"] = iterations
             path.write_text(yaml.safe_dump(params, sort_keys=False))
         specs.append(spec_of(r))
-    (out / "equal_wall.json").write_text(json.dumps(record, indent=2, sort_keys=True) + "\n")
+    others = [r for r in equal_wall_records(out) if r["target"] != target]  # one record per target
+    with atomic_path(out / "equal_wall.json") as tmp:
+        tmp.write_text(json.dumps([*others, record], indent=2, sort_keys=True) + "\n")
     return record, specs
+
+
+def equal_wall_records(out: Path) -> list[dict]:
+    """The equal-wall passes recorded under OUT, one per target variant (an older single record is read
+    as a list of one); [] without a pass."""
+    path = Path(out) / "equal_wall.json"
+    if not path.is_file():
+        return []
+    data = json.loads(path.read_text())
+    return [data] if isinstance(data, dict) else list(data)

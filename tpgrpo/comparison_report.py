@@ -15,7 +15,7 @@ import numpy as np
 import pandas as pd
 
 from tpgrpo.artifacts import atomic_path
-from tpgrpo.comparison import discover
+from tpgrpo.comparison import discover, equal_wall_records
 from tpgrpo.comparison_archive import MARKER as ARCHIVE_MARKER
 from tpgrpo.comparison_results import LEVEL, N_BOOT, collect
 from tpgrpo.plots import _new_figure, _save
@@ -293,8 +293,7 @@ def section(out: Path, fig_dir: Path, md_dir: Path, n_boot: int = N_BOOT) -> lis
         lines += [f"Code: commit `{snapshot.get('commit', '?')[:12]}`"
                   + (f" with {changed} changed files" if changed else "")
                   + f", snapshot taken {snapshot.get('time', '?')}.", ""]
-    if (out / "equal_wall.json").is_file():
-        w = json.loads((out / "equal_wall.json").read_text())
+    for w in equal_wall_records(out):
         lines += [f"Equal wall clock: {w['reference']} took {w['reference_s_per_iter']} s per iteration, {w['target']} "
                   f"{w['target_s_per_iter']} s (ratio {w['ratio']}), so {w['target']} ran {w['iterations']} iterations "
                   f"instead of {w['budget']}." + (f" {w['note']}" if w.get("note") else ""), ""]
