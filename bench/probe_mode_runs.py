@@ -19,7 +19,7 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
-from tpgrpo.comparison_results import paired_difference, pooled_scores  # noqa: E402
+from tpgrpo.comparison_results import paired_difference, seed_scores  # noqa: E402
 
 STAGES = ("rollout", "probe", "credit", "update")
 
@@ -56,7 +56,7 @@ def main() -> None:
     print("|---|---|---|---|---|---|---|---|---|---|---|")
     for label, folders in runs.items():
         side = [(f, args.iteration) for f in folders]
-        per_seed = [pooled_scores([s])["eval_reward"].mean() for s in side]
+        per_seed = [seed_scores([s])[0]["eval_reward"].mean() for s in side]
         base = paired_difference(side, [(f, 0) for f in folders], n_boot=args.n_boot)
         ref = ""
         if args.reference and label != args.reference:

@@ -45,16 +45,13 @@ def paired_bootstrap(a: Sequence[float], b: Sequence[float], prompt_ids: Sequenc
                          f"{a.shape}, {b.shape}, {ids.shape}")
     if not (np.isfinite(a).all() and np.isfinite(b).all()):
         raise ValueError("a and b must be finite (found NaN or inf)")
-    if n_boot < 1 or not 0.0 < level < 1.0:
-        raise ValueError(f"need n_boot >= 1 and 0 < level < 1, got n_boot={n_boot}, level={level}")
-    diff = a - b
-    _, prompt = np.unique(ids, return_inverse=True)
-    sums, counts = np.bincount(prompt, weights=diff), np.bincount(prompt).astype(np.float64)
-    draws = np.random.default_rng(seed).integers(0, len(sums), size=(n_boot, len(sums)))
-    boot = sums[draws].sum(axis=1) / counts[draws].sum(axis=1)
-    tail = (1.0 - level) / 2.0
-    lo, hi = np.quantile(boot, [tail, 1.0 - tail])
-    return float(diff.mean()), float(lo), float(hi)
+    return seed_prompt_bootstrap((a - b)[None], ids, n_boot=n_boot, seed=seed, level=level)  # one "seed"
+
+
+def _draw_counts(draws: np.ndarray, n: int) -> np.ndarray:
+    """(B, K) indices in [0, n) -> (B, n) float counts: how often each index was drawn in each row."""
+    offsets = draws + n * np.arange(len(draws))[:, None]
+    return np.bincount(offsets.ravel(), minlength=n * len(draws)).reshape(len(draws), n).astype(np.float64)
 
 
 def seed_prompt_bootstrap(diffs, prompt_ids: Sequence, n_boot: int = 10_000, seed: int = 0,
@@ -89,8 +86,7 @@ def seed_prompt_bootstrap(diffs, prompt_ids: Sequence, n_boot: int = 10_000, see
     rng = np.random.default_rng(seed)
     prompt_draws = rng.integers(0, n_prompts, size=(n_boot, n_prompts))
     seed_draws = rng.integers(0, n_seeds, size=(n_boot, n_seeds)) if n_seeds > 1 else np.zeros((n_boot, 1), int)
-    prompt_weights = np.stack([np.bincount(r, minlength=n_prompts) for r in prompt_draws]).astype(np.float64)
-    seed_weights = np.stack([np.bincount(r, minlength=n_seeds) for r in seed_draws]).astype(np.float64)
+    prompt_weights, seed_weights = _draw_counts(prompt_draws, n_prompts), _draw_counts(seed_draws, n_seeds)
     boot = ((seed_weights @ sums) * prompt_weights).sum(axis=1) / (n_seeds * (prompt_weights @ counts))
     tail = (1.0 - level) / 2.0
     lo, hi = np.quantile(boot, [tail, 1.0 - tail])

@@ -174,9 +174,10 @@ def status_command(out: OutOpt = Path("runs/compare")) -> None:
         _fail(f"{out}: no run folders (*/seed*/run.json)")
     from tpgrpo.comparison_archive import archived_iterations, is_archive
 
+    archive = is_archive(out)
     for r in runs:
         state, done, planned = cmp.run_state(Path(r["folder"]))
-        if is_archive(out):
+        if archive:  # no policies kept: run_state would call every run new
             state, done = "archived", archived_iterations(Path(r["folder"]))
         typer.echo(f"{r['variant']}/seed{r['seed']}: {state} ({done}/{planned} iterations)")
 

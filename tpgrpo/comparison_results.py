@@ -88,9 +88,9 @@ def eval_table_path(folder: Path, iteration: int) -> Path:
     return Path(folder) / "data" / "iters" / f"{iteration:04d}" / "eval.parquet"
 
 
-def pooled_scores(side: Sequence[tuple[Path, int]]) -> pd.DataFrame:
-    """Per (prompt_id, sample, seed) the mean over the given runs (folder, iteration) of eval_reward and
-    eval_strict (0/1); the runs must share their images (same eval params), else a one-line error."""
+def seed_scores(side: Sequence[tuple[Path, int]]) -> list[pd.DataFrame]:
+    """Each run's (folder, iteration) per-image scores (PAIR_KEYS, eval_reward, eval_strict as 0/1), read
+    once and sorted by PAIR_KEYS; the runs must share their images (same eval params), else a one-line error."""
     frames, keys = [], None
     for folder, iteration in side:
         path = eval_table_path(folder, iteration)
@@ -102,7 +102,14 @@ def pooled_scores(side: Sequence[tuple[Path, int]]) -> pd.DataFrame:
             raise PipelineError(f"{path}: other held-out images than the runs it is pooled with "
                                 "(compare runs evaluated with the same eval params)")
         keys = these
-        frames.append(t[[*PAIR_KEYS, *SCORES.values()]].astype({"eval_strict": float}))
+        t = t[[*PAIR_KEYS, *SCORES.values()]].astype({"eval_strict": float})
+        frames.append(t.sort_values(PAIR_KEYS, ignore_index=True))
+    return frames
+
+
+def pooled_scores(frames: Sequence[pd.DataFrame]) -> pd.DataFrame:
+    """Per (prompt_id, sample, seed) the mean over runs (their :func:`seed_scores`) of eval_reward and
+    eval_strict (0/1)."""
     return pd.concat(frames).groupby(PAIR_KEYS, sort=True)[list(SCORES.values())].mean().reset_index()
 
 
@@ -111,7 +118,8 @@ def paired_difference(a_side: Sequence[tuple[Path, int]], b_side: Sequence[tuple
     """A - B on the pooled per-image scores (see the module docstring): for reward and strict accuracy
     the mean difference and its bootstrap interval, plus the per-seed mean differences (side i pairs with
     side i: same training seed)."""
-    a, b = pooled_scores(a_side), pooled_scores(b_side)
+    seeds_a, seeds_b = seed_scores(a_side), seed_scores(b_side)
+    a, b = pooled_scores(seeds_a), pooled_scores(seeds_b)
     merged = a.merge(b, on=PAIR_KEYS, suffixes=("_a", "_b"), validate="one_to_one")
     if len(merged) != len(a) or len(merged) != len(b):
         raise PipelineError("the compared runs were evaluated on different held-out images (eval params differ)")
@@ -122,8 +130,8 @@ def paired_difference(a_side: Sequence[tuple[Path, int]], b_side: Sequence[tuple
         out.update({f"{name}_a": float(merged[f"{column}_a"].mean()), f"{name}_b": float(merged[f"{column}_b"].mean()),
                     f"{name}_diff": mean, f"{name}_lo": lo, f"{name}_hi": hi})
     per_image = []  # (S, N): seed i's A - B per image, in merged's row order
-    for side_a, side_b in zip(a_side, b_side):
-        pair = pooled_scores([side_a]).merge(pooled_scores([side_b]), on=PAIR_KEYS, suffixes=("_a", "_b"))
+    for ta, tb in zip(seeds_a, seeds_b):
+        pair = ta.merge(tb, on=PAIR_KEYS, suffixes=("_a", "_b"))
         pair = merged[PAIR_KEYS].merge(pair, on=PAIR_KEYS, how="left", validate="one_to_one")
         per_image.append((pair["eval_reward_a"] - pair["eval_reward_b"]).to_numpy())
     out["per_seed_reward_diff"] = [float(d.mean()) for d in per_image]
