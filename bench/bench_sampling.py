@@ -35,7 +35,7 @@ def main() -> None:
 
     import torch
 
-    from tpgrpo.generate import sample_ode
+    from tpgrpo.policy.generate import sample_ode
 
     if args.threads:
         torch.set_num_threads(args.threads)

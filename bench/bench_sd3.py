@@ -89,10 +89,10 @@ def timed(device: str, fn):
 def run_phases(backend, args) -> dict:
     """Seconds per trajectory and peak memory of rollout, probe and update on ``args.trajectories``."""
     from tpgrpo.config import Config, SamplingConfig, UpdateConfig
-    from tpgrpo.policy import attach_lora
-    from tpgrpo.schedule import flow_sigmas
-    from tpgrpo.trajectory import SamplerSpec, complete_window_states, rollout
-    from tpgrpo.update import TransitionBatch, make_optimizer, update_policy
+    from tpgrpo.policy.lora import attach_lora
+    from tpgrpo.algo.schedule import flow_sigmas
+    from tpgrpo.algo.trajectory import SamplerSpec, complete_window_states, rollout
+    from tpgrpo.policy.update import TransitionBatch, make_optimizer, update_policy
 
     n, T, K = args.trajectories, args.steps, args.window
     sampling = SamplingConfig(num_steps=T, shift=3.0, guidance_scale=4.5, step_kind="sde", noise_level=0.7,

@@ -4,7 +4,7 @@ seconds; this pairs by iteration, e.g. tp at its budget against flow_grpo at its
 Usage: ``python bench/compare_points.py [--out runs/compare] [--pair tp@12-flow_grpo@30 ...] [--seeds 0,1,2]``;
 a side may name another root (``runs/compare_long/tp@36``). Same seeds on
 both sides, pooled per image over the seeds, 10,000 bootstrap resamples of prompts
-(``tpgrpo.comparison_results.paired_difference``); iteration 0 is the base model.
+(``tpgrpo.comparison.results.paired_difference``); iteration 0 is the base model.
 """
 
 from __future__ import annotations
@@ -13,7 +13,7 @@ import argparse
 import re
 from pathlib import Path
 
-from tpgrpo.comparison_results import paired_difference
+from tpgrpo.comparison.results import paired_difference
 
 DEFAULT = ("tp@12-flow_grpo@30", "flow_grpo@30-flow_grpo@12", "flow_grpo@30-flow_grpo@0")
 

@@ -69,9 +69,9 @@ def measure(folder: Path, threads: int, pure_yaml: bool = False) -> dict:
     env = dict(os.environ, PYTHONPATH=str(folder), OMP_NUM_THREADS=str(threads), DVC_NO_ANALYTICS="1",
                BENCH_PURE_YAML="1" if pure_yaml else "")
     env["PATH"] = str(Path(sys.executable).parent) + os.pathsep + env["PATH"]
-    code = ("import sys, subprocess, yaml; from pathlib import Path; from tpgrpo import stage_server; "
-            "from tpgrpo.config import load_config; from tpgrpo.dvcfile import write_dvc_yaml; "
-            "from tpgrpo.sealing import dvc_env; root = Path('.').resolve(); cfg = load_config('params.yaml'); "
+    code = ("import sys, subprocess, yaml; from pathlib import Path; from tpgrpo.pipeline import stage_server; "
+            "from tpgrpo.config import load_config; from tpgrpo.pipeline.dvcfile import write_dvc_yaml; "
+            "from tpgrpo.pipeline.sealing import dvc_env; root = Path('.').resolve(); cfg = load_config('params.yaml'); "
             "write_dvc_yaml(cfg, root)\n"
             "with stage_server.running(root, stage_server.wanted(cfg)) as senv:\n"
             "    sys.exit(subprocess.run([sys.executable, '-c', sys.argv[1]], env={**dvc_env(), **senv}).returncode)")

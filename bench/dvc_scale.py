@@ -36,8 +36,8 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
 from tpgrpo.config import load_config  # noqa: E402
-from tpgrpo.sealing import dvc_env, seal_finished  # noqa: E402
-from tpgrpo.seals import read_lock, write_lock  # noqa: E402
+from tpgrpo.pipeline.sealing import dvc_env, seal_finished  # noqa: E402
+from tpgrpo.pipeline.blocks import read_lock, write_lock  # noqa: E402
 
 STEMS = ("rollout", "probe", "credit", "update", "eval")
 

@@ -5,7 +5,7 @@ samples with sampling.num_steps (10). This asks whether what RL taught the polic
 sampler: ``python bench/eval_at.py --run runs/compare/tp/seed0 --iterations 0,6,12 --set eval.num_steps=10``.
 Per iteration (0 = the base model) it writes the per-image table ``OUT/iter_NNNN.parquet`` (the eval stage's
 columns) and prints the mean held-out reward and strict accuracy and the paired difference against the base
-model under the same params (10,000 bootstrap resamples of prompts, ``tpgrpo.compare.compare_tables``).
+model under the same params (10,000 bootstrap resamples of prompts, ``tpgrpo.comparison.stats.compare_tables``).
 Nothing in the run folder is written. Threads: set OMP_NUM_THREADS / --threads.
 """
 
@@ -23,7 +23,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 def scored_table(cfg, root: Path, iteration: int):
     """Per-image eval table of policy ``iteration`` (0: the base model) under ``cfg``'s eval params."""
     from stages.eval import eval_images, policy_to_score
-    from tpgrpo.pipeline import load_policy
+    from tpgrpo.stage_common import load_policy
 
     backend = load_policy(cfg, root, 1) if iteration == 0 else policy_to_score(cfg, root, iteration)[0]
     with tempfile.TemporaryDirectory() as tmp:  # chunk part files: never inside the run folder
@@ -42,9 +42,9 @@ def main() -> None:
     import torch
     import yaml
 
-    from tpgrpo.compare import compare_tables
-    from tpgrpo.comparison import apply_overrides
-    from tpgrpo.comparison_variants import parse_assignments
+    from tpgrpo.comparison.stats import compare_tables
+    from tpgrpo.comparison.runs import apply_overrides
+    from tpgrpo.comparison.variants import parse_assignments
     from tpgrpo.config import ConfigError, config_from_dict
 
     if args.threads:

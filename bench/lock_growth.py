@@ -39,7 +39,7 @@ sys.path.insert(0, str(BENCH))
 
 from dvc_scale import STEMS, renumbered, train_one  # noqa: E402
 
-from tpgrpo.seals import read_lock  # noqa: E402
+from tpgrpo.pipeline.blocks import read_lock  # noqa: E402
 
 
 def iteration_entries(src: dict, i: int, policy: dict) -> dict[str, dict]:

@@ -5,7 +5,7 @@ Usage: ``python bench/probe_mode_runs.py LABEL=RUN_FOLDER,RUN_FOLDER,... [...] [
 the same seed order for every label (seed i pairs with seed i). Prints, per label, the held-out reward at
 ``--iteration`` per seed and pooled over seeds, its paired difference against the base model and against
 ``--reference`` (mean over seeds per image, 95% bootstrap interval over prompts,
-``tpgrpo.comparison_results.paired_difference``), and the per-iteration seconds of rollout, probe, credit and
+``tpgrpo.comparison.results.paired_difference``), and the per-iteration seconds of rollout, probe, credit and
 update (each stage's own ``wall_seconds``, mean over iterations and seeds).
 """
 
@@ -19,7 +19,7 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
-from tpgrpo.comparison_results import paired_difference, seed_scores  # noqa: E402
+from tpgrpo.comparison.results import paired_difference, seed_scores  # noqa: E402
 
 STAGES = ("rollout", "probe", "credit", "update")
 

@@ -113,7 +113,7 @@ def extra_evaluations(results: dict, folders: dict, eval_seeds: list[int]) -> No
     sys.path.insert(0, str(REPO))
     from stages.eval import evaluate
     from tpgrpo.config import load_config
-    from tpgrpo.pipeline import load_policy
+    from tpgrpo.stage_common import load_policy
 
     scratch = Path(tempfile.mkdtemp()) / "eval.json"  # where evaluate() keeps its part files
     base: dict[int, float] = {}

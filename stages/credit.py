@@ -14,12 +14,12 @@ import numpy as np
 import pandas as pd
 import torch
 
-from tpgrpo.advantages import group_advantages
-from tpgrpo.artifacts import IterationPaths, read_table, read_trajectories, write_json, write_table
+from tpgrpo.algo.advantages import group_advantages
+from tpgrpo.io.artifacts import IterationPaths, read_table, read_trajectories, write_json, write_table
 from tpgrpo.config import Config
-from tpgrpo.credit import compute_credit
-from tpgrpo.pipeline import check_finite, provenance, stopwatch
-from tpgrpo.schemas import CREDIT, PROBE
+from tpgrpo.algo.credit import compute_credit
+from tpgrpo.stage_common import check_finite, provenance, stopwatch
+from tpgrpo.io.schemas import CREDIT, PROBE
 
 
 def final_reward_table(paths: IterationPaths):

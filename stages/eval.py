@@ -3,7 +3,7 @@
 The same seeds are used at every iteration (and for the base model), so curves compare paired samples.
 Writes ``eval.json``: mean reward and strict accuracy under the eval reward, and the training reward, and
 ``eval.parquet``: per image (prompt_id, prompt, sample, seed) its reward and strict result under both, so
-two runs on the same eval params compare image by image (``tpgrpo.compare``). An iteration that is not
+two runs on the same eval params compare image by image (``tpgrpo.comparison.stats``). An iteration that is not
 evaluated (``eval.every``) writes the table with no rows.
 With ``update.ema`` the policy scored is the EMA of the LoRA weights (``weights: ema``), else the adapter.
 """
@@ -14,12 +14,12 @@ from pathlib import Path
 
 import numpy as np
 
-from tpgrpo.artifacts import IterationPaths, require, write_json, write_parquet
-from tpgrpo.compare import EVAL_TABLE_COLUMNS
+from tpgrpo.io.artifacts import IterationPaths, require, write_json, write_parquet
+from tpgrpo.comparison.stats import EVAL_TABLE_COLUMNS
 from tpgrpo.config import Config
-from tpgrpo.distributed import chunk_bar, current, group_chunks, run_chunks, warn_if_idle
+from tpgrpo.pipeline.distributed import chunk_bar, current, group_chunks, run_chunks, warn_if_idle
 from tpgrpo.errors import PipelineError
-from tpgrpo.pipeline import check_finite, load_policy, provenance, resolve, stopwatch
+from tpgrpo.stage_common import check_finite, load_policy, provenance, resolve, stopwatch
 
 EVAL_TABLE = "eval.parquet"  # beside eval.json: one row per (held-out prompt, eval seed)
 BASELINE_TABLE = "baseline_eval.parquet"  # beside baseline_eval.json, the same rows for the base model
@@ -36,7 +36,7 @@ def eval_images(cfg: Config, root: Path, backend, label: str, artifact: Path):
     """
     import pandas as pd
 
-    from tpgrpo.generate import evaluation_seeds, sample_ode
+    from tpgrpo.policy.generate import evaluation_seeds, sample_ode
     from tpgrpo.tasks.prompts import load_prompts
     from tpgrpo.tasks.rewards import build_reward
 
@@ -107,8 +107,8 @@ def policy_to_score(cfg: Config, root: Path, iteration: int) -> tuple[object, st
     With ``update.ema`` the EMA of the LoRA weights (``policy/ema``, spec section 7) replaces the raw
     adapter, as ``tpgrpo export --ema`` hands out; a policy without it is a one-line error.
     """
-    from tpgrpo.export import EMA_FOLDER
-    from tpgrpo.policy import WEIGHTS_FILE, load_lora_weights, read_adapter_weights
+    from tpgrpo.policy.export import EMA_FOLDER
+    from tpgrpo.policy.lora import WEIGHTS_FILE, load_lora_weights, read_adapter_weights
 
     if not cfg.update.ema:
         return load_policy(cfg, root, iteration + 1), "adapter"

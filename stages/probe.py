@@ -2,7 +2,7 @@
 
 Writes ``probe.parquet``: one row per (trajectory, step), step 0..K; the row with step K holds the
 rollout's final reward (that state was completed by the rollout itself and is not scored twice). The
-Parquet metadata key ``tpgrpo.completion`` names the mode that made the table (``tpgrpo.probe_modes``):
+Parquet metadata key ``tpgrpo.completion`` names the mode that made the table (``tpgrpo.algo.probe_modes``):
 ``exact`` / ``ode:M`` complete each state with the model, ``x0`` scores the rollout's one-step estimates
 (decodes and reward calls only). With ``credit.mode: flow_grpo`` dvc.yaml has no probe stage at all: that
 credit needs only R_fin, which the credit stage reads from the rollout.
@@ -15,14 +15,14 @@ from pathlib import Path
 import numpy as np
 import pandas as pd
 
-from tpgrpo.artifacts import IterationPaths, read_trajectories, write_json, write_table
+from tpgrpo.io.artifacts import IterationPaths, read_trajectories, write_json, write_table
 from tpgrpo.config import Config
-from tpgrpo.distributed import chunk_bar, current, group_chunks, local_device, run_chunks, warn_if_idle
+from tpgrpo.pipeline.distributed import chunk_bar, current, group_chunks, local_device, run_chunks, warn_if_idle
 from tpgrpo.errors import PipelineError
 from tpgrpo.models import load_backend  # light: the backends import torch and diffusers when one loads
-from tpgrpo.pipeline import check_finite, load_policy, prompt_embeddings, provenance, resolve, stopwatch
-from tpgrpo.probe_modes import Completion, parse_completion
-from tpgrpo.schemas import PROBE, PROBE_COMPLETION_KEY
+from tpgrpo.stage_common import check_finite, load_policy, prompt_embeddings, provenance, resolve, stopwatch
+from tpgrpo.algo.probe_modes import Completion, parse_completion
+from tpgrpo.io.schemas import PROBE, PROBE_COMPLETION_KEY
 
 
 def completion_of(cfg: Config) -> Completion:
@@ -62,7 +62,7 @@ def _score_states(cfg: Config, iteration: int, root: Path, arrays: dict, attrs: 
     import torch
 
     from tpgrpo.tasks.rewards import build_reward
-    from tpgrpo.trajectory import complete_window_states
+    from tpgrpo.algo.trajectory import complete_window_states
 
     dist = current()
     metas = attrs["prompts"]

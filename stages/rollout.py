@@ -2,7 +2,7 @@
 
 Writes ``trajectories.zarr`` (states around the SDE window, old log-probs, sigmas, seeds, final
 rewards, and with ``probe.completion: x0`` each window state's one-step estimate ``z_k - s_k v_k``, which
-that probe scores; schema ``tpgrpo.schemas.TRAJECTORY_ARRAYS``, dimensions and meanings in the
+that probe scores; schema ``tpgrpo.io.schemas.TRAJECTORY_ARRAYS``, dimensions and meanings in the
 attributes) and ``rollout.json`` (metrics).
 """
 
@@ -13,14 +13,14 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from tpgrpo.artifacts import IterationPaths, write_json, write_zarr
+from tpgrpo.io.artifacts import IterationPaths, write_json, write_zarr
 from tpgrpo.config import Config
-from tpgrpo.distributed import chunk_bar, current, group_chunks, run_chunks, warn_if_idle
-from tpgrpo.pipeline import (check_finite, load_policy, prompt_embeddings, provenance, sampler_spec, select_prompts,
+from tpgrpo.pipeline.distributed import chunk_bar, current, group_chunks, run_chunks, warn_if_idle
+from tpgrpo.stage_common import (check_finite, load_policy, prompt_embeddings, provenance, sampler_spec, select_prompts,
                              stopwatch)
-from tpgrpo.seeds import sample_seed
+from tpgrpo.algo.seeds import sample_seed
 from tpgrpo.tasks.rewards import build_reward
-from tpgrpo.trajectory import rollout
+from tpgrpo.algo.trajectory import rollout
 
 def run(cfg: Config, iteration: int, root: Path) -> dict:
     paths = IterationPaths(root, iteration)

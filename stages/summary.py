@@ -4,7 +4,7 @@ Writes under ``data/metrics/``: ``history.csv`` (one row per iteration of every 
 model is iteration 0), ``eval_curve.csv`` (base + every evaluated iteration), ``train_curve.csv`` (one row
 per iteration) and ``summary.json`` (the dozen numbers a user scans) and, as the run's DVC metrics, the same as a small
 quantity x (base, latest, best) table (:data:`GLANCE`), then the
-figures in ``data/reports/`` (:mod:`tpgrpo.figures`, also ``tpgrpo plot``).
+figures in ``data/reports/`` (:mod:`tpgrpo.reports.figures`, also ``tpgrpo plot``).
 """
 
 from __future__ import annotations
@@ -14,11 +14,11 @@ from pathlib import Path
 
 import pandas as pd
 
-from tpgrpo.artifacts import IterationPaths, atomic_path, read_json, write_json
+from tpgrpo.io.artifacts import IterationPaths, atomic_path, read_json, write_json
 from tpgrpo.config import Config
-from tpgrpo.dvcfile import GLANCE
-from tpgrpo.figures import make_figures
-from tpgrpo.pipeline import stopwatch
+from tpgrpo.pipeline.dvcfile import GLANCE
+from tpgrpo.reports.figures import make_figures
+from tpgrpo.stage_common import stopwatch
 
 COLUMNS = {
     "rollout": ["mean_reward", "strict_accuracy", "wall_seconds", "forward_passes"],

@@ -14,14 +14,14 @@ import numpy as np
 import torch
 from tqdm import tqdm
 
-from tpgrpo.artifacts import IterationPaths, read_table, read_trajectories, require, write_json
+from tpgrpo.io.artifacts import IterationPaths, read_table, read_trajectories, require, write_json
 from tpgrpo.config import Config, UpdateConfig
-from tpgrpo.distributed import current
-from tpgrpo.pipeline import load_policy, prompt_embeddings, sampling_from_attrs, stopwatch
-from tpgrpo.policy import LoraEMA
-from tpgrpo.schemas import CREDIT
-from tpgrpo.seeds import sample_seed
-from tpgrpo.update import TransitionBatch, load_training_state, make_optimizer, save_policy, update_policy
+from tpgrpo.pipeline.distributed import current
+from tpgrpo.stage_common import load_policy, prompt_embeddings, sampling_from_attrs, stopwatch
+from tpgrpo.policy.lora import LoraEMA
+from tpgrpo.io.schemas import CREDIT
+from tpgrpo.algo.seeds import sample_seed
+from tpgrpo.policy.update import TransitionBatch, load_training_state, make_optimizer, save_policy, update_policy
 
 
 def advantage_matrix(credit, n: int, k: int) -> torch.Tensor:
@@ -40,7 +40,7 @@ def _tick(bar, done: int, total: int) -> None:
 def train_epochs(update_pass, cfg: Config, iteration: int, bar) -> dict:
     """``update.epochs`` passes over the iteration's transitions, each reshuffled with its own seed and
     taking ``optimizer_steps_per_iter / epochs`` optimizer steps; ``update_pass(update_cfg, seed, progress)``
-    runs one pass (``tpgrpo.update.update_policy``) and returns its metrics.
+    runs one pass (``tpgrpo.policy.update.update_policy``) and returns its metrics.
 
     Metrics: the first pass's (its first-pass ratio check is the one on fresh data), with ``approx_kl``,
     ``clip_fraction``, ``policy_loss`` and ``grad_norm`` averaged over the passes (later passes show how far

@@ -1,7 +1,7 @@
 """Plain-loop reference of spec sections 5-6, for tests only.
 
 Written straight from the spec's sentences, one trajectory (and one group) at a time, on Python
-floats and lists; it deliberately shares no code with ``tpgrpo.credit`` / ``tpgrpo.advantages``.
+floats and lists; it deliberately shares no code with ``tpgrpo.algo.credit`` / ``tpgrpo.algo.advantages``.
 """
 
 from __future__ import annotations

@@ -7,8 +7,8 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from tpgrpo.advantages import group_advantages, informative_samples
-from tpgrpo.credit import compute_credit
+from tpgrpo.algo.advantages import group_advantages, informative_samples
+from tpgrpo.algo.credit import compute_credit
 
 try:  # works whether or not tests/ is a package
     from tests.credit_reference import reference_advantages

@@ -147,8 +147,8 @@ def probe_frame(n: int = 4, k1: int = 3) -> pd.DataFrame:
 
 def test_tables_round_trip_in_their_declared_form(tmp_path):
     """What a user saves with pandas in another row order or float width reads back canonical."""
-    from tpgrpo.artifacts import read_table, write_table
-    from tpgrpo.schemas import PROBE
+    from tpgrpo.io.artifacts import read_table, write_table
+    from tpgrpo.io.schemas import PROBE
 
     frame = probe_frame()
     write_table(tmp_path / "probe.parquet", frame, PROBE, {"stage": "probe"}, trajectories=4, steps=3)
@@ -168,8 +168,8 @@ def test_tables_round_trip_in_their_declared_form(tmp_path):
     (lambda f: f.assign(prompt_id=f.prompt_id.where(f.index != 0, None)), "column 'prompt_id' has 1 missing"),
 ])
 def test_writing_a_table_off_its_schema_is_refused_and_writes_nothing(tmp_path, change, words):
-    from tpgrpo.artifacts import write_table
-    from tpgrpo.schemas import PROBE, ArtifactError
+    from tpgrpo.io.artifacts import write_table
+    from tpgrpo.io.schemas import PROBE, ArtifactError
 
     with pytest.raises(ArtifactError) as err:
         write_table(tmp_path / "probe.parquet", change(probe_frame()), PROBE, {}, trajectories=4, steps=3)
@@ -190,8 +190,8 @@ def trajectory_arrays(n: int = 4, k: int = 2) -> tuple[dict, dict]:
 def test_trajectory_store_is_written_in_declared_dtypes_and_read_back_checked(tmp_path):
     import zarr
 
-    from tpgrpo.artifacts import read_trajectories, write_zarr
-    from tpgrpo.schemas import TRAJECTORY_ARRAYS
+    from tpgrpo.io.artifacts import read_trajectories, write_zarr
+    from tpgrpo.io.schemas import TRAJECTORY_ARRAYS
 
     arrays, attrs = trajectory_arrays()
     write_zarr(tmp_path / "trajectories.zarr", arrays, attrs)  # prompt_index / sample given as int64
@@ -215,8 +215,8 @@ def test_trajectory_store_is_written_in_declared_dtypes_and_read_back_checked(tm
     (lambda a, t: a.update(final_reward=np.full(4, np.inf)), "'final_reward' has 4 non-finite"),
 ])
 def test_bad_trajectory_stores_are_refused_on_write(tmp_path, change, words):
-    from tpgrpo.artifacts import write_zarr
-    from tpgrpo.schemas import ArtifactError
+    from tpgrpo.io.artifacts import write_zarr
+    from tpgrpo.io.schemas import ArtifactError
 
     arrays, attrs = trajectory_arrays()
     change(arrays, attrs)
@@ -231,8 +231,8 @@ def test_prompt_embeddings_file_is_checked(tmp_path):
 
     import torch
 
-    from tpgrpo.artifacts import read_embeddings, write_embeddings
-    from tpgrpo.schemas import ArtifactError
+    from tpgrpo.io.artifacts import read_embeddings, write_embeddings
+    from tpgrpo.io.schemas import ArtifactError
 
     key = {"prompts": json.dumps(["a", "b"]), "model": "h"}
     tensors = {"embeds": torch.ones(2, 5, 8), "uncond_embeds": torch.zeros(1, 5, 8)}

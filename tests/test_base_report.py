@@ -6,7 +6,7 @@ import json
 
 from PIL import Image
 
-from tpgrpo.base_report import write_base_report
+from tpgrpo.reports.base_report import write_base_report
 from tpgrpo.config import load_config
 
 

@@ -32,10 +32,10 @@ def write_model_artifacts(out: Path, prompts: list[str]) -> None:
 
     import torch
 
-    from tpgrpo import policy
-    from tpgrpo.artifacts import write_embeddings
+    from tpgrpo.policy import lora as policy
+    from tpgrpo.io.artifacts import write_embeddings
     from tpgrpo.models.tiny import TinyConfig, build_tiny
-    from tpgrpo.update import save_policy
+    from tpgrpo.policy.update import save_policy
 
     torch.set_num_threads(1)
     tiny = TinyConfig(image_size=16, patch_size=4, num_layers=2, num_heads=2, head_dim=8, text_layers=1,
@@ -66,9 +66,9 @@ def write_tables(out: Path, prompts: list[str]) -> None:
     import pandas as pd
 
     from stages.credit import credit_table
-    from tpgrpo.artifacts import write_json, write_table, write_zarr
+    from tpgrpo.io.artifacts import write_json, write_table, write_zarr
     from tpgrpo.config import Config
-    from tpgrpo.schemas import CREDIT, PROBE
+    from tpgrpo.io.schemas import CREDIT, PROBE
 
     n, k = 4, 2
     rng = np.random.default_rng(0)
@@ -147,7 +147,7 @@ def test_save_safetensors_reads_back_with_safetensors(tmp_path):
     from safetensors import safe_open
     from safetensors.torch import load_file
 
-    from tpgrpo.artifacts import save_safetensors
+    from tpgrpo.io.artifacts import save_safetensors
 
     gen = torch.Generator().manual_seed(0)
     tensors = {"w.f32": torch.randn(3, 5, generator=gen), "b.bf16": torch.randn(7, generator=gen).bfloat16(),

@@ -12,9 +12,9 @@ import pytest
 import yaml
 from conftest import REPO, make_tiny_project, tiny_params
 
-from tpgrpo.code_manifest import ALL_CODE, KIND_CODE, manifest_path, uses_code_files, write_manifests
+from tpgrpo.pipeline.code_manifest import ALL_CODE, KIND_CODE, manifest_path, uses_code_files, write_manifests
 from tpgrpo.config import config_from_dict
-from tpgrpo.dvcfile import render
+from tpgrpo.pipeline.dvcfile import render
 
 CODE_ROOTS = ("stages/", "tpgrpo/")
 
@@ -52,7 +52,7 @@ def _manifests(root: Path) -> dict[str, bytes]:
 def test_a_manifest_changes_exactly_when_a_file_of_its_kind_changes(tmp_path):
     _copy_code(tmp_path)
     before = _manifests(tmp_path)
-    assert json.loads(before["update"])["files"]["tpgrpo/loss.py"]  # folders are listed file by file
+    assert json.loads(before["update"])["files"]["tpgrpo/algo/loss.py"]  # folders are listed file by file
     assert any(f.startswith("tpgrpo/models/") for f in json.loads(before["rollout"])["files"])
     assert _manifests(tmp_path) == before  # deterministic
 
@@ -60,10 +60,10 @@ def test_a_manifest_changes_exactly_when_a_file_of_its_kind_changes(tmp_path):
     (tmp_path / "tpgrpo" / "models" / "__pycache__" / "x.cpython-311.pyc").write_bytes(b"\0")
     assert _manifests(tmp_path) == before
 
-    with open(tmp_path / "tpgrpo" / "loss.py", "a") as f:
+    with open(tmp_path / "tpgrpo" / "algo" / "loss.py", "a") as f:
         f.write("# a comment\n")
     after = _manifests(tmp_path)
-    assert {k for k in KIND_CODE if after[k] != before[k]} == {k for k, v in KIND_CODE.items() if "tpgrpo/loss.py" in v}
+    assert {k for k in KIND_CODE if after[k] != before[k]} == {k for k, v in KIND_CODE.items() if "tpgrpo/algo/loss.py" in v}
     assert {k for k in KIND_CODE if after[k] != before[k]} == {"update"}
 
     model_file = sorted((tmp_path / "tpgrpo" / "models").glob("*.py"))[0]
@@ -74,8 +74,8 @@ def test_a_manifest_changes_exactly_when_a_file_of_its_kind_changes(tmp_path):
 
 def test_a_missing_code_path_is_a_one_line_error(tmp_path):
     _copy_code(tmp_path)
-    (tmp_path / "tpgrpo" / "loss.py").unlink()
-    with pytest.raises(FileNotFoundError, match=r"code path tpgrpo/loss\.py: not found under"):
+    (tmp_path / "tpgrpo" / "algo" / "loss.py").unlink()
+    with pytest.raises(FileNotFoundError, match=r"code path tpgrpo/algo/loss\.py: not found under"):
         write_manifests(tmp_path)
     assert not (tmp_path / "data" / "code").exists()  # no manifest written: none goes stale beside the others
 
@@ -100,8 +100,8 @@ def test_a_project_locked_with_code_files_keeps_that_layout(tmp_path):
 
 @pytest.mark.slow
 def test_a_code_change_reruns_the_stages_of_its_kind_only(tmp_path, tiny_model_dir):
-    """Real DVC: after a run, a comment added to tpgrpo/loss.py (update's code) re-runs the code stage and
-    the updates, and nothing of the rollout, probe, credit or baseline; one added to tpgrpo/figures.py re-runs
+    """Real DVC: after a run, a comment added to tpgrpo/algo/loss.py (update's code) re-runs the code stage and
+    the updates, and nothing of the rollout, probe, credit or baseline; one added to tpgrpo/reports/figures.py re-runs
     the summary only (besides the code stage)."""
     from test_dvc_pipeline import env, ran, repro, tpgrpo_run
 
@@ -112,13 +112,13 @@ def test_a_code_change_reruns_the_stages_of_its_kind_only(tmp_path, tiny_model_d
     assert not uses_code_files(lock) and "code" in lock["stages"]
     assert ran(repro(root)) == set()
 
-    with open(root / "tpgrpo" / "loss.py", "a") as f:
+    with open(root / "tpgrpo" / "algo" / "loss.py", "a") as f:
         f.write("# a comment\n")
     rerun = ran(repro(root))
     assert {"code", "update-0001"} <= rerun, rerun
     assert not any(n.startswith(("rollout-0001", "probe-", "credit-", "baseline")) for n in rerun), rerun
 
-    with open(root / "tpgrpo" / "figures.py", "a") as f:
+    with open(root / "tpgrpo" / "reports" / "figures.py", "a") as f:
         f.write("# a comment\n")
     assert ran(repro(root)) == {"code", "summary"}
     status = subprocess.run([sys.executable, "-m", "dvc", "status"], cwd=root, env=env(), capture_output=True,

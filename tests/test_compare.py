@@ -6,7 +6,7 @@ import numpy as np
 import pandas as pd
 import pytest
 
-from tpgrpo.compare import EVAL_TABLE_COLUMNS, compare_tables, paired_bootstrap, read_eval_table
+from tpgrpo.comparison.stats import EVAL_TABLE_COLUMNS, compare_tables, paired_bootstrap, read_eval_table
 from tpgrpo.errors import PipelineError
 
 

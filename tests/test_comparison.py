@@ -17,10 +17,10 @@ import pytest
 import yaml
 from conftest import tiny_params
 
-from tpgrpo import comparison as cmp
-from tpgrpo import comparison_variants as variants
-from tpgrpo.compare import EVAL_TABLE_COLUMNS
-from tpgrpo.comparison_results import (Pair, collect, collect_curves, compare_pair, by_variant, paired_difference,
+from tpgrpo.comparison import runs as cmp
+from tpgrpo.comparison import variants
+from tpgrpo.comparison.stats import EVAL_TABLE_COLUMNS
+from tpgrpo.comparison.results import (Pair, collect, collect_curves, compare_pair, by_variant, paired_difference,
                                        verdict)
 from tpgrpo.config import ConfigError
 from tpgrpo.errors import PipelineError
@@ -139,7 +139,7 @@ def test_a_seed_that_reverses_the_difference_widens_only_the_seed_interval(tmp_p
 
 
 def test_the_seed_prompt_bootstrap_with_one_seed_is_the_prompt_bootstrap():
-    from tpgrpo.compare import paired_bootstrap, seed_prompt_bootstrap
+    from tpgrpo.comparison.stats import paired_bootstrap, seed_prompt_bootstrap
 
     rng = np.random.default_rng(3)
     a, b, ids = rng.normal(0.5, 0.1, 40), rng.normal(0.45, 0.1, 40), np.repeat(np.arange(10), 4)
@@ -303,7 +303,7 @@ def test_equal_wall_is_not_run_until_flow_grpo_gets_its_extra_iterations(tmp_pat
 def test_report_writes_markdown_and_figures(tmp_path):
     from PIL import Image
 
-    from tpgrpo.comparison_report import ABLATION_FIGURE, FIGURES, write_report
+    from tpgrpo.comparison.report import ABLATION_FIGURE, FIGURES, write_report
 
     make_comparison(tmp_path / "cmp")
     md = write_report([tmp_path / "cmp"], tmp_path / "docs" / "replication.md", command="make it", n_boot=200)
@@ -318,7 +318,7 @@ def test_report_writes_markdown_and_figures(tmp_path):
 
 
 def test_report_says_when_the_eval_reward_has_no_strict_result(tmp_path):
-    from tpgrpo.comparison_report import section
+    from tpgrpo.comparison.report import section
 
     jpeg = {"task.reward": "jpeg_compressibility", "task.eval_reward": "jpeg_compressibility"}
     for mode in ("tp", "flow_grpo"):
@@ -332,7 +332,7 @@ def test_report_says_when_the_eval_reward_has_no_strict_result(tmp_path):
 
 
 def test_equal_wall_passes_of_two_targets_are_both_recorded_and_reported(tmp_path):
-    from tpgrpo.comparison_report import section
+    from tpgrpo.comparison.report import section
 
     make_comparison(tmp_path, extended=False)
     (tmp_path / "equal_wall.json").write_text(json.dumps({"target": "old", "reference": "tp"}))  # older format

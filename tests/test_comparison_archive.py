@@ -11,8 +11,8 @@ import pytest
 from conftest import REPO
 from test_comparison import make_comparison
 
-from tpgrpo.comparison_archive import MARKER, archived_files, refuse_archive, write_archive
-from tpgrpo.comparison_results import collect
+from tpgrpo.comparison.archive import MARKER, archived_files, refuse_archive, write_archive
+from tpgrpo.comparison.results import collect
 from tpgrpo.errors import PipelineError
 
 

@@ -13,8 +13,8 @@ import pytest
 import yaml
 from conftest import REPO, make_tiny_project
 
-from tpgrpo import comparison as cmp
-from tpgrpo.comparison_results import paired_difference
+from tpgrpo.comparison import runs as cmp
+from tpgrpo.comparison.results import paired_difference
 from tpgrpo.errors import PipelineError
 
 
@@ -130,7 +130,7 @@ def test_comparison_end_to_end_with_resume_and_report(tmp_path, tiny_model_dir):
 
 
 def test_a_run_finds_its_code_snapshot_from_a_relative_comparison_root(tmp_path, monkeypatch):
-    from tpgrpo.comparison import run_env
+    from tpgrpo.comparison.runs import run_env
 
     (tmp_path / "out" / "tp" / "seed0").mkdir(parents=True)
     monkeypatch.chdir(tmp_path)

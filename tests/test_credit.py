@@ -10,8 +10,8 @@ import torch
 from hypothesis import event, example, given, settings
 from hypothesis import strategies as st
 
-from tpgrpo.advantages import group_advantages
-from tpgrpo.credit import BALANCE_MODES, CREDIT_MODES, compute_credit
+from tpgrpo.algo.advantages import group_advantages
+from tpgrpo.algo.credit import BALANCE_MODES, CREDIT_MODES, compute_credit
 
 try:  # works whether or not tests/ is a package
     from tests.credit_reference import reference_advantages, reference_credit

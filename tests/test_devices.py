@@ -22,8 +22,8 @@ from torch.utils._pytree import tree_flatten, tree_map
 from tpgrpo.config import Config, SamplingConfig, UpdateConfig, load_config
 from tpgrpo.models.base import FlowBackend, PromptEmbeddings
 from tpgrpo.models.tiny import TinyConfig, build_tiny
-from tpgrpo.schedule import flow_sigmas
-from tpgrpo.trajectory import SamplerSpec, complete_window_states, ode_complete, rollout
+from tpgrpo.algo.schedule import flow_sigmas
+from tpgrpo.algo.trajectory import SamplerSpec, complete_window_states, ode_complete, rollout
 
 CUDA = torch.device("cuda", 0)
 CPU = torch.device("cpu")
@@ -254,7 +254,7 @@ def test_probe_completion_takes_cpu_states_and_runs_on_the_device(inner):
 
 
 def test_sample_ode_runs_on_the_backend_device(inner):
-    from tpgrpo.generate import sample_ode
+    from tpgrpo.policy.generate import sample_ode
 
     ref = sample_ode(inner, PROMPTS, SEEDS, num_steps=3, batch_size=3)
     with fake_cuda():
@@ -264,8 +264,8 @@ def test_sample_ode_runs_on_the_backend_device(inner):
 
 def _update_once(backend, kl_beta: float) -> dict:
     """Attach a LoRA, roll out, and run one update on the transitions (stored on the CPU, as the stage reads them)."""
-    from tpgrpo.policy import attach_lora
-    from tpgrpo.update import TransitionBatch, make_optimizer, update_policy
+    from tpgrpo.policy.lora import attach_lora
+    from tpgrpo.policy.update import TransitionBatch, make_optimizer, update_policy
 
     spec = _spec()
     torch.manual_seed(0)
@@ -295,7 +295,7 @@ def test_update_recomputes_log_probs_on_the_backend_device(kl_beta):
 
 
 def test_pretraining_step_runs_on_the_backend_device(tmp_path):
-    from tpgrpo.pretrain import _Run
+    from tpgrpo.models.pretrain import _Run
 
     rng = np.random.default_rng(0)
     images = rng.integers(0, 256, size=(4, 16, 16, 3), dtype=np.uint8)
@@ -321,7 +321,7 @@ def test_one_iteration_of_every_stage_on_a_gpu_backend(tiny_project, monkeypatch
     import stages.probe
     import stages.rollout
     import stages.update
-    from tpgrpo import pipeline
+    from tpgrpo import stage_common as pipeline
 
     original = pipeline.load_policy
 
@@ -342,7 +342,7 @@ def test_one_iteration_of_every_stage_on_a_gpu_backend(tiny_project, monkeypatch
 
 
 def test_base_report_sampling_runs_on_the_backend_device(tiny_project):
-    from tpgrpo.base_report import increment_table
+    from tpgrpo.reports.base_report import increment_table
     from tpgrpo.models import load_backend
 
     cfg = load_config(tiny_project / "params.yaml")

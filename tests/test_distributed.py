@@ -14,7 +14,7 @@ import torch
 import yaml
 
 from tpgrpo.config import ConfigError, config_from_dict, load_config
-from tpgrpo.distributed import (Dist, even_slice, group_chunks, merge_parts, parts_folder, round_robin,
+from tpgrpo.pipeline.distributed import (Dist, even_slice, group_chunks, merge_parts, parts_folder, round_robin,
                                 run_chunks, sum_gradients)
 from tpgrpo.errors import PipelineError
 
@@ -106,8 +106,8 @@ def test_sharded_chunk_gradients_sum_to_the_one_process_gradient(world, chunk_si
     """Uneven shares (7 = 4 + 3 or 3 + 2 + 2) are weighted by 1 / chunk size, not by 1 / share size."""
     from test_update import K, UPD, make_policy, rollout, sampling
 
-    from tpgrpo.policy import lora_parameters
-    from tpgrpo.update import LOSS_KEYS, _Pass, _run_chunk, _Stats, select_transitions
+    from tpgrpo.policy.lora import lora_parameters
+    from tpgrpo.policy.update import LOSS_KEYS, _Pass, _run_chunk, _Stats, select_transitions
 
     backend, embeds = make_policy()
     batch = rollout(backend, embeds, "sde")
@@ -156,7 +156,7 @@ def test_bad_launch_params_give_one_line_errors(tmp_path, launch, expected):
 
 
 def test_stage_commands_launch_model_stages_only(tmp_path):
-    from tpgrpo.dvcfile import render, stage_command, write_dvc_yaml
+    from tpgrpo.pipeline.dvcfile import render, stage_command, write_dvc_yaml
 
     raw = _raw()
     one = config_from_dict(raw)
@@ -183,7 +183,7 @@ def test_stage_commands_launch_model_stages_only(tmp_path):
 
 def test_launch_params_change_no_artifact_hash(tmp_path):
     """The config hash artifacts carry must not depend on the process count (byte-identical tables)."""
-    from tpgrpo.dvcfile import STAGE_PARAMS
+    from tpgrpo.pipeline.dvcfile import STAGE_PARAMS
 
     path = tmp_path / "params.yaml"
     path.write_text(yaml.safe_dump(_raw()))

@@ -60,8 +60,8 @@ def check_user_views(root: Path) -> None:
     charts, `tpgrpo status` and re-running the last iteration's credit work as documented."""
     from PIL import Image
 
-    from tpgrpo.dvcfile import PLOTS
-    from tpgrpo.figures import FIGURES
+    from tpgrpo.pipeline.dvcfile import PLOTS
+    from tpgrpo.reports.figures import FIGURES
 
     for name in FIGURES:
         with Image.open(root / "data" / "reports" / name) as image:
@@ -171,7 +171,7 @@ def test_dvc_plots_page_renders_its_named_charts_in_headless_chromium(clean, tmp
 
     from PIL import Image
 
-    from tpgrpo.dvcfile import PLOTS
+    from tpgrpo.pipeline.dvcfile import PLOTS
 
     chromium = shutil.which("chromium") or shutil.which("chromium-browser")
     if chromium is None:

@@ -10,7 +10,7 @@ import pandas as pd
 from conftest import REPO
 from test_eval_stage import run_ok, train_one_iteration
 
-from tpgrpo.compare import read_eval_table
+from tpgrpo.comparison.stats import read_eval_table
 from tpgrpo.config import load_config
 
 

@@ -44,9 +44,9 @@ def _direct_eval(root, tmp_path, ema: bool) -> dict:
     """Evaluate iteration 1's policy without the stage: the raw adapter, or the EMA adapter loaded by hand."""
     from stages.eval import evaluate
     from tpgrpo.config import load_config
-    from tpgrpo.export import adapter_folder
-    from tpgrpo.pipeline import load_policy
-    from tpgrpo.policy import load_lora_weights, read_adapter_weights
+    from tpgrpo.policy.export import adapter_folder
+    from tpgrpo.stage_common import load_policy
+    from tpgrpo.policy.lora import load_lora_weights, read_adapter_weights
 
     cfg = load_config(root / "params.yaml")
     backend = load_policy(cfg, root, 2)  # what iteration 2 samples from: policy 1
@@ -90,7 +90,7 @@ def test_eval_and_baseline_write_paired_per_image_tables(tiny_project):
     import pandas as pd
     import pyarrow.parquet as pq
 
-    from tpgrpo.compare import EVAL_TABLE_COLUMNS, compare_tables, read_eval_table
+    from tpgrpo.comparison.stats import EVAL_TABLE_COLUMNS, compare_tables, read_eval_table
 
     root = tiny_project
     train_one_iteration(root)
@@ -119,7 +119,7 @@ def test_eval_and_baseline_write_paired_per_image_tables(tiny_project):
 
 
 def test_an_iteration_not_evaluated_writes_an_empty_table(tiny_project):
-    from tpgrpo.compare import EVAL_TABLE_COLUMNS, read_eval_table
+    from tpgrpo.comparison.stats import EVAL_TABLE_COLUMNS, read_eval_table
 
     root = tiny_project
     set_params(root, eval={"every": 2})

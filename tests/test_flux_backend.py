@@ -78,8 +78,8 @@ def test_ode_sampling_matches_the_stock_pipeline(backend, flux_model_dir):
     """Same packed noise, same sigmas, guidance 3.5: our sampler + decode == FluxPipeline."""
     from diffusers import FluxPipeline
 
-    from tpgrpo.generate import sample_ode
-    from tpgrpo.schedule import flow_sigmas
+    from tpgrpo.policy.generate import sample_ode
+    from tpgrpo.algo.schedule import flow_sigmas
 
     ours = sample_ode(backend, PROMPTS[:1], [7], num_steps=2, guidance_scale=3.5, shift=3.0)
     pipe = FluxPipeline.from_pretrained(flux_model_dir, local_files_only=True)  # its scheduler: shift 1
@@ -92,7 +92,7 @@ def test_ode_sampling_matches_the_stock_pipeline(backend, flux_model_dir):
 def test_lora_targets_attention_feed_forward_and_single_block_mlps(flux_model_dir):
     from peft.tuners.lora import LoraLayer
 
-    from tpgrpo.policy import attach_lora
+    from tpgrpo.policy.lora import attach_lora
 
     fresh = load_backend("flux", flux_model_dir, resolution=RESOLUTION)
     attach_lora(fresh, 4, 8)
@@ -133,7 +133,7 @@ def test_export_loads_into_a_fresh_stock_pipeline(trained, flux_model_dir, tmp_p
     from safetensors.torch import load_file
 
     from tpgrpo.config import load_config
-    from tpgrpo.pipeline import load_policy
+    from tpgrpo.stage_common import load_policy
 
     out = tmp_path / "lora"
     result = cli("export", "--iter", "1", "--out", str(out), "--params", str(trained / "params.yaml"))

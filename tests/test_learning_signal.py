@@ -44,9 +44,9 @@ def _resampled_reward(root) -> tuple[float, float]:
     """(mean reward the rollout stored, mean reward of the same prompts and seeds under the updated policy)."""
     from stages.probe import read_trajectories
     from tpgrpo.config import load_config
-    from tpgrpo.pipeline import load_policy, sampler_spec
+    from tpgrpo.stage_common import load_policy, sampler_spec
     from tpgrpo.tasks.rewards import build_reward
-    from tpgrpo.trajectory import rollout
+    from tpgrpo.algo.trajectory import rollout
 
     cfg = load_config(root / "params.yaml")
     arrays, attrs = read_trajectories(root / "data" / "iters" / "0001" / "trajectories.zarr")

@@ -5,8 +5,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from tpgrpo.loss import approx_kl, clip_fraction, kl_to_reference, policy_loss, ppo_clip_loss
-from tpgrpo.sampling import sde_std, sde_step
+from tpgrpo.algo.loss import approx_kl, clip_fraction, kl_to_reference, policy_loss, ppo_clip_loss
+from tpgrpo.algo.sampling import sde_std, sde_step
 
 
 def _policy(seed=0, batch=6):

@@ -81,7 +81,7 @@ def test_probe_q0_is_the_ode_completion_of_the_trajectorys_own_noise(tiny_projec
     """Spec section 4: Q_0 completes z_0 = x_T of the same trajectory (not fresh noise)."""
     from tpgrpo.config import load_config
     from tpgrpo.models import load_backend
-    from tpgrpo.generate import sample_ode
+    from tpgrpo.policy.generate import sample_ode
     from tpgrpo.tasks.rewards import get_reward
 
     root = tiny_project
@@ -111,7 +111,7 @@ def test_two_clean_runs_give_byte_identical_tables(tiny_project, tmp_path):
 
 
 def test_credit_stage_is_a_pure_function_of_the_probe_table(tiny_project):
-    from tpgrpo.credit import compute_credit
+    from tpgrpo.algo.credit import compute_credit
 
     root = tiny_project
     run_iteration(root, 1, ("rollout", "probe", "credit"))
@@ -169,7 +169,7 @@ def test_second_iteration_samples_from_the_updated_policy(tiny_project):
     import zarr
 
     from tpgrpo.config import load_config
-    from tpgrpo.pipeline import load_policy
+    from tpgrpo.stage_common import load_policy
 
     root = tiny_project
     run_iteration(root, 1)

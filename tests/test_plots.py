@@ -7,7 +7,7 @@ import pandas as pd
 import pytest
 from PIL import Image
 
-from tpgrpo import plots
+from tpgrpo.reports import plots
 
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
 

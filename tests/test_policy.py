@@ -7,7 +7,7 @@ import json
 import pytest
 import torch
 
-from tpgrpo import policy
+from tpgrpo.policy import lora as policy
 from tpgrpo.models.tiny import TinyConfig, build_tiny
 
 TINY = TinyConfig(image_size=16, patch_size=4, num_layers=2, num_heads=2, head_dim=8, text_layers=1,

@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from tpgrpo.models.tiny import TinyConfig, build_tiny, load_tiny
-from tpgrpo.pretrain import flow_loss, lr_at, pretrain
+from tpgrpo.models.pretrain import flow_loss, lr_at, pretrain
 
 CONFIG = TinyConfig(image_size=16, patch_size=4, num_layers=1, num_heads=2, head_dim=8, text_layers=1,
                     text_hidden=16, text_heads=2, text_intermediate=32, max_length=16)
@@ -94,7 +94,7 @@ def test_pretrain_command_is_typer_compatible():
     import inspect
     import typing
 
-    from tpgrpo.pretrain import pretrain_command
+    from tpgrpo.models.pretrain import pretrain_command
 
     hints = typing.get_type_hints(pretrain_command, include_extras=True)
     assert {"out_dir", "seed", "minutes", "steps", "batch_size"} <= set(hints)
@@ -103,7 +103,7 @@ def test_pretrain_command_is_typer_compatible():
 
 def test_task_data_is_reproducible_and_mixes_tasks():
     pytest.importorskip("tpgrpo.tasks.render")
-    from tpgrpo.pretrain import task_data
+    from tpgrpo.models.pretrain import task_data
 
     draw = task_data(("compositional", "text"))
     p1, im1 = draw(np.random.default_rng(5), 16)

@@ -16,7 +16,7 @@ from typer.testing import CliRunner
 
 from conftest import REPO, make_tiny_project, tiny_params
 from tpgrpo.config import ConfigError, config_from_dict
-from tpgrpo.probe_modes import completion_passes, parse_completion, respaced_steps
+from tpgrpo.algo.probe_modes import completion_passes, parse_completion, respaced_steps
 
 FIRST = 1  # the first iteration's number
 
@@ -67,8 +67,8 @@ def test_respaced_schedule_keeps_both_ends_is_increasing_and_is_exact_from_m_equ
 
 @pytest.mark.parametrize("completion", ["exact", "ode:1", "ode:2", "ode:3", "ode:50"])
 def test_each_mode_makes_the_passes_its_formula_says(backend, completion):
-    from tpgrpo.schedule import flow_sigmas
-    from tpgrpo.trajectory import complete_window_states
+    from tpgrpo.algo.schedule import flow_sigmas
+    from tpgrpo.algo.trajectory import complete_window_states
 
     T, start, N, K = 6, 1, 3, 4  # states z_0..z_3 at schedule steps 1..4: 5, 4, 3, 2 steps left
     mode = parse_completion(completion)
@@ -84,8 +84,8 @@ def test_each_mode_makes_the_passes_its_formula_says(backend, completion):
 
 
 def test_ode_with_m_equal_to_the_remaining_steps_is_exact_bit_for_bit(backend):
-    from tpgrpo.schedule import flow_sigmas
-    from tpgrpo.trajectory import complete_window_states
+    from tpgrpo.algo.schedule import flow_sigmas
+    from tpgrpo.algo.trajectory import complete_window_states
 
     T, start, N, K = 5, 0, 2, 4
     embeds = backend.encode_prompts(["a red cube", "two blue balls"])
@@ -98,8 +98,8 @@ def test_ode_with_m_equal_to_the_remaining_steps_is_exact_bit_for_bit(backend):
 
 
 def test_ode_m_takes_euler_steps_on_the_states_own_respaced_schedule(backend):
-    from tpgrpo.schedule import flow_sigmas
-    from tpgrpo.trajectory import ode_complete, velocity_at
+    from tpgrpo.algo.schedule import flow_sigmas
+    from tpgrpo.algo.trajectory import ode_complete, velocity_at
 
     T, start = 8, 3  # 5 steps left; ode:2 visits offsets 0, 3, 5: s_3 -> s_6 -> s_8 = 0
     sigmas = flow_sigmas(T, 1.0)
@@ -137,8 +137,8 @@ def test_a_bad_probe_completion_fails_the_stage_with_one_line(tiny_project):
 # ---------------------------------------------------------------------------------------------
 
 def test_rollout_keeps_z_minus_s_v_with_its_own_velocity_and_nothing_else_changes(backend):
-    from tpgrpo.schedule import flow_sigmas
-    from tpgrpo.trajectory import SamplerSpec, rollout
+    from tpgrpo.algo.schedule import flow_sigmas
+    from tpgrpo.algo.trajectory import SamplerSpec, rollout
 
     spec = SamplerSpec(flow_sigmas(5, 1.0), window_start=1, window_size=3, step_kind="sde", noise_level=0.7,
                        guidance_scale=4.5)
@@ -264,7 +264,7 @@ def test_flow_grpo_credit_needs_no_probe_and_leaves_the_advantages_unchanged(rol
 
 
 def test_flow_grpo_dvc_yaml_has_no_probe_and_its_credit_imports_no_model_library(rolled_out):
-    from tpgrpo.dvcfile import render
+    from tpgrpo.pipeline.dvcfile import render
 
     stages = render(_cfg(credit={"mode": "flow_grpo"}))["stages"]
     assert not any(name.startswith("probe-") for name in stages)
@@ -288,8 +288,8 @@ def test_flow_grpo_dvc_yaml_has_no_probe_and_its_credit_imports_no_model_library
 def test_x0_estimates_in_the_trajectory_store_are_checked_like_the_other_arrays(tmp_path):
     from test_artifacts import trajectory_arrays
 
-    from tpgrpo.artifacts import read_trajectories, write_zarr
-    from tpgrpo.schemas import ArtifactError
+    from tpgrpo.io.artifacts import read_trajectories, write_zarr
+    from tpgrpo.io.schemas import ArtifactError
 
     arrays, attrs = trajectory_arrays()
     n, k = arrays["log_probs"].shape

@@ -102,8 +102,8 @@ def test_reward_sections_are_validated(raw, section, key, value, expected):
 
 
 def test_dvc_yaml_lists_configured_reward_folders(raw):
-    from tpgrpo.code_manifest import KIND_CODE
-    from tpgrpo.dvcfile import render
+    from tpgrpo.pipeline.code_manifest import KIND_CODE
+    from tpgrpo.pipeline.dvcfile import render
 
     mixed = copy.deepcopy(raw)
     mixed["task"]["reward"] = {"geneval_soft": 1.0, "pickscore": 0.1}
@@ -156,7 +156,7 @@ def test_stages_declare_the_reward_params_they_read(tiny_project):
     import importlib
 
     from tpgrpo.config import load_config
-    from tpgrpo.dvcfile import STAGE_PARAMS
+    from tpgrpo.pipeline.dvcfile import STAGE_PARAMS
 
     try:
         from tests.test_stage_params import Recorder, covered

@@ -7,8 +7,8 @@ import math
 import pytest
 import torch
 
-from tpgrpo.sampling import cps_step, ode_step, sde_std, sde_step, sde_window, stochastic_step
-from tpgrpo.schedule import flow_sigmas
+from tpgrpo.algo.sampling import cps_step, ode_step, sde_std, sde_step, sde_window, stochastic_step
+from tpgrpo.algo.schedule import flow_sigmas
 
 # SD3.5-M's training schedule: T = 10, shift = 3.
 SIGMAS = flow_sigmas(10, shift=3.0)

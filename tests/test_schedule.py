@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from tpgrpo.schedule import flow_sigmas
+from tpgrpo.algo.schedule import flow_sigmas
 
 
 @pytest.mark.parametrize("num_steps", [1, 2, 10, 40])

@@ -70,7 +70,7 @@ def test_ode_sampling_matches_the_stock_pipeline(backend, sd3_model_dir):
     """Same noise, same sigmas: our encode + CFG velocity + Euler + decode == StableDiffusion3Pipeline."""
     from diffusers import StableDiffusion3Pipeline
 
-    from tpgrpo.generate import sample_ode
+    from tpgrpo.policy.generate import sample_ode
 
     ours = sample_ode(backend, PROMPTS[:1], [7], num_steps=2, guidance_scale=4.5, shift=3.0)
     pipe = StableDiffusion3Pipeline.from_pretrained(sd3_model_dir, local_files_only=True)
@@ -101,7 +101,7 @@ def test_bf16_transformer_gets_fp32_timesteps_like_the_stock_pipeline(sd3_model_
 def test_lora_targets_the_attention_projections_of_both_streams(sd3_model_dir):
     from peft.tuners.lora import LoraLayer
 
-    from tpgrpo.policy import attach_lora
+    from tpgrpo.policy.lora import attach_lora
 
     fresh = load_backend("sd3", sd3_model_dir, resolution=RESOLUTION)
     attach_lora(fresh, 4, 8)
@@ -142,9 +142,9 @@ def test_one_iteration_through_the_cli_and_a_bad_path(trained, tmp_path):
 def test_cached_prompt_embeddings_never_load_the_text_encoders(trained):
     import zarr
 
-    from tpgrpo.artifacts import IterationPaths
+    from tpgrpo.io.artifacts import IterationPaths
     from tpgrpo.config import load_config
-    from tpgrpo.pipeline import load_policy, prompt_embeddings
+    from tpgrpo.stage_common import load_policy, prompt_embeddings
     from tpgrpo.tasks.prompts import load_prompts
 
     cfg = load_config(trained / "params.yaml")
@@ -170,7 +170,7 @@ def test_export_loads_into_a_fresh_stock_pipeline(trained, sd3_model_dir, tmp_pa
     from safetensors.torch import load_file
 
     from tpgrpo.config import load_config
-    from tpgrpo.pipeline import load_policy
+    from tpgrpo.stage_common import load_policy
 
     out = tmp_path / "lora"
     result = cli("export", "--iter", "1", "--out", str(out), "--params", str(trained / "params.yaml"))

@@ -11,9 +11,9 @@ import yaml
 from conftest import tiny_params
 
 from tpgrpo.config import ConfigError, config_from_dict
-from tpgrpo.dvcfile import STAGE_PARAMS, block_out_paths, block_stage, iteration_stages, render
-from tpgrpo.sealing import kept_outs, repro_ends, retain, sealable, stage_names, unseal_changed
-from tpgrpo.seals import Block, full_blocks, param_values, read_lock, read_seal, write_lock, write_yaml
+from tpgrpo.pipeline.dvcfile import STAGE_PARAMS, block_out_paths, block_stage, iteration_stages, render
+from tpgrpo.pipeline.sealing import kept_outs, repro_ends, retain, sealable, stage_names, unseal_changed
+from tpgrpo.pipeline.blocks import Block, full_blocks, param_values, read_lock, read_seal, write_lock, write_yaml
 
 
 def _raw(**train) -> dict:

@@ -23,7 +23,7 @@ def test_shipped_model_is_complete_and_small():
 
 def test_fixed_prompt_and_seed_give_the_recorded_reward():
     from tpgrpo.models import load_backend
-    from tpgrpo.generate import sample_ode
+    from tpgrpo.policy.generate import sample_ode
     from tpgrpo.tasks.prompts import build_prompt_sets
     from tpgrpo.tasks.rewards import get_reward
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 import importlib
 
 from tpgrpo.config import load_config
-from tpgrpo.dvcfile import STAGE_PARAMS
+from tpgrpo.pipeline.dvcfile import STAGE_PARAMS
 
 
 class Recorder:

@@ -15,7 +15,7 @@ import pytest
 import yaml
 from conftest import REPO, tiny_params
 
-from tpgrpo.stage_server import ENV_VAR, running
+from tpgrpo.pipeline.stage_server import ENV_VAR, running
 
 TPGRPO = str(Path(sys.executable).parent / "tpgrpo")  # the console script, as DVC calls it
 pytestmark = pytest.mark.skipif(not sys.platform.startswith("linux"), reason="the stage server is Linux-only")
@@ -157,7 +157,7 @@ def test_a_caller_killed_outright_takes_its_forked_stage_with_it(served):
 def test_the_server_exits_when_its_parent_is_killed(tmp_path):
     (tmp_path / ".dvc").mkdir()
     parent = subprocess.Popen([sys.executable, "-c", (
-        "import os, signal, sys, time; from pathlib import Path; from tpgrpo.stage_server import running\n"
+        "import os, signal, sys, time; from pathlib import Path; from tpgrpo.pipeline.stage_server import running\n"
         "with running(Path(sys.argv[1])):\n"
         "    time.sleep(600)\n"), str(tmp_path)], env=base_env())
     log = tmp_path / ".dvc" / "tmp" / "stage_server.log"

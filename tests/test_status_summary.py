@@ -14,9 +14,9 @@ import yaml
 from conftest import tiny_params
 from stages.summary import GLANCE, at_a_glance, eval_curve, headline, train_curve
 from tpgrpo.config import config_from_dict
-from tpgrpo.dvcfile import PLOTS, render
+from tpgrpo.pipeline.dvcfile import PLOTS, render
 from tpgrpo.errors import PipelineError
-from tpgrpo.status import check_iteration, record_stage, status_text
+from tpgrpo.pipeline.status import check_iteration, record_stage, status_text
 
 
 def fake_iteration(root, i, evaluated=False, reward=0.5, stages=("rollout", "probe", "credit", "update", "eval")):

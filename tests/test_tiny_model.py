@@ -10,7 +10,7 @@ from tpgrpo.models import load_backend
 from tpgrpo.models.tiny import TinyConfig, build_tiny, load_tiny
 from tpgrpo.models.tokenizer import EOS, PAD, tokenize
 from tiny_pipelines import timesteps_seen
-from tpgrpo.generate import sample_ode, save_grid
+from tpgrpo.policy.generate import sample_ode, save_grid
 
 WORDS = "a an the one two three red green blue circle circles square squares left right of and sign that says".split()
 CHARSET = "0123456789AB"
@@ -83,7 +83,7 @@ def test_guidance_one_is_the_conditional_branch(backend):
 
 
 def test_cfg_doubled_batch_equals_two_calls(backend):
-    from tpgrpo.sampling import cfg
+    from tpgrpo.algo.sampling import cfg
 
     emb = backend.encode_prompts(PROMPTS[:3])
     x, s = backend.initial_noise([1, 2, 3]), torch.tensor([0.2, 0.5, 1.0])
@@ -199,7 +199,7 @@ def test_evaluate_prompts_breaks_down_per_kind(backend, monkeypatch):
     import sys
     import types
 
-    from tpgrpo.generate import evaluate_prompts, evaluation_seeds
+    from tpgrpo.policy.generate import evaluate_prompts, evaluation_seeds
 
     class Result:
         def __init__(self, reward, strict):

@@ -7,13 +7,13 @@ import dataclasses
 import pytest
 import torch
 
-from tpgrpo import policy
+from tpgrpo.policy import lora as policy
 from tpgrpo.config import SamplingConfig, UpdateConfig
 from tpgrpo.errors import PipelineError
 from tpgrpo.models.tiny import TinyConfig, build_tiny
-from tpgrpo.sampling import ode_step, stochastic_step
-from tpgrpo.schedule import flow_sigmas
-from tpgrpo.update import (TransitionBatch, load_training_state, make_optimizer, save_policy,
+from tpgrpo.algo.sampling import ode_step, stochastic_step
+from tpgrpo.algo.schedule import flow_sigmas
+from tpgrpo.policy.update import (TransitionBatch, load_training_state, make_optimizer, save_policy,
                            select_transitions, update_policy)
 
 TINY = TinyConfig(image_size=16, patch_size=4, num_layers=2, num_heads=2, head_dim=8, text_layers=1,

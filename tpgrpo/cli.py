@@ -32,11 +32,11 @@ def _fail(message: str) -> None:
 
 
 def _run_stage(name: str, iteration: int | None, params: Path) -> None:
-    from tpgrpo import distributed
+    from tpgrpo.pipeline import distributed
     from tpgrpo.config import ConfigError, load_config
-    from tpgrpo.dvcfile import MULTI_PROCESS_STAGES
+    from tpgrpo.pipeline.dvcfile import MULTI_PROCESS_STAGES
     from tpgrpo.errors import PipelineError
-    from tpgrpo.status import check_iteration, describe_done, record_stage
+    from tpgrpo.pipeline.status import check_iteration, describe_done, record_stage
 
     root, cfg = Path(params).resolve().parent, None
     try:
@@ -92,7 +92,7 @@ def summary_stage(params: ParamsOpt = Path("params.yaml")) -> None:
 @stage_app.command("code")
 def code_stage(params: ParamsOpt = Path("params.yaml")) -> None:
     """Write data/code/<kind>.json: the md5 of every code file each kind of stage runs (its dependency)."""
-    from tpgrpo.code_manifest import write_manifests
+    from tpgrpo.pipeline.code_manifest import write_manifests
 
     try:
         write_manifests(Path(params).resolve().parent)
@@ -104,7 +104,7 @@ def code_stage(params: ParamsOpt = Path("params.yaml")) -> None:
 def status_command(params: ParamsOpt = Path("params.yaml")) -> None:
     """One screen: iterations done, the stage running or failed last, held-out reward vs base, disk."""
     from tpgrpo.config import ConfigError, load_config
-    from tpgrpo.status import status_text
+    from tpgrpo.pipeline.status import status_text
 
     try:
         cfg = load_config(params)
@@ -119,7 +119,7 @@ def plot_command(params: ParamsOpt = Path("params.yaml")) -> None:
     from stages.summary import history
     from tpgrpo.config import ConfigError, load_config
     from tpgrpo.errors import PipelineError
-    from tpgrpo.figures import make_figures
+    from tpgrpo.reports.figures import make_figures
 
     root = Path(params).resolve().parent
     try:
@@ -134,7 +134,7 @@ def plot_command(params: ParamsOpt = Path("params.yaml")) -> None:
 def dvc_yaml_command(params: ParamsOpt = Path("params.yaml")) -> None:
     """Render dvc.yaml from params.yaml (one set of stages per iteration)."""
     from tpgrpo.config import ConfigError, load_config
-    from tpgrpo.dvcfile import write_dvc_yaml
+    from tpgrpo.pipeline.dvcfile import write_dvc_yaml
 
     try:
         cfg = load_config(params)
@@ -153,12 +153,12 @@ def run_command(params: ParamsOpt = Path("params.yaml")) -> None:
 
     import yaml
 
-    from tpgrpo import stage_server
+    from tpgrpo.pipeline import stage_server
     from tpgrpo.config import ConfigError, load_config
-    from tpgrpo.dvcfile import write_dvc_yaml
-    from tpgrpo.dvclock import clear_stale_lock
+    from tpgrpo.pipeline.dvcfile import write_dvc_yaml
+    from tpgrpo.pipeline.dvclock import clear_stale_lock
     from tpgrpo.errors import PipelineError
-    from tpgrpo.sealing import dvc_env, relink, repro_ends, seal_finished, unseal_changed
+    from tpgrpo.pipeline.sealing import dvc_env, relink, repro_ends, seal_finished, unseal_changed
 
     root = Path(params).resolve().parent
     try:
@@ -207,8 +207,8 @@ def block_command(first: Annotated[int, typer.Option("--first", help="first iter
     """Re-run a sealed block: each iteration's stages in order, one process each (what dvc.yaml calls)."""
     from tpgrpo.config import ConfigError, load_config
     from tpgrpo.errors import PipelineError
-    from tpgrpo.sealing import run_block
-    from tpgrpo.seals import Block, full_blocks
+    from tpgrpo.pipeline.sealing import run_block
+    from tpgrpo.pipeline.blocks import Block, full_blocks
 
     try:
         cfg = load_config(params)
@@ -228,7 +228,7 @@ def retain_command(params: ParamsOpt = Path("params.yaml"),
     """Apply params.yaml's retention to the sealed blocks; `dvc status` stays clean."""
     from tpgrpo.config import ConfigError, load_config
     from tpgrpo.errors import PipelineError
-    from tpgrpo.sealing import retain
+    from tpgrpo.pipeline.sealing import retain
 
     try:
         dropped = retain(Path(params).resolve().parent, load_config(params), gc=gc)
@@ -250,7 +250,7 @@ def prompts_command(
 
 def _register_pretrain() -> None:
     # pretrain.py imports torch lazily, so registering its command keeps `tpgrpo --help` fast.
-    from tpgrpo.pretrain import pretrain_command
+    from tpgrpo.models.pretrain import pretrain_command
 
     app.command("pretrain")(pretrain_command)
 
@@ -267,7 +267,7 @@ def export_command(
 ) -> None:
     """Export iteration --iter's LoRA adapter for a stock diffusers pipeline's load_lora_weights(--out)."""
     from tpgrpo.errors import PipelineError
-    from tpgrpo.export import export_adapter
+    from tpgrpo.policy.export import export_adapter
 
     try:
         done = export_adapter(Path(params).resolve().parent, iteration, out, ema=ema)
@@ -282,7 +282,7 @@ def report_base_command(
     out_dir: Annotated[Path, typer.Option(help="folder for the report files")] = Path("data/reports"),
 ) -> None:
     """Evaluate the base model: held-out rewards at 10/40 ODE steps, zero-increment fractions, a grid."""
-    from tpgrpo.base_report import write_base_report
+    from tpgrpo.reports.base_report import write_base_report
     from tpgrpo.config import ConfigError, load_config
 
     try:

@@ -89,7 +89,7 @@ class RolloutConfig:
 @dataclass(frozen=True)
 class ProbeConfig:
     batch_size: int = 128  # states per forward pass during ODE completion
-    # How a state is scored (tpgrpo.probe_modes): exact (the rest of the schedule) | ode:M (at most M Euler
+    # How a state is scored (tpgrpo.algo.probe_modes): exact (the rest of the schedule) | ode:M (at most M Euler
     # steps, re-spaced) | x0 (z_k - s_k v_k from the rollout's own velocity: no transformer pass)
     completion: str = "exact"
 
@@ -151,7 +151,7 @@ class LaunchConfig:
     config_file: str = ""  # accelerate config file (multi-node, DeepSpeed); it sets the process count
     timeout_s: float = 1800.0  # seconds a process waits at a barrier / all-reduce before failing the stage
     # `tpgrpo run` on the CPU with one process per stage (Linux): stage processes fork from a server that
-    # imported torch/diffusers/transformers/peft once (tpgrpo.stage_server); false = each imports its own
+    # imported torch/diffusers/transformers/peft once (tpgrpo.pipeline.stage_server); false = each imports its own
     stage_server: bool = True
 
 
@@ -232,7 +232,7 @@ def _coerce(key: str, value: Any, kind: type) -> Any:
 
 def _check_range(key: str, value: Any) -> None:
     if key == "probe.completion":
-        from tpgrpo.probe_modes import EXPECTED, parse_completion  # no torch: a few pure functions
+        from tpgrpo.algo.probe_modes import EXPECTED, parse_completion  # no torch: a few pure functions
 
         try:
             parse_completion(value)

@@ -3,7 +3,7 @@ import json
 from pathlib import Path
 import numpy as np
 from tpgrpo.models import load_backend
-from tpgrpo.generate import sample_ode
+from tpgrpo.policy.generate import sample_ode
 from tpgrpo.tasks.prompts import build_prompt_sets
 from tpgrpo.tasks.rewards import get_reward
 sets = build_prompt_sets()

@@ -161,7 +161,7 @@ def guided_velocity(predict, device, x: torch.Tensor, sigma, embeds: PromptEmbed
     combine as ``v_u + g (v_c - v_u)``; ``guidance_scale == 1`` runs the conditional branch alone.
     ``sigma``: scalar or ``(B,)`` in [0, 1]; ``embeds``: one row per sample. Gradients flow.
     """
-    from tpgrpo.sampling import cfg
+    from tpgrpo.algo.sampling import cfg
 
     batch = x.shape[0]
     if len(embeds) != batch:

@@ -2,7 +2,7 @@
 
 A diffusers ``SD3Transformer2DModel`` (patch 4 -> 8x8 = 64 image tokens) conditioned on a small
 transformers ``CLIPTextModel`` (its per-token hidden states -> ``encoder_hidden_states``, its pooled
-end-token state -> ``pooled_projections``), both trained jointly by ``tpgrpo.pretrain``. It is saved
+end-token state -> ``pooled_projections``), both trained jointly by ``tpgrpo.models.pretrain``. It is saved
 in the diffusers pipeline folder layout and loaded with each class's ``from_pretrained``, the same
 path the SD3.5 backend uses for a user's folder.
 """

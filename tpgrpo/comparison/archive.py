@@ -1,0 +1,83 @@
+"""Keep a comparison's results without its artifacts, small enough to commit beside the report.
+
+A comparison root (:mod:`tpgrpo.comparison.runs`) holds gigabytes: trajectories, adapters, the model, DVC's cache.
+The report reads only a few kilobytes per iteration of it: the stage JSON logs, the per-image eval tables,
+each run's ``run.json`` and ``params.yaml``, and the root's ``commands.txt``, ``equal_wall.json`` and code
+``SNAPSHOT.json``. An archive is a copy of the root pruned to exactly those files, in the same layout, so
+``report --results ARCHIVE`` recomputes the same tables and figures as ``report --results ROOT`` did, long
+after the run folders are gone (they are machine-local and git-ignored). An archive cannot be trained further:
+``ARCHIVE.json`` at its top marks it, and ``run`` / ``equal-wall`` refuse it.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+import time
+from pathlib import Path
+
+from tpgrpo.comparison.runs import ITER_FILES, SUMMARY, discover
+from tpgrpo.errors import PipelineError
+
+MARKER = "ARCHIVE.json"
+ROOT_FILES = ("commands.txt", "equal_wall.json", "code/SNAPSHOT.json")
+RUN_FILES = ("run.json", "params.yaml", str(SUMMARY), "data/iters/baseline_eval.json",
+             "data/iters/baseline_eval.parquet")
+ITERATION_FILES = (*ITER_FILES, "probe.json")  # what finishes an iteration, and the probe log where there is one
+
+
+def is_archive(root: Path) -> bool:
+    return (Path(root) / MARKER).is_file()
+
+
+def refuse_archive(root: Path) -> None:
+    """One-line error where a command would train in an archive (it has no model, data or code)."""
+    if is_archive(root):
+        raise PipelineError(f"{root}: an archive of a comparison ({MARKER}): results only, nothing can be trained "
+                            "there; train in the original root or a new one")
+
+
+def archived_files(root: Path) -> list[Path]:
+    """The files of ``root`` (relative paths) an archive keeps: see the module docstring."""
+    root = Path(root)
+    files = [Path(f) for f in ROOT_FILES if (root / f).is_file()]
+    for run in discover(root):
+        folder = Path(run["folder"])
+        rel = folder.relative_to(root)
+        files += [rel / f for f in RUN_FILES if (folder / f).is_file()]
+        for iteration in sorted((folder / "data" / "iters").glob("[0-9][0-9][0-9][0-9]")):
+            files += [rel / iteration.relative_to(folder) / f for f in ITERATION_FILES if (iteration / f).is_file()]
+    return files
+
+
+def write_archive(root: Path, dest: Path) -> dict:
+    """Copy ``root``'s result files to ``dest`` (replaced whole, through a temporary sibling, so a failed copy
+    leaves no half archive); returns the ``ARCHIVE.json`` record (source, time, runs, files, bytes)."""
+    from tpgrpo.io.artifacts import atomic_path
+
+    root, dest = Path(root), Path(dest)
+    if is_archive(root):
+        raise PipelineError(f"{root}: already an archive; copy the folder instead")
+    runs = discover(root)
+    if not runs:
+        raise PipelineError(f"{root}: no run folders (*/seed*/run.json): nothing to archive")
+    if dest.resolve() == root.resolve() or root.resolve() in dest.resolve().parents:
+        raise PipelineError(f"--to {dest}: inside the comparison root {root}; choose a folder outside it")
+    files = archived_files(root)
+    with atomic_path(dest) as tmp:
+        for rel in files:
+            (tmp / rel).parent.mkdir(parents=True, exist_ok=True)
+            shutil.copy2(root / rel, tmp / rel)
+        record = {"source": str(root), "time": time.strftime("%Y-%m-%d %H:%M:%S"), "runs": len(runs),
+                  "files": len(files), "bytes": sum((tmp / rel).stat().st_size for rel in files)}
+        (tmp / MARKER).write_text(json.dumps(record, indent=2, sort_keys=True) + "\n")
+    return record
+
+
+def archived_iterations(folder: Path) -> int:
+    """Iterations 1..k of an archived run whose result files are all there (its policies are not kept, so
+    ``comparison.run_state`` would call every archived run new)."""
+    done = 0
+    while all((Path(folder) / "data" / "iters" / f"{done + 1:04d}" / f).is_file() for f in ITER_FILES):
+        done += 1
+    return done

@@ -1,0 +1,322 @@
+"""The comparison's report: Markdown plus PNG figures, drawn from the stored run folders only.
+
+``write_report([OUT, ...], docs/replication.md)`` collects each comparison root (:func:`collect`), draws its
+figures into ``docs/replication/`` and writes one Markdown page with a section per root. Figures follow
+:mod:`tpgrpo.reports.plots`: matplotlib imported lazily, the Agg canvas, a fixed pixel size, atomic writes.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Sequence
+
+import numpy as np
+import pandas as pd
+
+from tpgrpo.io.artifacts import atomic_path
+from tpgrpo.comparison.runs import discover, equal_wall_records
+from tpgrpo.comparison.archive import MARKER as ARCHIVE_MARKER
+from tpgrpo.comparison.results import LEVEL, N_BOOT, collect
+from tpgrpo.reports.plots import _new_figure, _save
+
+FIGURES = ("reward_vs_iteration.png", "reward_vs_wall.png", "paired_differences.png", "tp_rate_per_step.png")
+ABLATION_FIGURE = "ablations_vs_iteration.png"
+METRICS = (("eval_reward", "held-out reward"), ("strict_accuracy", "strict accuracy"))
+
+
+def seed_band(curves: pd.DataFrame, variant: str, column: str) -> pd.DataFrame:
+    """Per iteration of ``variant``: mean, min and max of ``column`` over training seeds, and the mean
+    cumulative training seconds (the wall-clock x). Iterations without an evaluation are dropped; an
+    iteration counts only where every seed has it."""
+    rows = curves[curves["variant"] == variant].dropna(subset=[column])
+    seeds = rows["seed"].nunique()
+    g = rows.groupby("iteration")
+    band = pd.DataFrame({"mean": g[column].mean(), "lo": g[column].min(), "hi": g[column].max(),
+                         "seconds": g["cum_seconds"].mean(), "n": g["seed"].nunique()})
+    return band[band["n"] == seeds].reset_index()
+
+
+def reward_figure(curves: pd.DataFrame, variants: Sequence[str], path: Path, x: str = "iteration",
+                  figsize=(10.0, 3.8), dpi: int = 100):
+    """Held-out reward and strict accuracy of each variant against ``x`` (``iteration`` or ``seconds``):
+    the mean over training seeds as a line, the min-max over seeds as a band. Returns the Figure."""
+    fig = _new_figure(figsize, dpi)
+    colours = {v: f"C{i}" for i, v in enumerate(variants)}
+    for ax, (column, name) in zip(fig.subplots(1, 2), METRICS):
+        for v in variants:
+            band = seed_band(curves, v, column)
+            if band.empty:
+                continue
+            xs = band["iteration"] if x == "iteration" else band["seconds"]
+            ax.plot(xs, band["mean"], marker="o", markersize=3, color=colours[v],
+                    label=f"{v} ({band['n'].iloc[0]} seeds)")
+            ax.fill_between(xs, band["lo"], band["hi"], color=colours[v], alpha=0.18, linewidth=0)
+        if x == "iteration":
+            from matplotlib.ticker import MaxNLocator
+
+            ax.xaxis.set_major_locator(MaxNLocator(integer=True))
+        xlabel = "iteration (0 = base model)" if x == "iteration" else "training seconds (mean over seeds)"
+        ax.set(xlabel=xlabel, ylabel=name, title=f"{name} vs {'iteration' if x == 'iteration' else 'wall clock'}")
+        ax.grid(alpha=0.3)
+        ax.legend(loc="best", fontsize="x-small")
+    fig.suptitle("line: mean over training seeds; band: their min to max", fontsize="small")
+    _save(fig, path)
+    return fig
+
+
+def pair_label(row) -> str:
+    where = "equal wall" if row["kind"] == "equal_wall" else f"iter {row['iteration_a']}"
+    return f"{row['a']} - {row['b']} ({where})"
+
+
+def differences_figure(pairs: pd.DataFrame, path: Path, dpi: int = 100):
+    """Forest plot: each computed pair's mean held-out reward difference with its bootstrap interval, a
+    line at 0. Returns the Figure (or None with nothing to draw)."""
+    rows = pairs[np.isfinite(pairs["reward_diff"].astype(float))]
+    if rows.empty:
+        return None
+    fig = _new_figure((8.0, 1.0 + 0.42 * len(rows)), dpi)
+    ax = fig.subplots()
+    ys = np.arange(len(rows))[::-1]
+    diff, lo, hi = (rows[c].to_numpy(dtype=float) for c in ("reward_diff", "reward_lo", "reward_hi"))
+    seed_lo, seed_hi = (rows[c].to_numpy(dtype=float) for c in ("reward_seed_lo", "reward_seed_hi"))
+    ax.errorbar(diff, ys, xerr=[diff - seed_lo, seed_hi - diff], fmt="none", color="tab:orange", capsize=5,
+                linewidth=1.0, label="over seeds and prompts")
+    ax.errorbar(diff, ys, xerr=[diff - lo, hi - diff], fmt="o", color="tab:blue", capsize=3, linewidth=2.0,
+                label="over prompts")
+    ax.legend(fontsize=8, loc="best")
+    ax.axvline(0.0, color="black", linewidth=0.8)
+    ax.set_yticks(ys, labels=[pair_label(r) for _, r in rows.iterrows()], fontsize=8)
+    ax.set(xlabel=f"held-out reward difference A - B ({LEVEL:.0%} bootstrap intervals)",
+           title="paired differences (seeds pooled per image)")
+    ax.grid(alpha=0.3, axis="x")
+    _save(fig, path)
+    return fig
+
+
+def tp_rate_figure(tp_rates: pd.DataFrame, path: Path, dpi: int = 100):
+    """Where turning points fall: per main variant that has any, a heat map of the rate by window step
+    (rows) and iteration (columns), mean over seeds; a last panel with each variant's rate per step (mean
+    over iterations and seeds). Returns the Figure (or None without turning points)."""
+    from matplotlib.ticker import MaxNLocator
+
+    main = tp_rates[tp_rates["family"] == "main"]
+    variants = [v for v, g in main.groupby("variant", sort=True) if g["tp_rate"].max() > 0]
+    if not variants:
+        return None
+    fig = _new_figure((4.2 * (len(variants) + 1) + 0.8, 3.6), dpi)
+    axes = np.atleast_1d(fig.subplots(1, len(variants) + 1))
+    grids = {v: main[main["variant"] == v].pivot_table(index="step", columns="iteration", values="tp_rate",
+                                                        aggfunc="mean") for v in variants}
+    vmax = max(max(float(g.to_numpy().max()) for g in grids.values()), 1e-9)
+    for ax, (v, grid) in zip(axes, grids.items()):
+        cols, rows = grid.columns.to_numpy(), grid.index.to_numpy()
+        image = ax.imshow(grid.to_numpy(dtype=float), aspect="auto", cmap="viridis", vmin=0.0, vmax=vmax,
+                          interpolation="nearest",
+                          extent=(cols.min() - 0.5, cols.max() + 0.5, rows.max() + 0.5, rows.min() - 0.5))
+        ax.set(xlabel="iteration", ylabel="window step k", title=f"{v} (mean over seeds)")
+        ax.xaxis.set_major_locator(MaxNLocator(integer=True))
+        ax.yaxis.set_major_locator(MaxNLocator(integer=True))
+    fig.colorbar(image, ax=list(axes[:-1]), label="turning-point rate")
+    last = axes[-1]
+    for i, (v, grid) in enumerate(grids.items()):
+        last.plot(grid.index, grid.mean(axis=1), marker="o", color=f"C{i}", label=v)
+    last.set(xlabel="window step k", ylabel="turning-point rate", title="per step, mean over iterations")
+    last.xaxis.set_major_locator(MaxNLocator(integer=True))
+    last.grid(alpha=0.3)
+    last.legend(loc="best", fontsize="x-small")
+    _save(fig, path)
+    return fig
+
+
+def _ci(row, name: str = "reward") -> str:
+    d, lo, hi = (row.get(f"{name}_{k}") for k in ("diff", "lo", "hi"))
+    if d is None or not np.isfinite(float(d)):
+        return "-"
+    return f"{float(d):+.4f} [{float(lo):+.4f}, {float(hi):+.4f}]"
+
+
+def _table(header: Sequence[str], rows: Sequence[Sequence]) -> list[str]:
+    return ["| " + " | ".join(header) + " |", "|" + "---|" * len(header),
+            *("| " + " | ".join(str(c) for c in r) + " |" for r in rows)]
+
+
+def setup_table(runs: list[dict], curves: pd.DataFrame) -> list[str]:
+    rows = []
+    for v in dict.fromkeys(r["variant"] for r in runs):
+        group = [r for r in runs if r["variant"] == v]
+        trained = curves[(curves["variant"] == v) & (curves["iteration"] > 0)]
+        seconds, kl = trained["train_seconds"], trained["approx_kl"].dropna()
+        over = ", ".join(f"{k}={val}" for k, val in sorted(group[0]["overrides"].items())) or "-"
+        planned = sorted({int(r["params"]["train"]["iterations"]) for r in group})
+        done = curves[curves["variant"] == v].groupby("seed")["iteration"].max()
+        rows.append((v, group[0]["mode"], over, ",".join(str(r["seed"]) for r in group), group[0]["budget"],
+                     "/".join(map(str, planned)), ",".join(str(int(d)) for d in done) or "0",
+                     f"{seconds.mean():.1f}" if len(seconds) else "-", f"{kl.mean():.2e}" if len(kl) else "-"))
+    # approx KL: the update's own estimate between the policy before and after it, mean over iterations and
+    # seeds; the step size each mode actually took (Flow-GRPO's copied reward pushes harder at the same lr)
+    return _table(("variant", "credit.mode", "overrides", "seeds", "budget", "iterations planned",
+                   "done (per seed)", "train s / iteration", "approx KL / iteration"), rows)
+
+
+def final_table(runs: list[dict], curves: pd.DataFrame) -> list[str]:
+    rows = []
+    for v in dict.fromkeys(r["variant"] for r in runs):
+        budget = min(int(r["budget"]) for r in runs if r["variant"] == v)
+        band = {c: seed_band(curves, v, c) for c, _ in METRICS}
+        b = band["eval_reward"][band["eval_reward"]["iteration"] <= budget]
+        if b.empty:
+            continue
+        last, s = b.iloc[-1], band["strict_accuracy"].set_index("iteration").loc[b.iloc[-1]["iteration"]]
+        base = b.iloc[0] if b.iloc[0]["iteration"] == 0 else None
+        rows.append((v, int(last["iteration"]), f"{last['mean']:.4f} ({last['lo']:.4f}-{last['hi']:.4f})",
+                     f"{s['mean']:.4f}", "-" if base is None else f"{base['mean']:.4f}", int(last["n"])))
+    return _table(("variant", "iteration", "held-out reward mean (min-max over seeds)", "strict accuracy",
+                   "base model", "seeds"), rows)
+
+
+def pairs_table(pairs: pd.DataFrame) -> list[str]:
+    rows = [(r["set"], f"{r['a']} - {r['b']}", r["kind"], f"{r['iteration_a']} vs {r['iteration_b']}",
+             f"{r['seconds_a']:.0f} vs {r['seconds_b']:.0f}", r["seeds"], _ci(r), _seed_ci(r),
+             r["per_seed_reward_diff"], _ci(r, "strict"))
+            for _, r in pairs.iterrows() if np.isfinite(float(r["reward_diff"]))]
+    return _table(("set", "A - B", "kind", "iterations", "train seconds", "seeds",
+                   f"reward diff [{LEVEL:.0%} CI over prompts]", "[CI over seeds and prompts]", "per seed",
+                   "strict accuracy diff [CI over prompts]"), rows)
+
+
+def _seed_ci(row) -> str:
+    lo, hi = row.get("reward_seed_lo"), row.get("reward_seed_hi")
+    return "-" if lo is None or not np.isfinite(float(lo)) else f"[{float(lo):+.4f}, {float(hi):+.4f}]"
+
+
+def _claim_note(row) -> str:
+    only = row.get("verdict_prompts_only")
+    parts = [f"per seed: {row['per_seed_reward_diff']}" if isinstance(row.get("per_seed_reward_diff"), str) else "",
+             f"over prompts only: {only}" if isinstance(only, str) and only != row["verdict"] else "",
+             row.get("note") if isinstance(row.get("note"), str) else ""]
+    return "; ".join(p for p in parts if p)
+
+
+def claims_table(claims: pd.DataFrame) -> list[str]:
+    rows = [(r["claim"], r["paper"], f"{r['a']} vs {r['b']} ({r['kind']})", _ci(r), _seed_ci(r),
+             f"**{r['verdict']}**", _claim_note(r)) for _, r in claims.iterrows()]
+    return _table(("claim", "paper", "comparison", "held-out reward diff [CI over prompts]",
+                   "[CI over seeds and prompts]", "verdict", "note"), rows)
+
+
+def method_text(n_boot: int = N_BOOT) -> str:
+    """The report's method section (how every number is computed)."""
+    return f"""\
+- **Paired difference A - B** (held-out reward under `task.eval_reward`; strict accuracy alike): for the
+  training seeds both variants have, each run's per-image table `eval.parquet` (one row per held-out prompt
+  x eval seed; every run uses the same eval seeds) at the compared iteration; per image the mean over the
+  training seeds of A minus that of B; the mean over images, and a {LEVEL:.0%} percentile interval from
+  {n_boot:,} bootstrap resamples of whole prompts (each with all its eval seeds), `tpgrpo.comparison.stats.paired_bootstrap`.
+  That interval covers prompt and eval-noise sampling for these training seeds only. A second interval,
+  **over seeds and prompts** (`tpgrpo.comparison.stats.seed_prompt_bootstrap`), resamples the training seeds too (seed
+  s of A paired with seed s of B) in each of the same prompt draws; the per-seed mean differences are shown
+  beside both. With 3 seeds the seed draw sees at most 3 values, so even this interval understates the
+  spread between training seeds; it does not overstate it.
+- **Iteration**: both at the last iteration evaluated in every run of both within the iteration budget.
+  **Equal wall**: A at that iteration i, B (flow_grpo, given extra iterations by the equal-wall pass) at its
+  evaluated iteration nearest i x (A's / B's mean training seconds per iteration over the budget, all seeds):
+  the rate the pass planned with, not the seconds B's extra iterations recorded (those depend on what else
+  shared the machine then).
+- **Training seconds**: the sum of the rollout, probe, credit and update stages' own `wall_seconds` (eval and
+  process start-up left out), cumulated over iterations; measured while the runs shared the machine as the
+  recorded command lines say (jobs x threads).
+- **Bands** in the curves: the line is the mean over training seeds, the band their minimum to maximum.
+- **Verdict** of a claim "A beats B" from the interval of A - B over seeds and prompts (the prompt-only
+  interval's verdict is in the note where it differs): *confirmed* if it excludes 0 on A's side,
+  *refuted* if it excludes 0 on B's side, else *not detectable*; *not run* where the runs are missing or the
+  reference does not have the paper's setting.
+- **Best learning rate** (with a sweep): per mode the rate with the highest training reward (rollout mean
+  over its last 3 iterations, mean over seeds), so the held-out set is not used to pick it. With a sweep
+  the claims table repeats the TP-vs-Flow-GRPO claims with each mode at its best rate (at equal wall clock
+  when that Flow-GRPO variant was given the extra iterations): Flow-GRPO copies the final reward to every
+  window step, so one learning rate gives it a stronger update than per-step credit gets.
+"""
+
+
+def _label(out: Path) -> str:
+    return "".join(c if c.isalnum() or c in "-_." else "_" for c in Path(out).resolve().name)
+
+
+def draw_figures(tables: dict, runs: list[dict], fig_dir: Path, label: str) -> list[Path]:
+    """The root's figures in ``fig_dir`` (names prefixed with ``label``); returns the ones drawn."""
+    curves, drawn = tables["curves"], []
+    main = list(dict.fromkeys(r["variant"] for r in runs if r["family"] == "main"))
+    jobs = [(FIGURES[0], lambda p: reward_figure(curves, main, p, "iteration")),
+            (FIGURES[1], lambda p: reward_figure(curves, main, p, "seconds")),
+            (FIGURES[2], lambda p: differences_figure(tables["pairs"], p)),
+            (FIGURES[3], lambda p: tp_rate_figure(tables["tp_rates"], p))]
+    ablations = [r for r in runs if r["family"] == "ablation"]
+    if ablations:
+        seeds = {r["seed"] for r in ablations}
+        names = list(dict.fromkeys([*(r["reference"] for r in ablations), *(r["variant"] for r in ablations)]))
+        subset = curves[curves["seed"].isin(seeds)]
+        jobs.append((ABLATION_FIGURE, lambda p: reward_figure(subset, names, p, "iteration")))
+    for name, draw in jobs:
+        path = fig_dir / f"{label}-{name}"
+        if draw(path) is not None:
+            drawn.append(path)
+    return drawn
+
+
+def section(out: Path, fig_dir: Path, md_dir: Path, n_boot: int = N_BOOT) -> list[str]:
+    """The Markdown section of one comparison root (and its figures)."""
+    import os
+
+    out = Path(out)
+    tables, runs = collect(out, n_boot), discover(out)
+    label = _label(out)
+    task = runs[0]["params"]["task"]
+    lines = [f"## `{out}`: training reward `{task['reward']}`"
+             + (f", held-out reward `{task['eval_reward']}`" if task["eval_reward"] != "geneval" else ""), ""]
+    if not (tables["curves"]["strict_accuracy"].fillna(0) != 0).any():
+        # e.g. jpeg_compressibility: no strict result is defined, so every strict column would read 0
+        lines += [f"No held-out image of any run is strictly right under `{task['eval_reward']}` (it may define "
+                  "no strict result): the strict-accuracy columns below say nothing.", ""]
+    commands = (out / "commands.txt").read_text().splitlines() if (out / "commands.txt").is_file() else []
+    snap = out / "code" / "SNAPSHOT.json"
+    snapshot = json.loads(snap.read_text()) if snap.is_file() else {}
+    if (out / ARCHIVE_MARKER).is_file():
+        a = json.loads((out / ARCHIVE_MARKER).read_text())
+        lines += [f"Read from an archive of `{a['source']}` made {a['time']} (`bench/compare_modes.py archive`: the "
+                  f"runs' result files only, {a['runs']} runs, {a['bytes'] / 1e6:.2f} MB).", ""]
+    if commands:
+        lines += ["Built by:", "", "```", *commands, "```", ""]
+    if snapshot:
+        changed = len(snapshot.get("changed_files", []))
+        lines += [f"Code: commit `{snapshot.get('commit', '?')[:12]}`"
+                  + (f" with {changed} changed files" if changed else "")
+                  + f", snapshot taken {snapshot.get('time', '?')}.", ""]
+    for w in equal_wall_records(out):
+        lines += [f"Equal wall clock: {w['reference']} took {w['reference_s_per_iter']} s per iteration, {w['target']} "
+                  f"{w['target_s_per_iter']} s (ratio {w['ratio']}), so {w['target']} ran {w['iterations']} iterations "
+                  f"instead of {w['budget']}." + (f" {w['note']}" if w.get("note") else ""), ""]
+    lines += ["### Runs", "", *setup_table(runs, tables["curves"]), "", "### Held-out reward at the last evaluated "
+              "iteration", "", *final_table(runs, tables["curves"]), "", "### Figures", ""]
+    for path in draw_figures(tables, runs, fig_dir, label):
+        lines += [f"![{path.stem}]({os.path.relpath(path, md_dir)})", ""]
+    lines += ["### Paired differences", "", *pairs_table(tables["pairs"]), "", "### The paper's claims", "",
+              *claims_table(tables["claims"]), ""]
+    return lines
+
+
+def write_report(roots: Sequence[Path], md_path: Path, command: str = "", n_boot: int = N_BOOT) -> Path:
+    """Write ``md_path`` and its figures (folder ``md_path`` without suffix) for the comparison roots."""
+    md_path = Path(md_path)
+    fig_dir = md_path.with_suffix("")
+    fig_dir.mkdir(parents=True, exist_ok=True)
+    lines = ["# Replication: does turning-point credit pay off?", "",
+             "Generated from the stored runs only" + (f" by `{command}`" if command else "") + "; every number and "
+             "figure below is recomputed from the run folders named in each section.", "",
+             "## How the numbers are made", "", method_text(n_boot)]
+    for root in roots:
+        lines += section(Path(root), fig_dir, md_path.parent, n_boot)
+    with atomic_path(md_path) as tmp:
+        tmp.write_text("\n".join(lines).rstrip() + "\n")
+    return md_path

@@ -1,0 +1,1 @@
+"""Artifacts on disk and their schemas: Zarr trajectories, Parquet tables, embeddings, atomic writes."""

@@ -1,0 +1,260 @@
+"""Where each iteration's artifacts live, writing them atomically (temp path, then rename), and reading
+them back checked against their schemas (:mod:`tpgrpo.io.schemas`).
+
+Iterations are numbered 1..N; policy 0 is the base model. Layout under the project root::
+
+    data/iters/0003/trajectories.zarr   rollout: latents, log-probs, sigmas, seeds
+    data/iters/0003/prompt_embeds.safetensors  rollout: the iteration's prompt embeddings (probe/update read them)
+    data/iters/0003/rollout.json        rollout metrics
+    data/iters/0003/probe.parquet       probe: one row per (trajectory, step)
+    data/iters/0003/credit.parquet      credit: one row per (trajectory, window step)
+    data/iters/0003/policy/             update: policy 3 (LoRA adapter + optimizer state), what iteration 4 samples from
+    data/iters/0003/eval.json           eval metrics
+    data/iters/summary_log.json         the summary stage's seconds (a log, like the stage JSONs)
+    data/code/<kind>.json               the code stage: md5 of each file a kind of stage runs (its dependency)
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import uuid
+from contextlib import contextmanager
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Iterator
+
+from tpgrpo.errors import PipelineError
+from tpgrpo.io.schemas import (TRAJECTORY_ARRAYS, ArtifactError, TableSchema, check_embeddings, check_table,
+                            check_trajectories, conform_arrays)
+
+
+@dataclass(frozen=True)
+class IterationPaths:
+    """Paths of one iteration's artifacts."""
+
+    root: Path
+    iteration: int
+
+    @property
+    def folder(self) -> Path:
+        return self.root / "data" / "iters" / f"{self.iteration:04d}"
+
+    def _file(self, name: str) -> Path:
+        return self.folder / name
+
+    trajectories = property(lambda self: self._file("trajectories.zarr"))
+    prompt_embeds = property(lambda self: self._file("prompt_embeds.safetensors"))
+    rollout_metrics = property(lambda self: self._file("rollout.json"))
+    probe = property(lambda self: self._file("probe.parquet"))
+    probe_metrics = property(lambda self: self._file("probe.json"))
+    credit = property(lambda self: self._file("credit.parquet"))
+    credit_metrics = property(lambda self: self._file("credit.json"))
+    policy = property(lambda self: self._file("policy"))
+    update_metrics = property(lambda self: self._file("update.json"))
+    eval_metrics = property(lambda self: self._file("eval.json"))
+
+    def previous(self) -> "IterationPaths | None":
+        return IterationPaths(self.root, self.iteration - 1) if self.iteration > 1 else None
+
+
+def require(path: Path, what: str) -> Path:
+    """Fail with one line if an input artifact is missing (e.g. a stage run out of order)."""
+    if not path.exists():
+        raise PipelineError(f"missing input {path} ({what})")
+    return path
+
+
+def _temp_sibling(path: Path) -> Path:
+    return path.with_name(f".{path.name}.tmp-{uuid.uuid4().hex[:8]}")
+
+
+@contextmanager
+def atomic_path(path: Path) -> Iterator[Path]:
+    """Yield a temporary sibling of ``path`` to write into; on success replace ``path`` with it.
+
+    On any error the temporary file or folder is removed and ``path`` is left as it was, so a killed or
+    failed stage never leaves a half-written artifact under the final name.
+    """
+    path.parent.mkdir(parents=True, exist_ok=True)
+    for stale in path.parent.glob(f".{path.name}.tmp-*"):  # left behind by a killed run
+        shutil.rmtree(stale) if stale.is_dir() else stale.unlink()
+    tmp = _temp_sibling(path)
+    try:
+        yield tmp
+        if path.is_dir():
+            shutil.rmtree(path)
+        elif path.exists():
+            path.unlink()
+        os.replace(tmp, path)
+    finally:
+        if tmp.is_dir():
+            shutil.rmtree(tmp, ignore_errors=True)
+        elif tmp.exists():
+            tmp.unlink()
+
+
+def write_json(path: Path, payload: dict[str, Any]) -> None:
+    """Write ``payload`` as sorted, indented JSON, atomically."""
+    with atomic_path(path) as tmp:
+        tmp.write_text(json.dumps(payload, indent=2, sort_keys=True) + "\n")
+
+
+def _first_line(exc: BaseException) -> str:
+    text = str(exc).strip()
+    return text.splitlines()[0] if text else type(exc).__name__
+
+
+def read_json(path: Path, what: str) -> dict[str, Any]:
+    try:
+        return json.loads(require(path, what).read_text())
+    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+        raise ArtifactError(f"{path}: not readable JSON ({_first_line(exc)})") from None
+
+
+def write_table(path: Path, frame, schema: TableSchema, metadata: dict[str, str], **structure) -> None:
+    """Write a pandas DataFrame that follows ``schema`` (checked, exactly its columns) to Parquet atomically,
+    with ``metadata`` in the Parquet schema. ``structure``: ``trajectories`` / ``steps`` / ``expect`` as in
+    :func:`tpgrpo.io.schemas.check_table`.
+
+    Nothing time-dependent goes in, so two runs with the same params give byte-identical files.
+    """
+    write_parquet(path, check_table(frame, schema, f"{path} (being written)", exact=True, **structure), metadata)
+
+
+def write_parquet(path: Path, frame, metadata: dict[str, str]) -> None:
+    """Write a DataFrame to Parquet atomically, with ``metadata`` (as ``tpgrpo.<key>``) in the schema.
+    Tables with a schema go through :func:`write_table`."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    table = pa.Table.from_pandas(frame, preserve_index=False)
+    meta = dict(table.schema.metadata or {})
+    meta.update({f"tpgrpo.{k}".encode(): str(v).encode() for k, v in metadata.items()})
+    with atomic_path(path) as tmp:
+        pq.write_table(table.replace_schema_metadata(meta), tmp)
+
+
+def read_table(path: Path, schema: TableSchema, what: str, **structure):
+    """Read a Parquet table and check it against ``schema`` (see :func:`tpgrpo.io.schemas.check_table`):
+    a missing, unreadable or non-conforming file is one :class:`ArtifactError` line naming it."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    try:
+        table = pq.read_table(require(path, what))
+    except (pa.ArrowException, OSError, ValueError) as exc:
+        reason = _first_line(exc).replace(f"Could not open Parquet input source '{path}': ", "")
+        raise ArtifactError(f"{path}: not a readable Parquet file ({reason})") from None
+    return check_table(table.to_pandas(), schema, str(path), **structure)
+
+
+def write_zarr(path: Path, arrays: dict, attrs: dict) -> None:
+    """Write the trajectory store atomically after checking it against its schema; each array gets its
+    dimension names and meaning as attributes."""
+    import zarr
+
+    check_trajectories(arrays, attrs, f"{path} (being written)")
+    arrays = conform_arrays(arrays)
+    docs = {spec.name: spec for spec in TRAJECTORY_ARRAYS}
+    with atomic_path(path) as tmp:
+        group = zarr.open_group(str(tmp), mode="w")
+        for name, data in arrays.items():
+            chunks = (min(64, data.shape[0]),) + data.shape[1:]
+            arr = group.create_array(name, data=data, chunks=chunks)
+            arr.attrs.update({"dims": list(docs[name].dims), "meaning": docs[name].meaning})
+        group.attrs.update(attrs)
+
+
+def read_trajectories(path: Path, lazy: tuple[str, ...] = ()) -> tuple[dict, dict]:
+    """The arrays of a ``trajectories.zarr`` as numpy (those named in ``lazy`` as zarr arrays, read when
+    sliced) and its attributes, checked against the schema (one :class:`ArtifactError` line if not)."""
+    import zarr
+
+    require(path, "trajectories.zarr: run the rollout stage first")
+    try:  # any failure of the reader on a damaged store is reported as such, with the reader's reason
+        group = zarr.open_group(str(path), mode="r")
+        arrays = {name: arr if name in lazy else arr[:] for name, arr in group.arrays()}
+        attrs = dict(group.attrs)
+    except Exception as exc:  # noqa: BLE001
+        raise ArtifactError(f"{path}: not a readable Zarr group ({_first_line(exc)})") from None
+    check_trajectories(arrays, attrs, str(path), loaded=tuple(n for n in arrays if n not in lazy))
+    return arrays, attrs
+
+
+_SAFETENSORS_DTYPES = {"float64": "F64", "float32": "F32", "float16": "F16", "bfloat16": "BF16", "int64": "I64",
+                       "int32": "I32", "int16": "I16", "int8": "I8", "uint8": "U8", "bool": "BOOL",
+                       "float8_e4m3fn": "F8_E4M3", "float8_e5m2": "F8_E5M2"}
+
+
+def save_safetensors(tensors: dict, path: Path, metadata: dict[str, str] | None = None) -> None:
+    """Write ``tensors`` in the safetensors format, byte-identical for identical inputs in any process.
+
+    ``safetensors.torch.save_file`` serialises its header from a Rust hash map, whose order (of the
+    metadata, and so the bytes) changes from process to process; DVC would then see a changed output.
+    Here the header is JSON with sorted keys: 8-byte little-endian header length, the header (padded with
+    spaces to a multiple of 8), then each tensor's raw little-endian bytes, larger item sizes first, then
+    by name (so every tensor's offset is a multiple of its item size), with no holes.
+    """
+    import struct
+    import sys
+
+    import torch
+
+    if sys.byteorder != "little":  # the format stores little-endian bytes; raw tensor memory is native
+        raise NotImplementedError("save_safetensors writes native bytes: a little-endian machine is needed")
+    cpu = {name: t.detach().cpu().contiguous() for name, t in tensors.items()}
+    header: dict[str, Any] = {"__metadata__": dict(metadata)} if metadata else {}
+    chunks, offset = [], 0
+    for name in sorted(cpu, key=lambda n: (-cpu[n].element_size(), n)):
+        t = cpu[name]
+        dtype = _SAFETENSORS_DTYPES.get(str(t.dtype).removeprefix("torch."))
+        if dtype is None:
+            raise ValueError(f"tensor {name!r}: dtype {t.dtype} has no safetensors code here")
+        data = t.reshape(-1).view(torch.uint8).numpy().tobytes() if t.numel() else b""
+        header[name] = {"dtype": dtype, "shape": list(t.shape), "data_offsets": [offset, offset + len(data)]}
+        chunks.append(data)
+        offset += len(data)
+    text = json.dumps(header, sort_keys=True, separators=(",", ":")).encode()
+    text += b" " * (-len(text) % 8)
+    with open(path, "wb") as f:
+        f.write(struct.pack("<Q", len(text)) + text)
+        for data in chunks:
+            f.write(data)
+
+
+def canonicalize_safetensors(path: Path) -> None:
+    """Rewrite a safetensors file (e.g. one a library wrote) with :func:`save_safetensors`: same tensors and
+    metadata, deterministic bytes."""
+    from safetensors import safe_open
+
+    with safe_open(str(path), framework="pt", device="cpu") as f:
+        metadata = f.metadata()
+        tensors = {name: f.get_tensor(name) for name in f.keys()}
+    save_safetensors(tensors, path, metadata)
+
+
+def write_embeddings(path: Path, tensors: dict, metadata: dict[str, str]) -> None:
+    """Write prompt embeddings (``{field: tensor (P, ...)}``) and their metadata, checked, atomically."""
+    check_embeddings({k: tuple(t.shape) for k, t in tensors.items()}, metadata, f"{path} (being written)")
+    with atomic_path(path) as tmp:
+        save_safetensors(tensors, tmp, metadata)
+
+
+def read_embeddings(path: Path, key: dict[str, str]) -> dict | None:
+    """The tensors of a prompt-embeddings file (on the CPU) when its metadata equals ``key``, else None.
+    A file that is unreadable or does not follow the schema is one :class:`ArtifactError` line."""
+    from safetensors import safe_open
+
+    try:  # any failure of the reader on a damaged file is reported as such
+        with safe_open(str(path), framework="pt", device="cpu") as f:
+            metadata = f.metadata() or {}
+            check_embeddings({k: tuple(f.get_slice(k).get_shape()) for k in f.keys()}, metadata, str(path))
+            if metadata != key:
+                return None
+            return {name: f.get_tensor(name) for name in f.keys()}
+    except ArtifactError:
+        raise
+    except Exception as exc:  # noqa: BLE001
+        raise ArtifactError(f"{path}: not a readable safetensors file ({_first_line(exc)})") from None

@@ -1,0 +1,242 @@
+"""Render ``dvc.yaml`` from ``params.yaml``: the four stages (plus eval) once per iteration.
+
+DVC's ``foreach`` cannot do arithmetic (iteration i needs iteration i - 1's policy), so the iteration
+list is written out here; ``tpgrpo run`` re-renders it before ``dvc repro``, so raising
+``train.iterations`` adds stages and DVC runs only the new ones. Each stage lists exactly the params it
+reads (a test checks this against the code) and its code, through its kind's manifest written by the
+``code`` stage (:mod:`tpgrpo.pipeline.code_manifest`).
+"""
+
+from __future__ import annotations
+
+import shlex
+from pathlib import Path
+
+import yaml
+
+from tpgrpo.pipeline.code_manifest import code_deps, code_stage, uses_code_files
+from tpgrpo.config import Config, ConfigError
+from tpgrpo.reports.figures import figure_names
+from tpgrpo.pipeline.blocks import Block, full_blocks, read_lock, sealed_outs
+
+REWARD_PARAMS = ["reward_models", "remote_reward"]  # read by every stage that scores images
+
+# The params each stage reads (DVC re-runs a stage when one of these changes). No stage reads `launch`:
+# the process count never changes an artifact (nor the config hash artifacts carry); the CLI reads
+# launch.timeout_s and the commands below carry launch.num_processes / launch.config_file.
+STAGE_PARAMS = {
+    "rollout": ["model", "task.train_prompts", "task.reward", "sampling", "rollout", "probe.completion",
+                "update.lora_rank", "update.lora_alpha", "train.seed", *REWARD_PARAMS],
+    "probe": ["model", "probe", "update.lora_rank", "update.lora_alpha", "train.seed",
+              *REWARD_PARAMS],
+    "credit": ["credit"],
+    "update": ["model", "update", "train.seed"],
+    "eval": ["model", "task", "sampling", "eval", "rollout.batch_size", "update.lora_rank",
+             "update.lora_alpha", "update.ema", "train.seed", *REWARD_PARAMS],
+    "baseline": ["model", "task", "sampling", "eval", "rollout.batch_size", "update.lora_rank",
+                 "update.lora_alpha", *REWARD_PARAMS],
+    "summary": ["model", "task.eval_prompts", "sampling", "eval", "rollout.batch_size", "update.lora_rank",
+                "update.lora_alpha", "credit.mode", "train.iterations"],
+}
+STAGE_LOGS = ("rollout", "probe", "credit", "update", "eval")  # each writes data/iters/NNNN/<stage>.json
+# Stages that run on launch.num_processes processes (`accelerate launch`); credit and summary stay single.
+MULTI_PROCESS_STAGES = ("rollout", "probe", "update", "eval", "baseline")
+HEADER = ("# Generated from params.yaml by `tpgrpo dvc-yaml` (`tpgrpo run` does it before `dvc repro`).\n"
+          "# Edit params.yaml, not this file.\n")
+
+
+def iterations(cfg: Config) -> range:
+    """The run's iterations, 1..train.iterations: iteration i samples from policy i - 1 (policy 0 is the base
+    model) and its update writes policy i."""
+    return range(1, cfg.train.iterations + 1)
+
+
+def _iter_dir(i: int) -> str:
+    return f"data/iters/{i:04d}"
+
+
+def reward_folders(cfg: Config, *specs) -> list[str]:
+    """The configured local reward-model folders the given reward specs load."""
+    from tpgrpo.tasks.rewards import reward_folders as folders_of
+
+    return list(dict.fromkeys(f for spec in specs for f in folders_of(spec, cfg)))
+
+
+def _uncached(path: str) -> dict:
+    """A small output kept in git rather than in DVC's cache (tables and figures users read)."""
+    return {path: {"cache": False}}
+
+
+SUMMARY = "data/metrics/summary.json"
+GLANCE = ("held_out", "strict", "train_reward", "tp_rate", "approx_kl_x1e6", "seconds_per_iter")  # dvc metrics
+EVAL_CURVE = "data/metrics/eval_curve.csv"    # base model + every evaluated iteration
+TRAIN_CURVE = "data/metrics/train_curve.csv"  # one row per iteration
+# `dvc plots show`: named charts with chosen axes (top-level `plots:` in dvc.yaml).
+PLOTS = [
+    {"held_out_reward": {"title": "Held-out reward (eval reward, ODE at eval.num_steps)", "x": "iteration",
+                         "y": {EVAL_CURVE: ["eval_reward"]}, "x_label": "iteration (0 = base model)",
+                         "y_label": "reward"}},
+    {"held_out_strict_accuracy": {"title": "Held-out strict accuracy", "x": "iteration",
+                                  "y": {EVAL_CURVE: ["strict_accuracy"]}, "x_label": "iteration (0 = base model)",
+                                  "y_label": "strict accuracy"}},
+    {"train_reward": {"title": "Training reward of the rollout (policy i-1's samples)", "x": "iteration",
+                      "y": {TRAIN_CURVE: ["train_reward"]}, "y_label": "reward"}},
+    {"turning_point_rate": {"title": "Turning-point rate (share of window steps)", "x": "iteration",
+                            "y": {TRAIN_CURVE: ["turning_point_rate"]}, "y_label": "rate"}},
+    {"approx_kl": {"title": "Approx KL of the update (last pass)", "x": "iteration",
+                   "y": {TRAIN_CURVE: ["approx_kl_after"]}, "y_label": "approx KL"}},
+]
+
+
+def stage_command(cfg: Config, name: str, iteration: int | None = None) -> str:
+    """The shell command of one stage: ``tpgrpo stage NAME --iter I``, or for a model stage with
+    ``launch.num_processes`` > 1 or ``launch.config_file`` set the same under ``accelerate launch``."""
+    args = f"stage {name}" + ("" if iteration is None else f" --iter {iteration}")
+    launch = cfg.launch
+    if name not in MULTI_PROCESS_STAGES or (launch.num_processes == 1 and not launch.config_file):
+        return f"tpgrpo {args}"
+    if launch.config_file:
+        how = f"--config_file {shlex.quote(launch.config_file)}"
+    else:  # one machine: torchrun via --multi_gpu (gloo on the CPU), a free port so runs can share a machine
+        how = (f"--multi_gpu --num_machines 1 --num_processes {launch.num_processes} --mixed_precision no "
+               "--dynamo_backend no --main_process_port 0")
+    return f"accelerate launch {how} -m tpgrpo {args}"
+
+
+def iteration_stages(cfg: Config, i: int, manifests: bool = True) -> dict[str, dict]:
+    """The rollout, probe, credit, update and eval stages of iteration ``i``; each depends on its kind's
+    code manifest (``manifests`` False: on the code files, the layout of older projects)."""
+    d, prev = _iter_dir(i), [f"{_iter_dir(i - 1)}/policy"] if i > 1 else []  # policy 0 = the base model
+    cmd = lambda name: stage_command(cfg, name, i)  # noqa: E731
+    code = lambda kind: code_deps(kind, manifests)  # noqa: E731
+    model, scorers = [cfg.model.path], reward_folders(cfg, cfg.task.reward)
+    # Flow-GRPO's credit needs only R_fin, which the rollout has: no probe stage, credit reads the rollout.
+    flow_grpo = cfg.credit.mode == "flow_grpo"
+    credit_kind, credit_input = (("credit_from_rollout", f"{d}/trajectories.zarr") if flow_grpo
+                                 else ("credit", f"{d}/probe.parquet"))
+    stages: dict[str, dict] = {
+        f"rollout-{i:04d}": {
+            "cmd": cmd("rollout"), "params": STAGE_PARAMS["rollout"],
+            "deps": [*code("rollout"), *scorers, *model, cfg.task.train_prompts, *prev],
+            "outs": [f"{d}/trajectories.zarr", f"{d}/prompt_embeds.safetensors"]},
+        f"credit-{i:04d}": {
+            "cmd": cmd("credit"), "params": STAGE_PARAMS["credit"],
+            "deps": [*code(credit_kind), credit_input],
+            "outs": [f"{d}/credit.parquet"]},
+        f"update-{i:04d}": {
+            "cmd": cmd("update"), "params": STAGE_PARAMS["update"],
+            "deps": [*code("update"), *model, f"{d}/trajectories.zarr", f"{d}/prompt_embeds.safetensors", f"{d}/credit.parquet", *prev],
+            "outs": [f"{d}/policy"]},
+        f"eval-{i:04d}": {
+            "cmd": cmd("eval"), "params": STAGE_PARAMS["eval"],
+            "deps": [*code("eval"), *reward_folders(cfg, cfg.task.reward, cfg.task.eval_reward), *model,
+                     cfg.task.eval_prompts, f"{d}/policy"],
+            "outs": [_uncached(f"{d}/eval.parquet")]},
+    }
+    if not flow_grpo:
+        stages[f"probe-{i:04d}"] = {
+            "cmd": cmd("probe"), "params": STAGE_PARAMS["probe"],
+            "deps": [*code("probe"), *scorers, *model, f"{d}/trajectories.zarr", f"{d}/prompt_embeds.safetensors", *prev],
+            "outs": [f"{d}/probe.parquet"]}
+    order = ("rollout", "probe", "credit", "update", "eval")  # dvc.yaml reads in pipeline order
+    return {name: stages[name] for stem in order for name in stages if name.startswith(stem + "-")}
+
+
+def _out_path(out) -> str:
+    return next(iter(out)) if isinstance(out, dict) else out
+
+
+def _covered(key: str, keys: list[str]) -> bool:
+    return any(key.startswith(k + ".") for k in keys)
+
+
+def block_stage(cfg: Config, block: Block, outs: list[str] | None = None, manifests: bool = True) -> dict:
+    """One stage for a sealed block: the union of its iterations' params and of their deps from outside
+    the block, the block's artifacts (only ``outs`` when given: what retention kept) as outputs, and a
+    command that re-runs the block's stages in order (``tpgrpo block``)."""
+    inner = [st for i in block.iterations for st in iteration_stages(cfg, i, manifests).values()]
+    produced = {_out_path(o) for st in inner for o in st["outs"]}
+    params = list(dict.fromkeys(p for st in inner for p in st["params"]))
+    deps = dict.fromkeys(d for st in inner for d in st["deps"] if d not in produced)
+    all_outs = {_out_path(o): o for st in inner for o in st["outs"]}  # path -> entry, dvc.yaml order
+    kept = set(produced if outs is None else outs)
+    return {"cmd": f"tpgrpo block --first {block.first} --last {block.last}",
+            "params": [p for p in params if not _covered(p, params)], "deps": list(deps),
+            "outs": [o for path, o in all_outs.items() if path in kept]}
+
+
+def block_out_paths(cfg: Config, block: Block) -> list[str]:
+    """Every artifact path the block's stages write, in dvc.yaml order."""
+    return [_out_path(o) for o in block_stage(cfg, block)["outs"]]
+
+
+def render(cfg: Config, root: Path | None = None, upto: int | None = None) -> dict:
+    """The whole ``dvc.yaml`` as a mapping; blocks sealed under ``root`` appear as one stage each. With
+    ``upto`` < train.iterations: only iterations 1..upto and no summary (``tpgrpo run`` trains block by
+    block, sealing each before the next, so that DVC's dvc.lock, rewritten after every stage, stays small)."""
+    last = cfg.train.iterations if upto is None else upto
+    manifests = not (root and uses_code_files(read_lock(root)))  # an older project keeps its layout
+    stages: dict[str, dict] = {"code": code_stage()} if manifests else {}
+    stages["baseline"] = {
+        "cmd": stage_command(cfg, "baseline"), "params": STAGE_PARAMS["baseline"],
+        "deps": [*code_deps("eval", manifests), *reward_folders(cfg, cfg.task.reward, cfg.task.eval_reward),
+                 cfg.model.path, cfg.task.eval_prompts],
+        "outs": [_uncached("data/iters/baseline_eval.parquet")]}
+    blocks = [b for b in full_blocks(cfg.train.block_size, cfg.train.iterations) if b.last <= last]
+    sealed = sealed_outs(root, blocks) if root else {}
+    in_sealed = {i for block in sealed for i in block.iterations}
+    for block, outs in sealed.items():
+        stages[block.name] = block_stage(cfg, block, outs, manifests)
+    open_iters = [i for i in iterations(cfg) if i not in in_sealed and i <= last]
+    for i in open_iters:
+        stages.update(iteration_stages(cfg, i, manifests))
+    if last == cfg.train.iterations:
+        stages["summary"] = summary_stage(cfg, open_iters, list(sealed), manifests)
+    return {"stages": stages, "plots": PLOTS}
+
+
+def summary_stage(cfg: Config, open_iters: list[int], sealed: list[Block], manifests: bool = True) -> dict:
+    """Metrics, curves and figures of the whole run. It reads every iteration's stage JSON and eval table;
+    as DVC deps it lists them for open iterations only and, per sealed block, its last credit table (which
+    a re-run of the block rewrites), so its dependency count does not grow with the run."""
+    logs = ("rollout", "credit", "update", "eval") if cfg.credit.mode == "flow_grpo" else STAGE_LOGS
+    # Stage JSONs are logs (wall seconds differ run to run), not DVC outputs: re-running a stage by hand with
+    # the same inputs leaves DVC with nothing to redo but this summary. The eval tables (outputs) order it
+    # after every iteration, whose stages all wrote their JSON before its eval ran.
+    per_iter = [f"{_iter_dir(i)}/{name}.json" for i in open_iters for name in logs]
+    evals = [f"{_iter_dir(i)}/eval.parquet" for i in open_iters]
+    blocks = [f"{_iter_dir(b.last)}/credit.parquet" for b in sealed]
+    last = _iter_dir(cfg.train.iterations)  # the figures draw its tables and its policy's images
+    last_iteration = [f"{last}/{name}" for name in ("probe.parquet", "credit.parquet", "policy")
+                      if name != "probe.parquet" or cfg.credit.mode != "flow_grpo"]
+    deps = [*code_deps("summary", manifests), "data/iters/baseline_eval.json",
+            "data/iters/baseline_eval.parquet", *per_iter, *evals, *blocks, *last_iteration]
+    return {
+        "cmd": "tpgrpo stage summary", "params": STAGE_PARAMS["summary"], "deps": list(dict.fromkeys(deps)),
+        "outs": [_uncached(SUMMARY), _uncached("data/metrics/history.csv"), _uncached(EVAL_CURVE),
+                 _uncached(TRAIN_CURVE), *[_uncached(f"data/reports/{name}") for name in figure_names(cfg)]],
+        "metrics": [{f"data/metrics/{name}.json": {"cache": False}} for name in GLANCE]}
+
+
+class _NoAliasDumper(yaml.SafeDumper):
+    """Write repeated lists out in full (no YAML anchors) so dvc.yaml reads plainly."""
+
+    def ignore_aliases(self, data) -> bool:
+        return True
+
+
+def write_dvc_yaml(cfg: Config, root: Path, upto: int | None = None) -> bool:
+    """Write ``dvc.yaml`` (through iteration ``upto``: see :func:`render`) if its content changed; returns
+    whether it did."""
+    config_file = cfg.launch.config_file
+    if config_file and not (root / config_file).is_file():
+        raise ConfigError(f"params: launch.config_file = {config_file!r}: file not found "
+                          "(expected an accelerate config file, path relative to the project root)")
+    text = HEADER + yaml.dump(render(cfg, root, upto), Dumper=_NoAliasDumper, sort_keys=False, default_flow_style=False, width=120)
+    path = root / "dvc.yaml"
+    if path.exists() and path.read_text() == text:
+        return False
+    tmp = path.with_name(".dvc.yaml.tmp")
+    tmp.write_text(text)
+    tmp.replace(path)
+    return True

@@ -1,0 +1,338 @@
+"""A fork server for stage processes: the libraries are imported once, every stage still runs in a
+process of its own.
+
+Why: a stage process of the tiny CPU model spends about 2-4 s importing torch, diffusers, transformers and
+peft (diffusers alone pulls in torch._dynamo and peft) before 0.1-40 s of work, and the default run starts
+62 of them. ``tpgrpo run`` starts this server (``launch.stage_server``: Linux, CPU, one process per stage);
+it imports those libraries once, then for each ``tpgrpo stage ...`` / ``tpgrpo block ...`` that DVC starts
+it forks a child that runs the command with the caller's argv, working folder, environment and standard
+streams. The process DVC started is a thin client: it passes its streams over a Unix socket, forwards
+SIGINT/SIGTERM/SIGHUP to the child and exits with the child's status. The child is a process of its own
+(own memory, own exit code), so a crash or a leak stays inside its stage, as before.
+
+The client runs the command itself (the old path) whenever the server cannot take it: no server named in
+the environment, the socket gone, the server died before forking, or a caller whose interpreter, code
+folders or thread/seed/device environment differ from the server's (then the imports would differ).
+
+Nothing here imports more than the standard library at module level: the client must start in
+milliseconds. The server's preload happens in :func:`serve`.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import select
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+import traceback
+from pathlib import Path
+from typing import Iterator
+
+ENV_VAR = "TPGRPO_STAGE_SERVER"  # the socket's path, set by `tpgrpo run` for `dvc repro`
+COMMANDS = ("stage", "block")  # what the server runs; anything else runs in the caller
+# Environment read at import time (threads, hash seed, devices, library switches): the caller's must equal
+# the server's, or its imports would not be the ones the server made.
+ENV_PREFIXES = ("PYTHON", "OMP_", "MKL_", "OPENBLAS", "TORCH", "PYTORCH", "CUDA", "HF_", "DIFFUSERS",
+                "TRANSFORMERS", "TOKENIZERS", "ACCELERATE", "WORLD_SIZE", "RANK", "LOCAL_RANK", "MASTER_")
+# tpgrpo.cli first: it sets OMP_WAIT_POLICY, which the OpenMP runtime reads when torch loads it.
+PRELOAD = ("tpgrpo.cli", "torch", "numpy", "pandas", "pyarrow.parquet", "zarr", "safetensors.torch", "peft", "typer",
+           "diffusers:SD3Transformer2DModel", "diffusers:FlowMatchEulerDiscreteScheduler",
+           "diffusers.loaders:SD3LoraLoaderMixin", "transformers:CLIPTextModel",
+           "transformers:PreTrainedTokenizerFast", "tpgrpo.models.tiny", "tpgrpo.tasks.rewards",
+           *(f"stages.{s}" for s in ("rollout", "probe", "credit", "update", "eval", "baseline", "summary")))
+MAX_MESSAGE = 1 << 20
+
+
+def fingerprint(env: dict[str, str]) -> dict:
+    """What must match between caller and server: interpreter, where ``tpgrpo`` and ``stages`` come from,
+    and the import-time environment."""
+    from importlib.util import find_spec
+
+    def where(name: str) -> list[str]:
+        spec = find_spec(name)
+        return sorted(os.path.realpath(p) for p in (spec.submodule_search_locations or [])) if spec else []
+
+    return {"executable": os.path.realpath(sys.executable), "tpgrpo": where("tpgrpo"), "stages": where("stages"),
+            "env": {k: v for k, v in sorted(env.items()) if k.startswith(ENV_PREFIXES)}}
+
+
+# ---------------------------------------------------------------------------------------------- client
+
+
+def run_via_server(argv: list[str]) -> int | None:
+    """Run ``argv`` (``[prog, command, ...]``) in a child of the server named by $TPGRPO_STAGE_SERVER and
+    return its exit code; ``None`` when the server cannot take it (the caller then runs it itself)."""
+    path = os.environ.get(ENV_VAR)
+    if not path or not sys.platform.startswith("linux") or argv[1:2] not in ([c] for c in COMMANDS):
+        return None
+    request = {"argv": argv, "cwd": os.getcwd(), "env": dict(os.environ), "fingerprint": fingerprint(os.environ)}
+    try:
+        sock = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+        sock.connect(path)
+        socket.send_fds(sock, [json.dumps(request).encode()], [0, 1, 2])
+        reply = json.loads(sock.recv(MAX_MESSAGE) or b"{}")  # waits while the server is still importing
+    except (OSError, ValueError):
+        return None
+    if "pid" not in reply:
+        return None  # refused (reply["refused"] says why; the server's log has it too)
+    return _wait_for_child(sock, int(reply["pid"]))
+
+
+def _wait_for_child(sock: socket.socket, pid: int) -> int:
+    def forward(signum, _frame):
+        try:
+            os.kill(pid, signum)
+        except ProcessLookupError:
+            pass
+
+    for signum in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP):
+        signal.signal(signum, forward)
+    data = sock.recv(MAX_MESSAGE)  # PEP 475: a forwarded signal does not interrupt the wait
+    if not data:
+        forward(signal.SIGTERM, None)
+        sys.stderr.write("error: the stage server stopped before the stage finished\n")
+        return 1
+    code = int(json.loads(data)["exit"])
+    if code < 0:  # killed by a signal: die of the same one, as the stage process itself would have
+        signal.signal(-code, signal.SIG_DFL)
+        os.kill(os.getpid(), -code)
+    return code
+
+
+# ---------------------------------------------------------------------------------------------- server
+
+
+def preload(names=PRELOAD) -> list[str]:
+    """Import ``module`` or ``module:attribute`` names; returns the ones that failed (optional backends)."""
+    import importlib
+
+    failed = []
+    for name in names:
+        module, _, attribute = name.partition(":")
+        try:
+            imported = importlib.import_module(module)
+            if attribute:
+                getattr(imported, attribute)  # diffusers/transformers resolve these lazily
+        except Exception as exc:  # noqa: BLE001 - a backend the run does not use may be missing
+            failed.append(f"{name} ({type(exc).__name__}: {exc})")
+    return failed
+
+
+def serve(path: str, parent: int, names=PRELOAD) -> None:
+    """Listen on ``path`` (bound before the imports, so early callers wait instead of falling back), import
+    ``names``, then fork one child per request until ``parent`` exits."""
+    listener = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+    listener.bind(path + ".tmp")
+    listener.listen(64)
+    os.rename(path + ".tmp", path)  # the name appears only once connect() can succeed: running() waits for it
+    start_env = dict(os.environ)
+    failed = preload(names)
+    # what the imports set (OMP_WAIT_POLICY, torch's cache folders): a fresh stage process would set it too
+    set_by_imports = {k: v for k, v in os.environ.items() if start_env.get(k) != v}
+    print(f"stage server {os.getpid()}: ready; threads {len(os.listdir('/proc/self/task'))}; not imported: "
+          f"{failed or 'none'}", flush=True)
+    own = fingerprint(start_env)
+    children: dict[int, socket.socket | None] = {}
+    try:
+        while os.getppid() == parent:
+            callers = {conn: pid for pid, conn in children.items() if conn is not None}
+            ready, _, _ = select.select([listener, *callers], [], [], 0.05)
+            for sock in ready:
+                if sock is listener:
+                    _accept(listener, own, set_by_imports, children)
+                else:  # a caller sends nothing after its request: readable means it is gone (SIGKILL)
+                    _caller_gone(callers[sock], children)
+            _reap(children)
+    finally:
+        listener.close()
+        os.unlink(path)
+        with contextlib.suppress(OSError):
+            os.rmdir(os.path.dirname(path))  # running()'s folder, if the parent could not remove it
+
+
+def _accept(listener: socket.socket, own: dict, set_by_imports: dict[str, str],
+            children: dict[int, socket.socket | None]) -> None:
+    conn, _ = listener.accept()
+    try:
+        message, fds, _, _ = socket.recv_fds(conn, MAX_MESSAGE, 3)
+        request = json.loads(message)
+    except (OSError, ValueError) as exc:
+        print(f"bad request: {exc}", flush=True)
+        conn.close()
+        return
+    reason = _refusal(request, own, fds)
+    if reason:
+        print(f"refused {request.get('argv')}: {reason}", flush=True)
+        conn.send(json.dumps({"refused": reason}).encode())
+        for fd in fds:
+            os.close(fd)
+        conn.close()
+        return
+    sys.stdout.flush()
+    sys.stderr.flush()
+    pid = os.fork()
+    if pid == 0:
+        listener.close()
+        conn.close()  # only the server answers the caller: its EOF then means the server is gone
+        for other in children.values():
+            if other is not None:
+                other.close()
+        os._exit(_run_child(request, fds, set_by_imports))
+    for fd in fds:
+        os.close(fd)
+    print(f"forked {pid}: {' '.join(request['argv'][1:])}", flush=True)
+    conn.send(json.dumps({"pid": pid}).encode())
+    children[pid] = conn
+
+
+def _refusal(request: dict, own: dict, fds: list[int]) -> str:
+    if len(fds) != 3:
+        return f"expected 3 file descriptors (stdin, stdout, stderr), got {len(fds)}"
+    argv = request.get("argv") or []
+    if argv[1:2] not in ([c] for c in COMMANDS):
+        return f"command {argv[1:2]}: the server runs only {', '.join(COMMANDS)}"
+    theirs = request.get("fingerprint", {})
+    for key in ("executable", "tpgrpo", "stages"):
+        if theirs.get(key) != own[key]:
+            return f"{key} differs: {theirs.get(key)} (server: {own[key]})"
+    env, mine = theirs.get("env", {}), own["env"]
+    diff = sorted(k for k in set(env) | set(mine) if env.get(k) != mine.get(k))
+    return f"environment differs in {', '.join(diff)}" if diff else ""
+
+
+def _run_child(request: dict, fds: list[int], set_by_imports: dict[str, str]) -> int:
+    """In the forked child: become the caller (streams, folder, environment, argv) and run the command."""
+    for target, fd in zip((0, 1, 2), fds):
+        os.dup2(fd, target)
+        os.close(fd)
+    os.chdir(request["cwd"])
+    os.environ.clear()
+    os.environ.update(request["env"])
+    for key, value in set_by_imports.items():
+        os.environ.setdefault(key, value)
+    sys.argv = list(request["argv"])
+    signal.signal(signal.SIGINT, signal.default_int_handler)
+    signal.signal(signal.SIGTERM, signal.SIG_DFL)
+    code = 1
+    try:
+        _fresh_global_generators()
+        from tpgrpo.cli import app
+
+        app(args=sys.argv[1:], prog_name="tpgrpo")
+        code = 0
+    except SystemExit as exc:
+        code = exc.code if isinstance(exc.code, int) else (0 if exc.code is None else 1)
+        if isinstance(exc.code, str):
+            sys.stderr.write(exc.code + "\n")
+    except BaseException:  # noqa: BLE001 - as an uncaught exception would end a stage process
+        traceback.print_exc()
+    finally:
+        import logging
+
+        logging.shutdown()  # what interpreter exit would do; os._exit skips it
+        sys.stdout.flush()
+        sys.stderr.flush()
+    return code
+
+
+def _fresh_global_generators() -> None:
+    """A fresh process seeds torch's, numpy's and Python's global generators from OS entropy; a forked child
+    would share the server's states with its siblings, so it draws new seeds the same way. (No stage may
+    rely on these generators: every draw that matters uses a generator seeded from train.seed.)"""
+    import random
+
+    import numpy as np
+    import torch
+
+    torch.seed()
+    np.random.seed()
+    random.seed()
+
+
+def _caller_gone(pid: int, children: dict[int, socket.socket | None]) -> None:
+    """The caller of child ``pid`` died without forwarding a signal (SIGKILL): end the stage as the
+    caller's own process would have ended, instead of letting it run on unseen."""
+    print(f"caller of {pid} gone: terminating it", flush=True)
+    with contextlib.suppress(ProcessLookupError):
+        os.kill(pid, signal.SIGTERM)
+    children[pid].close()
+    children[pid] = None
+
+
+def _reap(children: dict[int, socket.socket | None]) -> None:
+    while children:
+        try:
+            pid, status = os.waitpid(-1, os.WNOHANG)
+        except ChildProcessError:
+            return
+        if pid == 0:
+            return
+        conn = children.pop(pid, None)
+        if conn is not None:
+            try:
+                conn.send(json.dumps({"exit": os.waitstatus_to_exitcode(status)}).encode())
+            except OSError:
+                pass  # the caller is gone (killed); nothing to tell
+            conn.close()
+
+
+def wanted(cfg) -> bool:
+    """Whether ``tpgrpo run`` starts the server: ``launch.stage_server``, one process per stage (no
+    accelerate), the CPU (a GPU stage's start-up is small next to its work, and the server never touches
+    CUDA, untested there), Linux (fork after importing torch is not safe on macOS)."""
+    return (cfg.launch.stage_server and cfg.launch.num_processes == 1 and not cfg.launch.config_file
+            and cfg.model.device == "cpu" and sys.platform.startswith("linux"))
+
+
+@contextlib.contextmanager
+def running(root: Path, enabled: bool = True) -> Iterator[dict[str, str]]:
+    """Start the server for a ``dvc repro`` in ``root``; yields the environment entries that point the
+    stage commands at it (none when not ``enabled``). Its log is ``.dvc/tmp/stage_server.log``."""
+    if not enabled:
+        yield {}
+        return
+    folder = tempfile.mkdtemp(prefix="tpgrpo-")  # a short path: Unix socket paths are limited to ~100 bytes
+    path = os.path.join(folder, "server.sock")
+    log_path = root / ".dvc" / "tmp" / "stage_server.log"
+    log_path.parent.mkdir(parents=True, exist_ok=True)
+    with open(log_path, "w") as log:
+        # -c, then drop '' from sys.path: the server finds tpgrpo and stages where the `tpgrpo` command does
+        code = "import sys; sys.path.remove(''); from tpgrpo.pipeline.stage_server import main; main()"
+        server = subprocess.Popen([sys.executable, "-c", code, path, str(os.getpid())],
+                                  cwd=root, stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT,
+                                  start_new_session=True)  # the terminal's Ctrl-C reaches callers, not it
+    try:
+        _wait_for_socket(server, path)
+        yield {ENV_VAR: path}
+    finally:
+        server.terminate()
+        try:
+            server.wait(timeout=10)
+        except subprocess.TimeoutExpired:
+            server.kill()
+            server.wait()
+        shutil.rmtree(folder, ignore_errors=True)
+
+
+def _wait_for_socket(server: subprocess.Popen, path: str, timeout: float = 60.0) -> None:
+    """Wait until the server has bound ``path`` (it does so before its slow imports): a caller that came
+    earlier would find no socket and run its stage itself. Gives up quietly if the server died or is slow."""
+    deadline = time.monotonic() + timeout
+    while not os.path.exists(path) and server.poll() is None and time.monotonic() < deadline:
+        time.sleep(0.01)
+
+
+def main() -> None:
+    """``python -m tpgrpo.pipeline.stage_server SOCKET PARENT_PID``."""
+    serve(sys.argv[1], int(sys.argv[2]))
+
+
+if __name__ == "__main__":
+    main()

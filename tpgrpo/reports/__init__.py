@@ -1,0 +1,1 @@
+"""Reports: the summary's figures and plots, and the base model's report."""
