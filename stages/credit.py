@@ -1,8 +1,7 @@
 """Stage credit: a pure function of ``probe.parquet`` and the ``credit`` params (spec sections 5-6).
 
-Needs no model, so every credit mode can be recomputed offline in seconds. ``credit.mode: flow_grpo`` needs
-only the rollout's final rewards: dvc.yaml then runs no probe, and this stage reads ``R_fin`` from
-``trajectories.zarr`` as a probe table whose every ``Q_k`` is ``R_fin`` (spec section 5's flow_grpo row).
+Needs no model, so every credit mode can be recomputed offline in seconds. For ``credit.mode: flow_grpo``
+the probe stage wrote a table whose every ``Q_k`` is ``R_fin`` (spec section 5's flow_grpo row).
 Writes ``credit.parquet``: one row per (trajectory, window step).
 """
 
@@ -15,29 +14,16 @@ import pandas as pd
 import torch
 
 from tpgrpo.algo.advantages import group_advantages
-from tpgrpo.io.artifacts import IterationPaths, read_table, read_trajectories, write_json, write_table
+from tpgrpo.io.artifacts import IterationPaths, read_table, write_json, write_table
 from tpgrpo.config import Config
 from tpgrpo.algo.credit import compute_credit
 from tpgrpo.stage_common import check_finite, provenance, stopwatch
 from tpgrpo.io.schemas import CREDIT, PROBE
 
 
-def final_reward_table(paths: IterationPaths):
-    """The probe table Flow-GRPO's credit needs, from the rollout alone: ``Q_k = R_fin`` for every state
-    (no state scored, no model loaded). Its step rewards and advantages equal those of any probe table
-    with the same ``R_fin``; its increments are 0."""
-    from stages.probe import probe_table
-
-    arrays, attrs = read_trajectories(paths.trajectories, lazy=("states", "x0_estimates"))
-    K = arrays["states"].shape[1] - 1
-    repeat = lambda a: np.repeat(np.asarray(a)[:, None], K, axis=1)  # noqa: E731 - (N,) -> (N, K)
-    return probe_table(arrays, attrs["prompts"], repeat(arrays["final_reward"]), repeat(arrays["final_strict"]))
-
-
 def read_probe(cfg: Config, paths: IterationPaths):
-    """The probe table credit works from (checked against ``schemas.PROBE``)."""
-    if cfg.credit.mode == "flow_grpo":
-        return final_reward_table(paths)
+    """The probe table credit works from (checked against ``schemas.PROBE``); for Flow-GRPO the probe stage
+    wrote ``Q_k = R_fin`` from the rollout."""
     return read_table(paths.probe, PROBE, "probe.parquet: run the probe stage first")
 
 

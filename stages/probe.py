@@ -4,8 +4,9 @@ Writes ``probe.parquet``: one row per (trajectory, step), step 0..K; the row wit
 rollout's final reward (that state was completed by the rollout itself and is not scored twice). The
 Parquet metadata key ``tpgrpo.completion`` names the mode that made the table (``tpgrpo.algo.probe_modes``):
 ``exact`` / ``ode:M`` complete each state with the model, ``x0`` scores the rollout's one-step estimates
-(decodes and reward calls only). With ``credit.mode: flow_grpo`` dvc.yaml has no probe stage at all: that
-credit needs only R_fin, which the credit stage reads from the rollout.
+(decodes and reward calls only). With ``credit.mode: flow_grpo`` the probe loads no model: that credit needs
+only R_fin, so the table is the rollout's final reward at every step (``final_reward_table``). Every mode has
+the same stages, so ``dvc exp run -S credit.mode=...`` needs no other dvc.yaml.
 """
 
 from __future__ import annotations
@@ -30,7 +31,34 @@ def completion_of(cfg: Config) -> Completion:
     return parse_completion(cfg.probe.completion)
 
 
+def final_reward_table(paths: IterationPaths) -> pd.DataFrame:
+    """The probe table Flow-GRPO's credit needs, from the rollout alone: ``Q_k = R_fin`` for every state
+    (no state scored, no model loaded). Its step rewards and advantages equal those of any probe table
+    with the same ``R_fin``; its increments are 0."""
+    arrays, attrs = read_trajectories(paths.trajectories, lazy=("states", "x0_estimates"))
+    K = arrays["states"].shape[1] - 1
+    repeat = lambda a: np.repeat(np.asarray(a)[:, None], K, axis=1)  # noqa: E731 - (N,) -> (N, K)
+    return probe_table(arrays, attrs["prompts"], repeat(arrays["final_reward"]), repeat(arrays["final_strict"]))
+
+
+def run_final_reward(cfg: Config, iteration: int, root: Path) -> dict:
+    """``credit.mode: flow_grpo``: write the final-reward table (main process only; no model, no pass)."""
+    paths = IterationPaths(root, iteration)
+    metrics: dict = {"iteration": iteration, "completion": "final_reward", "forward_passes": 0}
+    if not current().is_main:
+        return metrics
+    with stopwatch(metrics):
+        frame = final_reward_table(paths)
+        N, K1 = frame["trajectory"].nunique(), frame["step"].nunique()
+        meta = {**provenance(cfg, iteration, "probe"), PROBE_COMPLETION_KEY: "final_reward"}
+        write_table(paths.probe, frame, PROBE, meta, trajectories=N, steps=K1)
+    write_json(paths.probe_metrics, metrics)
+    return metrics
+
+
 def run(cfg: Config, iteration: int, root: Path) -> dict:
+    if cfg.credit.mode == "flow_grpo":
+        return run_final_reward(cfg, iteration, root)
     paths = IterationPaths(root, iteration)
     metrics: dict = {"iteration": iteration}
     dist = current()

@@ -49,8 +49,6 @@ def history(cfg: Config, root: Path) -> pd.DataFrame:
         row: dict = {"iteration": i}
         for stage, keys in COLUMNS.items():
             path = getattr(paths, f"{stage}_metrics")
-            if stage == "probe" and not path.is_file() and cfg.credit.mode == "flow_grpo":
-                continue  # Flow-GRPO's credit runs no probe
             m = read_json(path, f"{stage} metrics of iteration {i}")
             if stage == "eval" and not m.get("evaluated"):
                 continue

@@ -12,7 +12,8 @@ import pytest
 import yaml
 from conftest import REPO, make_tiny_project, tiny_params
 
-from tpgrpo.pipeline.code_manifest import ALL_CODE, KIND_CODE, manifest_path, uses_code_files, write_manifests
+from tpgrpo.pipeline.code_manifest import (ALL_CODE, KIND_STAGES, STAGE_KIND, check_code, kind_code, manifest_path,
+                                          uses_code_files, write_manifests)
 from tpgrpo.config import config_from_dict
 from tpgrpo.pipeline.dvcfile import render
 
@@ -20,10 +21,7 @@ CODE_ROOTS = ("stages/", "tpgrpo/")
 
 
 def _kind(name: str, cfg) -> str:
-    stem = name.split("-")[0]
-    if stem == "credit" and cfg.credit.mode == "flow_grpo":
-        return "credit_from_rollout"
-    return {"baseline": "eval"}.get(stem, stem)
+    return STAGE_KIND[name.split("-")[0]]
 
 
 @pytest.mark.parametrize("mode", ["tp", "flow_grpo"])
@@ -31,9 +29,9 @@ def test_each_stage_depends_on_its_kinds_manifest_and_no_code_file(mode):
     cfg = config_from_dict(tiny_params(train={"iterations": 2}, credit={"mode": mode}))
     stages = render(cfg)["stages"]
     code = stages.pop("code")
-    assert code["cmd"] == "tpgrpo stage code" and code["deps"] == ALL_CODE
-    assert code["outs"] == [manifest_path(kind) for kind in KIND_CODE]
-    assert all(path in ALL_CODE for paths in KIND_CODE.values() for path in paths)
+    assert code["cmd"] == "tpgrpo stage code" and code["deps"] == [*ALL_CODE, "params.yaml"]
+    assert code["outs"] == [{manifest_path(kind): {"cache": False}} for kind in KIND_STAGES]
+    assert all(path.startswith(tuple(ALL_CODE)) for kind in KIND_STAGES for path in kind_code(REPO, kind))
     for name, stage in stages.items():
         assert not any(dep.startswith(CODE_ROOTS) for dep in stage["deps"]), name
         assert [d for d in stage["deps"] if d.startswith("data/code/")] == [manifest_path(_kind(name, cfg))], name
@@ -46,7 +44,7 @@ def _copy_code(root: Path) -> None:
 
 def _manifests(root: Path) -> dict[str, bytes]:
     write_manifests(root)
-    return {kind: (root / manifest_path(kind)).read_bytes() for kind in KIND_CODE}
+    return {kind: (root / manifest_path(kind)).read_bytes() for kind in KIND_STAGES}
 
 
 def test_a_manifest_changes_exactly_when_a_file_of_its_kind_changes(tmp_path):
@@ -63,19 +61,20 @@ def test_a_manifest_changes_exactly_when_a_file_of_its_kind_changes(tmp_path):
     with open(tmp_path / "tpgrpo" / "algo" / "loss.py", "a") as f:
         f.write("# a comment\n")
     after = _manifests(tmp_path)
-    assert {k for k in KIND_CODE if after[k] != before[k]} == {k for k, v in KIND_CODE.items() if "tpgrpo/algo/loss.py" in v}
-    assert {k for k in KIND_CODE if after[k] != before[k]} == {"update"}
+    assert {k for k in KIND_STAGES if after[k] != before[k]} == {
+        k for k in KIND_STAGES if "tpgrpo/algo/loss.py" in kind_code(tmp_path, k)}
+    assert {k for k in KIND_STAGES if after[k] != before[k]} == {"update"}
 
     model_file = sorted((tmp_path / "tpgrpo" / "models").glob("*.py"))[0]
     model_file.write_text(model_file.read_text() + "# a comment\n")
-    changed = {k for k in KIND_CODE if _manifests(tmp_path)[k] != after[k]}
-    assert changed == {"rollout", "probe", "update", "eval", "summary"}  # not credit (the summary samples images)
+    changed = {k for k in KIND_STAGES if _manifests(tmp_path)[k] != after[k]}
+    assert changed == set(KIND_STAGES)  # every stage imports the model code (credit through the runner's imports)
 
 
 def test_a_missing_code_path_is_a_one_line_error(tmp_path):
     _copy_code(tmp_path)
-    (tmp_path / "tpgrpo" / "algo" / "loss.py").unlink()
-    with pytest.raises(FileNotFoundError, match=r"code path tpgrpo/algo/loss\.py: not found under"):
+    (tmp_path / "stages" / "update.py").unlink()
+    with pytest.raises(FileNotFoundError, match=r"code path stages/update\.py: not found under"):
         write_manifests(tmp_path)
     assert not (tmp_path / "data" / "code").exists()  # no manifest written: none goes stale beside the others
 
@@ -92,7 +91,7 @@ def test_a_project_locked_with_code_files_keeps_that_layout(tmp_path):
     assert "code" not in stages
     for name, stage in stages.items():
         assert not any(dep.startswith("data/code/") for dep in stage["deps"]), name
-        assert set(KIND_CODE[_kind(name, cfg)]) <= set(stage["deps"]), name
+        assert set(kind_code(REPO, _kind(name, cfg))) <= set(stage["deps"]), name
     (tmp_path / "dvc.lock").unlink()
     assert "code" in render(cfg, tmp_path)["stages"]  # a new project: manifests
     assert not uses_code_files({"stages": {"code": {"cmd": "tpgrpo stage code", "deps": [{"path": "stages/a.py"}]}}})

@@ -240,10 +240,10 @@ def test_x0_probe_without_the_estimates_is_a_one_line_error(tiny_project):
 
 
 # ---------------------------------------------------------------------------------------------
-# flow_grpo: no probe
+# flow_grpo: a probe that loads no model
 # ---------------------------------------------------------------------------------------------
 
-def test_flow_grpo_credit_needs_no_probe_and_leaves_the_advantages_unchanged(rolled_out, monkeypatch):
+def test_flow_grpo_probe_scores_nothing_and_leaves_the_advantages_unchanged(rolled_out, monkeypatch):
     import stages.credit
 
     flow = {"credit": {"mode": "flow_grpo"}}
@@ -251,34 +251,36 @@ def test_flow_grpo_credit_needs_no_probe_and_leaves_the_advantages_unchanged(rol
     _probe(rolled_out, monkeypatch, probe={"completion": "exact"})  # what flow_grpo ran before issue 11
     stages.credit.run(_cfg(**flow), FIRST, rolled_out)
     before = pd.read_parquet(d / "credit.parquet")
-    (d / "probe.parquet").unlink()  # flow_grpo runs no probe: credit reads R_fin from the rollout
+    stages.probe.run(_cfg(**flow), FIRST, rolled_out)  # Q_k = R_fin from the rollout, no model
+    probe = pd.read_parquet(d / "probe.parquet")
+    finals = probe[probe.step == probe.step.max()].set_index("trajectory")["reward"]
+    assert (probe["reward"].to_numpy() == finals.loc[probe["trajectory"]].to_numpy()).all()
     stages.credit.run(_cfg(**flow), FIRST, rolled_out)
     after = pd.read_parquet(d / "credit.parquet")
-    assert not (d / "probe.parquet").exists()
     for column in ("trajectory", "prompt_id", "sample", "step", "step_reward", "advantage", "turning_point"):
         pd.testing.assert_series_equal(after[column], before[column], check_exact=True)
     # What changed: no Q_k was measured (each is R_fin), so every increment, aggregate and trend is 0.
     assert (after[["incremental", "aggregated", "trend"]] == 0).all().all()
-    with pytest.raises(Exception, match="probe.parquet"):  # the per-step modes still need the probe
-        stages.credit.run(_cfg(credit={"mode": "tp"}), FIRST, rolled_out)
+    assert json.loads((d / "probe.json").read_text())["forward_passes"] == 0
 
 
-def test_flow_grpo_dvc_yaml_has_no_probe_and_its_credit_imports_no_model_library(rolled_out):
+def test_every_credit_mode_renders_the_same_stages_and_the_flow_grpo_probe_imports_no_model_library(rolled_out):
+    """`dvc exp run -S credit.mode=...` changes params.yaml, not dvc.yaml: every mode has the same stages and
+    dependencies (only the params' values differ), and the probe lists credit.mode (it scores nothing for
+    flow_grpo)."""
     from tpgrpo.pipeline.dvcfile import render
 
-    stages = render(_cfg(credit={"mode": "flow_grpo"}))["stages"]
-    assert not any(name.startswith("probe-") for name in stages)
-    assert f"data/iters/{FIRST:04d}/trajectories.zarr" in stages[f"credit-{FIRST:04d}"]["deps"]
-    assert not any(dep.endswith("probe.parquet") for s in stages.values() for dep in s.get("deps", []))
-    tp = render(_cfg(credit={"mode": "tp_unconstrained"}))["stages"]
-    assert f"data/iters/{FIRST:04d}/probe.parquet" in tp[f"credit-{FIRST:04d}"]["deps"]
-    # The probe does not read credit.mode: switching between per-step modes never redoes the probe.
-    assert tp[f"probe-{FIRST:04d}"] == render(_cfg(credit={"mode": "tp"}))["stages"][f"probe-{FIRST:04d}"]
+    rendered = {mode: render(_cfg(credit={"mode": mode})) for mode in ("tp", "tp_unconstrained", "incremental",
+                                                                      "flow_grpo")}
+    assert all(r == rendered["tp"] for r in rendered.values())
+    stages = rendered["flow_grpo"]["stages"]
+    assert f"data/iters/{FIRST:04d}/probe.parquet" in stages[f"credit-{FIRST:04d}"]["deps"]
+    assert "credit.mode" in stages[f"probe-{FIRST:04d}"]["params"]
     code = (
         "import sys; from pathlib import Path; sys.path.insert(0, sys.argv[1]); sys.path.insert(0, sys.argv[2])\n"
-        "from conftest import tiny_params; from tpgrpo.config import config_from_dict; import stages.credit\n"
+        "from conftest import tiny_params; from tpgrpo.config import config_from_dict; import stages.probe\n"
         "cfg = config_from_dict(tiny_params(credit={'mode': 'flow_grpo'}))\n"
-        "stages.credit.run(cfg, int(sys.argv[3]), Path(sys.argv[4]))\n"
+        "stages.probe.run(cfg, int(sys.argv[3]), Path(sys.argv[4]))\n"
         "print(sorted(m for m in ('diffusers', 'transformers', 'peft', 'accelerate') if m in sys.modules))\n")
     out = subprocess.run([sys.executable, "-c", code, str(REPO), str(REPO / "tests"), str(FIRST), str(rolled_out)],
                          capture_output=True, text=True, check=True, cwd=rolled_out)

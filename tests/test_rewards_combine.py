@@ -102,7 +102,9 @@ def test_reward_sections_are_validated(raw, section, key, value, expected):
 
 
 def test_dvc_yaml_lists_configured_reward_folders(raw):
-    from tpgrpo.pipeline.code_manifest import KIND_CODE
+    from conftest import REPO
+
+    from tpgrpo.pipeline.code_manifest import kind_code
     from tpgrpo.pipeline.dvcfile import render
 
     mixed = copy.deepcopy(raw)
@@ -113,7 +115,7 @@ def test_dvc_yaml_lists_configured_reward_folders(raw):
     for name, kind in (("rollout-0001", "rollout"), ("probe-0001", "probe"), ("eval-0001", "eval"),
                        ("baseline", "eval")):
         assert "models/PickScore_v1" in stages[name]["deps"]
-        assert f"data/code/{kind}.json" in stages[name]["deps"] and "tpgrpo/rewards" in KIND_CODE[kind]
+        assert f"data/code/{kind}.json" in stages[name]["deps"] and "tpgrpo/rewards/pickscore.py" in kind_code(REPO, kind)
         assert "models/owlv2" not in stages[name]["deps"]
         assert "reward_models" in stages[name]["params"] and "remote_reward" in stages[name]["params"]
     assert "models/PickScore_v1" not in stages["update-0001"]["deps"]

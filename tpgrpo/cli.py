@@ -36,6 +36,7 @@ def _run_stage(name: str, iteration: int | None, params: Path) -> None:
     from tpgrpo.config import ConfigError, load_config
     from tpgrpo.pipeline.dvcfile import MULTI_PROCESS_STAGES
     from tpgrpo.errors import PipelineError
+    from tpgrpo.pipeline.code_manifest import check_stage_code
     from tpgrpo.pipeline.status import check_iteration, describe_done, record_stage
 
     root, cfg = Path(params).resolve().parent, None
@@ -50,7 +51,9 @@ def _run_stage(name: str, iteration: int | None, params: Path) -> None:
             distributed.init(cfg.model.device, cfg.launch.timeout_s, label)
         main = distributed.current().is_main  # one process notes the stage for `tpgrpo status`
         record_stage(root, name, iteration, "running", enabled=main)
+        check_stage_code(root, name)  # the code DVC will record is the code that runs (before and after)
         module.run(cfg, iteration, root=root)
+        check_stage_code(root, name)
         record_stage(root, name, iteration, "done", enabled=main)
     except (ConfigError, PipelineError, FileNotFoundError) as exc:
         message = str(exc)
@@ -92,11 +95,15 @@ def summary_stage(params: ParamsOpt = Path("params.yaml")) -> None:
 @stage_app.command("code")
 def code_stage(params: ParamsOpt = Path("params.yaml")) -> None:
     """Write data/code/<kind>.json: the md5 of every code file each kind of stage runs (its dependency)."""
+    from tpgrpo.config import ConfigError, load_config
     from tpgrpo.pipeline.code_manifest import write_manifests
+    from tpgrpo.pipeline.dvcfile import check_rendered
 
+    root = Path(params).resolve().parent
     try:
-        write_manifests(Path(params).resolve().parent)
-    except FileNotFoundError as exc:
+        check_rendered(load_config(params), root)
+        write_manifests(root)
+    except (FileNotFoundError, ConfigError) as exc:
         _fail(str(exc))
 
 
@@ -134,7 +141,8 @@ def plot_command(params: ParamsOpt = Path("params.yaml")) -> None:
 def dvc_yaml_command(params: ParamsOpt = Path("params.yaml")) -> None:
     """Render dvc.yaml from params.yaml (one set of stages per iteration)."""
     from tpgrpo.config import ConfigError, load_config
-    from tpgrpo.pipeline.dvcfile import write_dvc_yaml
+    from tpgrpo.pipeline.code_manifest import refresh_manifests
+    from tpgrpo.pipeline.dvcfile import RENDER_UPTO_ENV, write_dvc_yaml
 
     try:
         cfg = load_config(params)
@@ -186,8 +194,9 @@ def run_command(params: ParamsOpt = Path("params.yaml")) -> None:
         for upto in repro_ends(root, cfg):  # block by block: dvc.lock stays about one block long
             before = lock.stat().st_mtime_ns if lock.exists() else None
             write_dvc_yaml(cfg, root, upto)
+            refresh_manifests(root)  # a library upgraded since the code stage ran: it re-runs (see LIBRARIES)
             code = subprocess.run([sys.executable, "-m", "dvc", "repro"], cwd=root,
-                                  env={**env, **server_env}).returncode
+                                  env={**env, **server_env, RENDER_UPTO_ENV: str(upto)}).returncode
             if code != 0:
                 _fail(f"dvc repro failed with exit code {code}")
             try:

@@ -8,6 +8,11 @@ that kind's code); each iteration stage depends on its kind's manifest only. A c
 ``code`` stage, rewrites the manifests whose files changed, and DVC re-runs exactly the stages whose
 manifest changed: the same stages as before, with one dependency each instead of ~15.
 
+What a kind's code is comes from the imports of its stage modules (:mod:`tpgrpo.pipeline.code_graph`), not a
+hand-kept list; a manifest also records the versions of the libraries the stages run on. Under DVC a stage
+refuses to run when its manifest does not match the files and versions that would run
+(:func:`check_stage_code`): an edit or upgrade after the code stage ran is never recorded as code it ran.
+
 Projects whose ``dvc.lock`` was written with code files as stage dependencies keep that layout
 (:func:`uses_code_files`): switching would change every stage's dependencies and DVC would re-run them all.
 """
@@ -19,30 +24,46 @@ import json
 from pathlib import Path
 
 CODE_DIR = "data/code"
-MODEL_CODE = ["tpgrpo/models", "tpgrpo/algo/trajectory.py", "tpgrpo/algo/sampling.py", "tpgrpo/algo/schedule.py",
-              "tpgrpo/stage_common.py", "tpgrpo/policy/lora.py", "tpgrpo/io/artifacts.py", "tpgrpo/io/schemas.py",
-              "tpgrpo/algo/probe_modes.py"]
-EVAL_CODE = ["stages/eval.py", "tpgrpo/comparison/stats.py", "tpgrpo/policy/generate.py"]
-REWARD_CODE = ["tpgrpo/tasks", "tpgrpo/rewards"]
-CREDIT_CODE = ["stages/credit.py", "tpgrpo/algo/credit.py", "tpgrpo/algo/advantages.py", "tpgrpo/io/artifacts.py",
-               "tpgrpo/io/schemas.py"]
-
-# The code each kind of stage runs (files, or folders taken whole). `credit_from_rollout` is Flow-GRPO's
-# credit stage, which reads the final rewards from the rollout's Zarr through stages/probe.py; `eval`
-# serves the baseline too.
-KIND_CODE: dict[str, list[str]] = {
-    "rollout": ["stages/rollout.py", *MODEL_CODE, *REWARD_CODE],
-    "probe": ["stages/probe.py", "tpgrpo/algo/probe_modes.py", *MODEL_CODE, *REWARD_CODE],
-    "credit": CREDIT_CODE,
-    "credit_from_rollout": [*CREDIT_CODE, "stages/probe.py"],
-    "update": ["stages/update.py", "tpgrpo/policy/update.py", "tpgrpo/algo/loss.py", *MODEL_CODE],
-    "eval": [*EVAL_CODE, *MODEL_CODE, *REWARD_CODE],
-    # the summary's figures sample the base and last policies: the model code and generate.py (tasks: prompts)
-    "summary": ["stages/summary.py", "tpgrpo/reports/figures.py", "tpgrpo/reports/plots.py", "tpgrpo/policy/generate.py", *MODEL_CODE,
-                "tpgrpo/tasks"],
+REPO = Path(__file__).resolve().parents[2]  # the checkout this package runs from
+# The stage modules each kind of stage runs; its code is what they import (tpgrpo.pipeline.code_graph).
+# `eval` serves the baseline too.
+KIND_STAGES: dict[str, list[str]] = {
+    "rollout": ["stages/rollout.py"],
+    "probe": ["stages/probe.py"],
+    "credit": ["stages/credit.py"],
+    "update": ["stages/update.py"],
+    "eval": ["stages/eval.py", "stages/baseline.py"],
+    "summary": ["stages/summary.py"],
 }
-KIND_CODE = {kind: list(dict.fromkeys(paths)) for kind, paths in KIND_CODE.items()}  # each path once
-ALL_CODE = sorted({p for paths in KIND_CODE.values() for p in paths} | {"tpgrpo/pipeline/code_manifest.py"})
+STAGE_KIND = {"rollout": "rollout", "probe": "probe", "credit": "credit", "update": "update", "eval": "eval",
+              "baseline": "eval", "summary": "summary"}  # `tpgrpo stage NAME` -> the manifest it depends on
+# The code stage depends on all of the code, folders whole (a new module is seen; .dvcignore drops byte code).
+ALL_CODE = ["stages", "tpgrpo"]
+# Libraries whose version is part of every manifest. No file of the project changes when one is upgraded:
+# `tpgrpo run` rewrites the manifests before each repro (DVC then re-runs the code stage, whose outputs are
+# not cached so its run cache cannot restore old ones, and the stages whose manifest changed), and under
+# DVC a stage refuses to run when its manifest does not match the files and versions (check_stage_code).
+LIBRARIES = ("torch", "diffusers", "transformers", "peft", "accelerate", "numpy", "safetensors", "zarr",
+             "numcodecs", "pyarrow", "pandas", "pillow", "rapidocr-onnxruntime", "onnxruntime")
+
+
+def kind_code(root: Path, kind: str) -> list[str]:
+    """The project files a stage of ``kind`` runs (relative to ``root``, sorted)."""
+    from tpgrpo.pipeline.code_graph import closure
+
+    return closure(root, KIND_STAGES[kind])
+
+
+def library_versions() -> dict[str, str]:
+    """``{distribution: version}`` of :data:`LIBRARIES` as installed (``"absent"`` when not installed)."""
+    from importlib.metadata import PackageNotFoundError, version
+
+    def one(name: str) -> str:
+        try:
+            return version(name)
+        except PackageNotFoundError:
+            return "absent"
+    return {name: one(name) for name in LIBRARIES}
 
 
 def manifest_path(kind: str) -> str:
@@ -53,31 +74,25 @@ def manifest_path(kind: str) -> str:
 def code_deps(kind: str, manifests: bool) -> list[str]:
     """A stage's code dependencies: its kind's manifest, or (``manifests`` False: a project of the older
     layout) the code paths themselves."""
-    return [manifest_path(kind)] if manifests else list(KIND_CODE[kind])
-
-
-def _files(root: Path, path: str) -> list[str]:
-    """The files behind a code path: itself, or every file under the folder (no byte-code caches)."""
-    full = root / path
-    if full.is_file():
-        return [path]
-    if not full.is_dir():
-        raise FileNotFoundError(f"code path {path}: not found under {root} (a code file the stages run)")
-    return sorted(p.relative_to(root).as_posix() for p in full.rglob("*")
-                  if p.is_file() and "__pycache__" not in p.parts and p.suffix != ".pyc")
+    return [manifest_path(kind)] if manifests else kind_code(REPO, kind)
 
 
 def manifest(root: Path, kind: str) -> dict:
-    """``{"kind": kind, "files": {path: md5}}`` for every file of the kind's code (sorted paths)."""
-    files = [f for path in KIND_CODE[kind] for f in _files(root, path)]
-    return {"kind": kind, "files": {f: hashlib.md5((root / f).read_bytes()).hexdigest() for f in sorted(set(files))}}
+    """``{"kind", "files": {path: md5}, "libraries": {name: version}}`` for the kind's code (sorted paths)."""
+    files = kind_code(root, kind)
+    return {"kind": kind, "files": {f: hashlib.md5((root / f).read_bytes()).hexdigest() for f in files},
+            "libraries": library_versions()}
+
+
+def manifest_text(root: Path, kind: str) -> str:
+    return json.dumps(manifest(root, kind), indent=1, sort_keys=True) + "\n"
 
 
 def write_manifests(root: Path) -> list[Path]:
     """Write every kind's manifest under ``root/data/code`` (all computed first, then each written to a
     temporary file and renamed); returns them. A manifest's bytes change exactly when a file of its kind's
     code changes."""
-    texts = {kind: json.dumps(manifest(root, kind), indent=1, sort_keys=True) + "\n" for kind in KIND_CODE}
+    texts = {kind: manifest_text(root, kind) for kind in KIND_STAGES}
     from tpgrpo.io.artifacts import atomic_path
 
     written = []
@@ -88,10 +103,54 @@ def write_manifests(root: Path) -> list[Path]:
     return written
 
 
+def refresh_manifests(root: Path) -> None:
+    """Rewrite the manifests of a project that has them where they differ (a library upgraded since the code
+    stage wrote them): DVC then sees the code stage's outputs changed and re-runs it and what they feed."""
+    if not (root / CODE_DIR).is_dir():
+        return
+    from tpgrpo.io.artifacts import atomic_path
+
+    for kind in KIND_STAGES:
+        path, text = root / manifest_path(kind), manifest_text(root, kind)
+        if not path.is_file() or path.read_text() != text:
+            with atomic_path(path) as tmp:
+                tmp.write_text(text)
+
+
+def check_code(root: Path, kind: str) -> None:
+    """Refuse to run a stage whose recorded code is not what would run: DVC records the manifest as the
+    stage's input, so a file edited (or a library upgraded) after the ``code`` stage wrote it would be
+    recorded as code it did not run. No manifest (a stage run by hand in a fresh folder): nothing to check."""
+    path = root / manifest_path(kind)
+    if not path.is_file():
+        return
+    recorded, now = json.loads(path.read_text()), manifest(root, kind)
+    changed = sorted(f for f in set(recorded.get("files", {})) | set(now["files"])
+                     if recorded.get("files", {}).get(f) != now["files"].get(f))
+    changed += sorted(f"{name} {recorded.get('libraries', {}).get(name)} -> {v}"
+                      for name, v in now["libraries"].items() if recorded.get("libraries", {}).get(name) != v)
+    if changed:
+        from tpgrpo.errors import PipelineError
+
+        raise PipelineError(f"{manifest_path(kind)} does not match the code that would run ({', '.join(changed[:3])}"
+                            f"{', ...' if len(changed) > 3 else ''}): run `tpgrpo run`, or "
+                            "`tpgrpo stage code` then `dvc repro`")
+
+
+def check_stage_code(root: Path, stage: str) -> None:
+    """:func:`check_code` for ``tpgrpo stage NAME`` when DVC runs it (``DVC_STAGE`` set): a stage run by hand
+    is recorded by nothing, and the next ``dvc repro`` re-runs the code stage before it anyway."""
+    import os
+
+    if os.environ.get("DVC_STAGE") and stage in STAGE_KIND:
+        check_code(root, STAGE_KIND[stage])
+
+
 def code_stage() -> dict:
-    """The dvc.yaml stage that writes the manifests from all the code."""
-    return {"cmd": "tpgrpo stage code", "deps": ALL_CODE,
-            "outs": [manifest_path(kind) for kind in KIND_CODE]}
+    """The dvc.yaml stage that writes the manifests from all the code, and checks that dvc.yaml is what
+    params.yaml renders (so it depends on params.yaml too: it re-runs on every params edit, in a second)."""
+    return {"cmd": "tpgrpo stage code", "deps": [*ALL_CODE, "params.yaml"],  # params: it checks dvc.yaml
+            "outs": [{manifest_path(kind): {"cache": False}} for kind in KIND_STAGES]}
 
 
 def uses_code_files(lock: dict) -> bool:

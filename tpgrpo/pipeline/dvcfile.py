@@ -27,7 +27,7 @@ REWARD_PARAMS = ["reward_models", "remote_reward"]  # read by every stage that s
 STAGE_PARAMS = {
     "rollout": ["model", "task.train_prompts", "task.reward", "sampling", "rollout", "probe.completion",
                 "update.lora_rank", "update.lora_alpha", "train.seed", *REWARD_PARAMS],
-    "probe": ["model", "probe", "update.lora_rank", "update.lora_alpha", "train.seed",
+    "probe": ["model", "probe", "credit.mode", "update.lora_rank", "update.lora_alpha", "train.seed",
               *REWARD_PARAMS],
     "credit": ["credit"],
     "update": ["model", "update", "train.seed"],
@@ -110,18 +110,20 @@ def iteration_stages(cfg: Config, i: int, manifests: bool = True) -> dict[str, d
     cmd = lambda name: stage_command(cfg, name, i)  # noqa: E731
     code = lambda kind: code_deps(kind, manifests)  # noqa: E731
     model, scorers = [cfg.model.path], reward_folders(cfg, cfg.task.reward)
-    # Flow-GRPO's credit needs only R_fin, which the rollout has: no probe stage, credit reads the rollout.
-    flow_grpo = cfg.credit.mode == "flow_grpo"
-    credit_kind, credit_input = (("credit_from_rollout", f"{d}/trajectories.zarr") if flow_grpo
-                                 else ("credit", f"{d}/probe.parquet"))
+    # Every credit mode has the same stages, so that `dvc exp run -S credit.mode=...` runs what `tpgrpo run`
+    # renders: Flow-GRPO's probe loads no model and writes Q_k = R_fin from the rollout (stages/probe.py).
     stages: dict[str, dict] = {
         f"rollout-{i:04d}": {
             "cmd": cmd("rollout"), "params": STAGE_PARAMS["rollout"],
             "deps": [*code("rollout"), *scorers, *model, cfg.task.train_prompts, *prev],
             "outs": [f"{d}/trajectories.zarr", f"{d}/prompt_embeds.safetensors"]},
+        f"probe-{i:04d}": {
+            "cmd": cmd("probe"), "params": STAGE_PARAMS["probe"],
+            "deps": [*code("probe"), *scorers, *model, f"{d}/trajectories.zarr", f"{d}/prompt_embeds.safetensors", *prev],
+            "outs": [f"{d}/probe.parquet"]},
         f"credit-{i:04d}": {
             "cmd": cmd("credit"), "params": STAGE_PARAMS["credit"],
-            "deps": [*code(credit_kind), credit_input],
+            "deps": [*code("credit"), f"{d}/probe.parquet"],
             "outs": [f"{d}/credit.parquet"]},
         f"update-{i:04d}": {
             "cmd": cmd("update"), "params": STAGE_PARAMS["update"],
@@ -133,11 +135,6 @@ def iteration_stages(cfg: Config, i: int, manifests: bool = True) -> dict[str, d
                      cfg.task.eval_prompts, f"{d}/policy"],
             "outs": [_uncached(f"{d}/eval.parquet")]},
     }
-    if not flow_grpo:
-        stages[f"probe-{i:04d}"] = {
-            "cmd": cmd("probe"), "params": STAGE_PARAMS["probe"],
-            "deps": [*code("probe"), *scorers, *model, f"{d}/trajectories.zarr", f"{d}/prompt_embeds.safetensors", *prev],
-            "outs": [f"{d}/probe.parquet"]}
     order = ("rollout", "probe", "credit", "update", "eval")  # dvc.yaml reads in pipeline order
     return {name: stages[name] for stem in order for name in stages if name.startswith(stem + "-")}
 
@@ -199,7 +196,7 @@ def summary_stage(cfg: Config, open_iters: list[int], sealed: list[Block], manif
     """Metrics, curves and figures of the whole run. It reads every iteration's stage JSON and eval table;
     as DVC deps it lists them for open iterations only and, per sealed block, its last credit table (which
     a re-run of the block rewrites), so its dependency count does not grow with the run."""
-    logs = ("rollout", "credit", "update", "eval") if cfg.credit.mode == "flow_grpo" else STAGE_LOGS
+    logs = STAGE_LOGS
     # Stage JSONs are logs (wall seconds differ run to run), not DVC outputs: re-running a stage by hand with
     # the same inputs leaves DVC with nothing to redo but this summary. The eval tables (outputs) order it
     # after every iteration, whose stages all wrote their JSON before its eval ran.
@@ -207,8 +204,7 @@ def summary_stage(cfg: Config, open_iters: list[int], sealed: list[Block], manif
     evals = [f"{_iter_dir(i)}/eval.parquet" for i in open_iters]
     blocks = [f"{_iter_dir(b.last)}/credit.parquet" for b in sealed]
     last = _iter_dir(cfg.train.iterations)  # the figures draw its tables and its policy's images
-    last_iteration = [f"{last}/{name}" for name in ("probe.parquet", "credit.parquet", "policy")
-                      if name != "probe.parquet" or cfg.credit.mode != "flow_grpo"]
+    last_iteration = [f"{last}/{name}" for name in ("probe.parquet", "credit.parquet", "policy")]
     deps = [*code_deps("summary", manifests), "data/iters/baseline_eval.json",
             "data/iters/baseline_eval.parquet", *per_iter, *evals, *blocks, *last_iteration]
     return {
@@ -225,6 +221,15 @@ class _NoAliasDumper(yaml.SafeDumper):
         return True
 
 
+RENDER_UPTO_ENV = "TPGRPO_RENDER_UPTO"  # set by `tpgrpo run` for its block-by-block repros
+
+
+def dvc_yaml_text(cfg: Config, root: Path, upto: int | None = None) -> str:
+    """The text of ``dvc.yaml`` for these params (through iteration ``upto``: see :func:`render`)."""
+    return HEADER + yaml.dump(render(cfg, root, upto), Dumper=_NoAliasDumper, sort_keys=False,
+                              default_flow_style=False, width=120)
+
+
 def write_dvc_yaml(cfg: Config, root: Path, upto: int | None = None) -> bool:
     """Write ``dvc.yaml`` (through iteration ``upto``: see :func:`render`) if its content changed; returns
     whether it did."""
@@ -232,7 +237,7 @@ def write_dvc_yaml(cfg: Config, root: Path, upto: int | None = None) -> bool:
     if config_file and not (root / config_file).is_file():
         raise ConfigError(f"params: launch.config_file = {config_file!r}: file not found "
                           "(expected an accelerate config file, path relative to the project root)")
-    text = HEADER + yaml.dump(render(cfg, root, upto), Dumper=_NoAliasDumper, sort_keys=False, default_flow_style=False, width=120)
+    text = dvc_yaml_text(cfg, root, upto)
     path = root / "dvc.yaml"
     if path.exists() and path.read_text() == text:
         return False
@@ -240,3 +245,17 @@ def write_dvc_yaml(cfg: Config, root: Path, upto: int | None = None) -> bool:
     tmp.write_text(text)
     tmp.replace(path)
     return True
+
+
+def check_rendered(cfg: Config, root: Path) -> None:
+    """Refuse a ``dvc repro`` / ``dvc exp run`` whose dvc.yaml is not what these params render (the code
+    stage, which depends on params.yaml, runs this first): e.g. ``-S train.iterations=20`` changes params.yaml
+    but not the stages DVC runs. Under ``tpgrpo run`` the rendering is through its current block."""
+    import os
+
+    upto = os.environ.get(RENDER_UPTO_ENV)
+    path = root / "dvc.yaml"
+    if path.is_file() and path.read_text() != dvc_yaml_text(cfg, root, int(upto) if upto else None):
+        raise ConfigError("dvc.yaml was rendered from other params than params.yaml's (train.iterations, "
+                          "eval.every, train.block_size, paths or launch): run `tpgrpo run`, or `tpgrpo dvc-yaml` "
+                          "before `dvc repro` / `dvc exp run`")

@@ -15,13 +15,13 @@ from pathlib import Path
 from tpgrpo.io.artifacts import IterationPaths, read_json
 
 FIGURES = ("reward_curves.png", "turning_points.png", "turning_point_rates.png", "before_after.png")
-TURNING_POINTS = "turning_points.png"  # needs the probe table: not drawn for credit.mode flow_grpo (no probe)
+TURNING_POINTS = "turning_points.png"  # for credit.mode flow_grpo: flat Q_k = R_fin, no turning point
 GRID_PROMPTS = 8  # held-out prompts in the before/after figure (first eval seed of each)
 
 
 def figure_names(cfg) -> list[str]:
-    """The figures a run of these params draws."""
-    return [name for name in FIGURES if name != TURNING_POINTS or cfg.credit.mode != "flow_grpo"]
+    """The figures a run of these params draws: the same for every credit mode (one dvc.yaml for all)."""
+    return list(FIGURES)
 
 
 def tp_rate_table(root: Path, iterations: range):
@@ -65,12 +65,11 @@ def make_figures(cfg, root: Path, history, out_dir: Path | None = None) -> list[
     last = cfg.train.iterations
     paths = {name: out / name for name in figure_names(cfg)}
     plots.reward_curves(history, paths["reward_curves.png"], base_iteration=0)
-    if TURNING_POINTS in paths:
-        last_paths = IterationPaths(root, last)
-        probe = read_table(last_paths.probe, PROBE, f"probe table of iteration {last}")
-        credit = read_table(last_paths.credit, CREDIT, f"credit table of iteration {last}")
-        plots.turning_point_view(probe, credit, paths[TURNING_POINTS],
-                                 title=f"iteration {last}: Q_k of one prompt group's trajectories")
+    last_paths = IterationPaths(root, last)
+    probe = read_table(last_paths.probe, PROBE, f"probe table of iteration {last}")
+    credit = read_table(last_paths.credit, CREDIT, f"credit table of iteration {last}")
+    plots.turning_point_view(probe, credit, paths[TURNING_POINTS],
+                             title=f"iteration {last}: Q_k of one prompt group's trajectories")
     plots.turning_point_heatmap(tp_rate_table(root, range(1, last + 1)), paths["turning_point_rates.png"])
     base, labels = grid_images(cfg, root, 0)
     final, _ = grid_images(cfg, root, last)
