@@ -64,7 +64,10 @@ def _roots_of(tree: ast.Module, functions: tuple[str, ...] | None) -> list:
     if functions is None:
         return [tree]
     top = [n for n in tree.body if not isinstance(n, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef))]
-    named = [n for n in tree.body if isinstance(n, (ast.FunctionDef, ast.AsyncFunctionDef)) and n.name in functions]
+    # functions the module level calls run at import too (e.g. a command registered by a call)
+    called = {c.func.id for n in top for c in ast.walk(n) if isinstance(c, ast.Call) and isinstance(c.func, ast.Name)}
+    named = [n for n in tree.body if isinstance(n, (ast.FunctionDef, ast.AsyncFunctionDef))
+             and (n.name in functions or n.name in called)]
     return top + named
 
 
