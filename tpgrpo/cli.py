@@ -141,8 +141,7 @@ def plot_command(params: ParamsOpt = Path("params.yaml")) -> None:
 def dvc_yaml_command(params: ParamsOpt = Path("params.yaml")) -> None:
     """Render dvc.yaml from params.yaml (one set of stages per iteration)."""
     from tpgrpo.config import ConfigError, load_config
-    from tpgrpo.pipeline.code_manifest import refresh_manifests
-    from tpgrpo.pipeline.dvcfile import RENDER_UPTO_ENV, write_dvc_yaml
+    from tpgrpo.pipeline.dvcfile import write_dvc_yaml
 
     try:
         cfg = load_config(params)
@@ -163,7 +162,8 @@ def run_command(params: ParamsOpt = Path("params.yaml")) -> None:
 
     from tpgrpo.pipeline import stage_server
     from tpgrpo.config import ConfigError, load_config
-    from tpgrpo.pipeline.dvcfile import write_dvc_yaml
+    from tpgrpo.pipeline.code_manifest import refresh_manifests
+    from tpgrpo.pipeline.dvcfile import RENDER_UPTO_ENV, write_dvc_yaml
     from tpgrpo.pipeline.dvclock import clear_stale_lock
     from tpgrpo.errors import PipelineError
     from tpgrpo.pipeline.sealing import dvc_env, relink, repro_ends, seal_finished, unseal_changed

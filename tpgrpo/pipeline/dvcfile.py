@@ -14,6 +14,7 @@ from pathlib import Path
 
 import yaml
 
+from tpgrpo.pipeline.block_logs import digest_path
 from tpgrpo.pipeline.code_manifest import code_deps, code_stage, uses_code_files
 from tpgrpo.config import Config, ConfigError
 from tpgrpo.reports.figures import figure_names
@@ -157,9 +158,10 @@ def block_stage(cfg: Config, block: Block, outs: list[str] | None = None, manife
     deps = dict.fromkeys(d for st in inner for d in st["deps"] if d not in produced)
     all_outs = {_out_path(o): o for st in inner for o in st["outs"]}  # path -> entry, dvc.yaml order
     kept = set(produced if outs is None else outs)
+    digest = _uncached(digest_path(block))  # the logs the summary reads (tpgrpo.pipeline.block_logs)
     return {"cmd": f"tpgrpo block --first {block.first} --last {block.last}",
             "params": [p for p in params if not _covered(p, params)], "deps": list(deps),
-            "outs": [o for path, o in all_outs.items() if path in kept]}
+            "outs": [*[o for path, o in all_outs.items() if path in kept], digest]}
 
 
 def block_out_paths(cfg: Config, block: Block) -> list[str]:
@@ -194,15 +196,16 @@ def render(cfg: Config, root: Path | None = None, upto: int | None = None) -> di
 
 def summary_stage(cfg: Config, open_iters: list[int], sealed: list[Block], manifests: bool = True) -> dict:
     """Metrics, curves and figures of the whole run. It reads every iteration's stage JSON and eval table;
-    as DVC deps it lists them for open iterations only and, per sealed block, its last credit table (which
-    a re-run of the block rewrites), so its dependency count does not grow with the run."""
+    as DVC deps it lists them for open iterations only and, per sealed block, the block's log digest (the md5
+    of each of those files, rewritten whenever the block runs), so its dependency count does not grow with the
+    run."""
     logs = STAGE_LOGS
     # Stage JSONs are logs (wall seconds differ run to run), not DVC outputs: re-running a stage by hand with
     # the same inputs leaves DVC with nothing to redo but this summary. The eval tables (outputs) order it
     # after every iteration, whose stages all wrote their JSON before its eval ran.
     per_iter = [f"{_iter_dir(i)}/{name}.json" for i in open_iters for name in logs]
     evals = [f"{_iter_dir(i)}/eval.parquet" for i in open_iters]
-    blocks = [f"{_iter_dir(b.last)}/credit.parquet" for b in sealed]
+    blocks = [digest_path(b) for b in sealed]  # every log and table of the block, through its digest
     last = _iter_dir(cfg.train.iterations)  # the figures draw its tables and its policy's images
     last_iteration = [f"{last}/{name}" for name in ("probe.parquet", "credit.parquet", "policy")]
     deps = [*code_deps("summary", manifests), "data/iters/baseline_eval.json",

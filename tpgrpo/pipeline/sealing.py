@@ -24,6 +24,7 @@ from pathlib import Path
 from tpgrpo.config import Config
 from tpgrpo.pipeline.dvcfile import block_out_paths, block_stage, iteration_stages, stage_command, write_dvc_yaml
 from tpgrpo.errors import PipelineError
+from tpgrpo.pipeline.block_logs import write_digest
 from tpgrpo.pipeline.blocks import (Block, full_blocks, param_values, read_lock, read_seal, seal_files, write_lock,
                           write_yaml)
 
@@ -80,6 +81,7 @@ def seal_finished(root: Path, cfg: Config, upto: int | None = None) -> list[Bloc
     new = sealable(cfg, stages, sealed, upto)
     for block in new:
         names = stage_names(cfg, block)
+        write_digest(root, block)  # an output of the block's stage: `dvc commit` records it
         write_yaml(block.entries_path(root), {n: stages[n] for n in names})
         write_yaml(block.seal_path(root), {"first": block.first, "last": block.last,
                                            "outs": block_out_paths(cfg, block)})
@@ -136,6 +138,7 @@ def run_block(root: Path, cfg: Config, block: Block) -> None:
             done = subprocess.run(stage_command(cfg, stage, i), shell=True, cwd=root, env=dvc_env())
             if done.returncode != 0:
                 raise PipelineError(f"block {block.name}: stage {name} failed with exit code {done.returncode}")
+    write_digest(root, block)
     seal = block.seal_path(root)
     kept = set(read_seal(seal)["outs"]) if seal.is_file() else None
     for path in block_out_paths(cfg, block):

@@ -1,0 +1,60 @@
+"""The summary of a sealed run re-runs whenever a block does (issue 25 item 4).
+
+It depended on each sealed block's last credit table only, so a re-run of a block that changed only logged
+numbers (approx KL, grad norm, wall seconds) left summary.json, the curves and `dvc metrics show` stale. Now
+each block writes a digest of the logs and tables the summary reads, and the summary depends on it.
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import pandas as pd
+import pytest
+import yaml
+from conftest import make_tiny_project
+from test_dvc_pipeline import env, ran, tpgrpo_run
+
+from tpgrpo.config import config_from_dict
+from tpgrpo.pipeline.block_logs import digest_path, write_digest
+from tpgrpo.pipeline.blocks import Block
+from tpgrpo.pipeline.dvcfile import summary_stage
+
+
+def test_a_sealed_blocks_summary_dependency_is_its_log_digest(tmp_path):
+    from conftest import tiny_params
+
+    cfg = config_from_dict(tiny_params(train={"iterations": 4, "block_size": 2}))
+    deps = summary_stage(cfg, [3, 4], [Block(1, 2)])["deps"]
+    assert digest_path(Block(1, 2)) in deps and "data/iters/0002/credit.parquet" not in deps
+    d = tmp_path / "data" / "iters" / "0001"
+    d.mkdir(parents=True)
+    (d / "update.json").write_text('{"approx_kl_after": 1e-6}')
+    first = write_digest(tmp_path, Block(1, 2)).read_bytes()
+    (d / "update.json").write_text('{"approx_kl_after": 2e-6}')  # a logged number only
+    assert write_digest(tmp_path, Block(1, 2)).read_bytes() != first
+
+
+@pytest.mark.slow
+def test_rerunning_a_sealed_block_reruns_the_summary_with_the_new_logs(tmp_path, tiny_model_dir):
+    root = make_tiny_project(tmp_path / "project", tiny_model_dir)
+    raw = yaml.safe_load((root / "params.yaml").read_text())
+    raw["train"].update({"iterations": 2, "block_size": 2})
+    (root / "params.yaml").write_text(yaml.safe_dump(raw, sort_keys=False))
+    first = tpgrpo_run(root)
+    assert first.returncode == 0 and "sealed iters-0001-0002" in first.stdout, first.stdout[-3000:]
+    again = subprocess.run([sys.executable, "-m", "dvc", "repro", "--force", "--single-item", "iters-0001-0002"],
+                           cwd=root, env=env(), capture_output=True, text=True)
+    assert again.returncode == 0, again.stdout[-3000:] + again.stderr[-3000:]
+    after = subprocess.run([sys.executable, "-m", "dvc", "repro"], cwd=root, env=env(), capture_output=True,
+                           text=True)
+    assert "summary" in ran(after.stdout), after.stdout  # before: its only dep, credit.parquet, was unchanged
+    history = pd.read_csv(root / "data" / "metrics" / "history.csv").set_index("iteration")
+    for i in (1, 2):
+        log = json.loads((root / "data" / "iters" / f"{i:04d}" / "update.json").read_text())
+        assert history.loc[i, "update_wall_seconds"] == pytest.approx(log["wall_seconds"])
+    status = subprocess.run([sys.executable, "-m", "dvc", "status"], cwd=root, env=env(), capture_output=True,
+                            text=True)
+    assert "up to date" in status.stdout, status.stdout
