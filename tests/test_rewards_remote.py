@@ -181,3 +181,47 @@ def test_serve_reward_command_serves_a_registered_reward(tmp_path, images):
                              "--params", str(tmp_path / "none.yaml")], capture_output=True, text=True)
     assert failed.returncode == 2 and failed.stderr.startswith("error: unknown reward 'pickscor'")
     assert failed.stderr.count("\n") == 1
+
+
+class Trickling(BaseHTTPRequestHandler):
+    """Answers every request correctly, but one byte at a time, 0.05 s apart (in the headers or in the body):
+    each read gets a byte well within the client's timeout, the whole reply takes 2-4 s. Stops at the end of
+    the reply, or as soon as the client has gone."""
+
+    where = "body"
+    requests: list = []
+
+    def do_POST(self):  # noqa: N802
+        self.requests.append(time.monotonic())
+        self.rfile.read(int(self.headers["Content-Length"]))
+        body = json.dumps({"rewards": [0.25, 0.5], "strict": None}).encode()
+        head = (f"HTTP/1.1 200 OK\r\nContent-Length: {len(body)}\r\n\r\n").encode()
+        whole, slow_from = head + body, (0 if self.where == "headers" else len(head))
+        try:
+            self.wfile.write(whole[:slow_from])
+            for k in range(slow_from, len(whole)):
+                self.wfile.write(whole[k:k + 1])
+                self.wfile.flush()
+                time.sleep(0.05)
+        except OSError:
+            pass  # the client gave up: stop
+        self.close_connection = True
+
+    def log_message(self, *args):
+        pass
+
+
+@pytest.mark.parametrize("where", ["headers", "body"])
+def test_the_timeout_bounds_the_whole_request_not_each_read(images, where):
+    handler = type("Handler", (Trickling,), {"where": where, "requests": []})
+    with serving(ThreadingHTTPServer(("127.0.0.1", 0), handler)) as url:
+        start = time.monotonic()
+        with pytest.raises(RewardError) as info:  # each read waits 0.05 s, the whole reply 2-4 s
+            client(url, timeout=0.3, retries=1, backoff=0.01)(images[:2], METAS[:2])
+        took = time.monotonic() - start
+        message = str(info.value)
+        assert "after 2 attempts (timeout 0.3 s; last: TimeoutError: no complete reply within 0.3 s)" in message
+        assert "\n" not in message
+        assert len(handler.requests) == 2 and took < 1.5, took  # 2 x 0.3 s, not 2 x the trickle
+        if where == "body":  # a patient client gets the whole reply: the server is slow, not broken
+            assert client(url, timeout=30.0, retries=0)(images[:2], METAS[:2]).reward.tolist() == [0.25, 0.5]

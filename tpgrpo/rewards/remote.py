@@ -4,21 +4,24 @@ Protocol (JSON over HTTP POST to `remote_reward.url`):
   request  {"images": [{"png": BASE64} | {"raw": BASE64, "shape": [H, W, 3]}, ...], "metas": [dict, ...]}
   reply    {"rewards": [float, ...], "strict": [bool, ...] | null, "reward": NAME}   (one per image, in order)
   error    HTTP 4xx/5xx with {"error": "one line"}
-The client sends `remote_reward.batch_size` images per request; a request that cannot connect, times
-out (`timeout` s) or gets HTTP 5xx is retried `retries` times, waiting `backoff`, 2 x `backoff`, ...
-seconds; then, or on HTTP 4xx or a malformed reply, it fails with one line naming the URL. Proxies
-(http_proxy) are bypassed: the client connects to the configured address only.
+The client sends `remote_reward.batch_size` images per request; a request that cannot connect, has no
+complete reply within `timeout` s (the whole request: connecting, sending and every read, so a server that
+trickles its reply cannot hold it longer) or gets HTTP 5xx is retried `retries` times, waiting `backoff`,
+2 x `backoff`, ... seconds; then, or on HTTP 4xx or a malformed reply, it fails with one line naming the URL.
+Proxies (http_proxy) are bypassed: the client connects to the configured address only (http.client).
 """
 
 from __future__ import annotations
 
 import base64
+import contextlib
 import http.client
 import io
 import json
+import socket
+import threading
 import time
-import urllib.error
-import urllib.request
+import urllib.parse
 from pathlib import Path
 
 import numpy as np
@@ -101,8 +104,6 @@ class RemoteReward(Reward):
                  batch_size: int = 64, encoding: str = "png"):
         self.url, self.timeout, self.retries, self.backoff = url, timeout, retries, backoff
         self.batch_size, self.encoding = batch_size, encoding
-        # Direct connections only: no proxy from the environment between us and the configured address.
-        self._opener = urllib.request.build_opener(urllib.request.ProxyHandler({}))
 
     @classmethod
     def from_config(cls, cfg, root: Path | None = None) -> RemoteReward:
@@ -131,29 +132,62 @@ class RemoteReward(Reward):
         for attempt in range(attempts):
             if attempt:
                 time.sleep(self.backoff * 2 ** (attempt - 1))
-            request = urllib.request.Request(self.url, data=body, method="POST",
-                                             headers={"Content-Type": "application/json"})
             try:
-                with self._opener.open(request, timeout=self.timeout) as response:
-                    return response.read()
-            except urllib.error.HTTPError as exc:
-                last = f"HTTP {exc.code}: {_server_message(exc)}"
-                if exc.code < 500:
-                    raise RewardError(f"reward server {self.url} refused the request ({last})") from None
-            except (urllib.error.URLError, ConnectionError, TimeoutError, http.client.HTTPException) as exc:
-                reason = exc.reason if isinstance(exc, urllib.error.URLError) else exc
-                last = f"{type(reason).__name__}: {reason}" if str(reason) else type(reason).__name__
+                status, reason, data = _post_once(self.url, body, self.timeout)
+            except (OSError, http.client.HTTPException) as exc:  # refused, reset, timed out, bad HTTP
+                last = f"{type(exc).__name__}: {exc}" if str(exc) else type(exc).__name__
+                continue
+            if status < 400:
+                return data
+            last = f"HTTP {status}: {_server_message(data, reason)}"
+            if status < 500:
+                raise RewardError(f"reward server {self.url} refused the request ({last})") from None
         raise RewardError(f"reward server {self.url} unreachable or failing after {attempts} attempts "
                           f"(timeout {self.timeout:g} s; last: {last})")
 
 
-def _server_message(exc: urllib.error.HTTPError) -> str:
-    """The one-line {"error": ...} of an error reply, else its first characters, else the HTTP reason."""
+def _post_once(url: str, body: bytes, timeout: float) -> tuple[int, str, bytes]:
+    """One POST of ``body`` (JSON) to ``url``, bounded as a whole by ``timeout`` seconds; returns (status,
+    reason, reply body). A socket timeout alone bounds each read, so a server sending a byte every few
+    seconds could hold the request for ever: a timer shuts the socket down at the deadline, which ends any
+    read in progress, and the request then raises ``TimeoutError``."""
+    parts = urllib.parse.urlsplit(url)
+    kind = http.client.HTTPSConnection if parts.scheme == "https" else http.client.HTTPConnection
+    conn = kind(parts.hostname, parts.port, timeout=timeout)
+    expired = threading.Event()
+
+    def expire() -> None:
+        expired.set()
+        if conn.sock is not None:
+            with contextlib.suppress(OSError):
+                conn.sock.shutdown(socket.SHUT_RDWR)
+
+    timer = threading.Timer(timeout, expire)
+    timer.daemon = True
+    deadline = time.monotonic() + timeout
+    timer.start()
     try:
-        body = exc.read()
-    except OSError:
-        body = b""
+        conn.connect()
+        conn.sock.settimeout(max(deadline - time.monotonic(), 1e-3))  # the timer may have fired during connect
+        path = (parts.path or "/") + (f"?{parts.query}" if parts.query else "")
+        conn.request("POST", path, body=body, headers={"Content-Type": "application/json"})
+        response = conn.getresponse()
+        data = response.read()
+    except (OSError, http.client.HTTPException):
+        if expired.is_set():
+            raise TimeoutError(f"no complete reply within {timeout:g} s") from None
+        raise
+    finally:
+        timer.cancel()
+        conn.close()
+    if expired.is_set():  # a reply without Content-Length reads as complete when the socket is shut down
+        raise TimeoutError(f"no complete reply within {timeout:g} s")
+    return response.status, response.reason, data
+
+
+def _server_message(body: bytes, reason: str) -> str:
+    """The one-line {"error": ...} of an error reply, else its first characters, else the HTTP reason."""
     try:
         return str(json.loads(body)["error"]).splitlines()[0]
     except (ValueError, KeyError, TypeError, IndexError):
-        return body[:80].decode("utf-8", "replace").replace("\n", " ") or str(exc.reason)
+        return body[:80].decode("utf-8", "replace").replace("\n", " ") or str(reason)
