@@ -1,0 +1,87 @@
+"""Attack "up to date means correct" (issue #25) with many seeded random sequences of user actions.
+
+Each sequence builds a tiny project (3 iterations, blocks of 2), runs it, then applies ``--length`` random
+actions (param and code edits, touches, hand re-runs, deletions, retention, iteration changes, SIGKILLs,
+in-place damage, ...), each followed by ``tpgrpo run`` and three checks: every artifact equals a run from
+scratch (reference runs cached by params + code in ``--cache``), ``dvc status`` is clean, and what ran is
+what the action affects. Prints how many sequences held and, per failure, the sequence and its first
+failed assertion.
+
+    OMP_NUM_THREADS=1 python bench/up_to_date.py --sequences 50 --seed 0
+    python bench/up_to_date.py --only 7 --seed 0   # re-run sequence 7 alone (its seed is seed * 1000 + 7)
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import shutil
+import sys
+import tempfile
+import time
+from collections import Counter
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO / "tests"))
+
+import up_to_date_actions as ua  # noqa: E402
+import up_to_date_harness as h  # noqa: E402
+
+
+def build_model(folder: Path) -> Path:
+    """The tests' tiny model (tests/conftest.py's tiny_model_dir), saved once into ``folder``."""
+    from tpgrpo.models.tiny import TinyConfig, build_tiny
+
+    if not (folder / "tpgrpo_model.json").is_file():
+        config = TinyConfig(image_size=32, patch_size=8, num_layers=1, num_heads=2, head_dim=16, text_layers=1,
+                            text_hidden=32, text_heads=2, text_intermediate=64)
+        build_tiny(config, seed=0).save_pretrained(folder)
+    return folder
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--sequences", type=int, default=50)
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--length", type=int, default=6, help="actions per sequence")
+    parser.add_argument("--only", type=int, default=None, help="run only this sequence index")
+    parser.add_argument("--actions", default=",".join(ua.ACTIONS), help="comma-separated action names")
+    parser.add_argument("--code", choices=("head", "worktree"), default="head",
+                        help="the code projects copy: the last commit (default) or the working tree")
+    parser.add_argument("--cache", type=Path, default=Path(tempfile.gettempdir()) / "tpgrpo_up_to_date",
+                        help="folder of cached reference digests and the tiny model")
+    parser.add_argument("--json", type=Path, default=None, help="write the results here too")
+    args = parser.parse_args()
+    actions = args.actions.split(",")
+    unknown = [a for a in actions if a not in ua.ACTIONS]
+    if unknown:
+        parser.error(f"unknown actions {unknown}; known: {', '.join(ua.ACTIONS)}")
+    work = Path(tempfile.mkdtemp(prefix="up_to_date_"))
+    code_src = h.export_code(work / "code", args.code)
+    model = build_model(args.cache / "model" / "base")
+    refs = h.References(args.cache / f"refs-{h.code_key(code_src)[:12]}", model)
+    started, results = time.time(), []
+    indices = [args.only] if args.only is not None else range(args.sequences)
+    for k in indices:
+        root = work / f"seq{k}"
+        result = ua.run_sequence(root, model, code_src, refs, args.seed * 1000 + k, args.length, actions)
+        results.append(result)
+        print(ua.describe(result), flush=True)
+        shutil.rmtree(root, ignore_errors=True)
+    wall = time.time() - started
+    held = sum(r.held for r in results)
+    steps = sum(len(r.steps) for r in results)
+    kinds = Counter(r.failure.split(":")[0][:60] for r in results if r.failure)
+    print(f"\n{held} of {len(results)} sequences held ({steps} actions, {len(results) - held} failed); "
+          f"wall {wall:.0f} s; threads {h.THREADS}; code {args.code}; references computed {refs.computed}")
+    for kind, count in kinds.most_common():
+        print(f"  {count} x {kind}")
+    if args.json:
+        args.json.write_text(json.dumps([{"seed": r.seed, "held": r.held, "steps": r.steps, "failure": r.failure,
+                                          "seconds": round(r.seconds, 1)} for r in results], indent=1))
+    shutil.rmtree(work, ignore_errors=True)
+
+
+if __name__ == "__main__":
+    main()

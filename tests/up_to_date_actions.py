@@ -1,0 +1,439 @@
+"""What users do to a project, as seeded random actions, and the check after each (issue #25).
+
+Each action changes the project (a param, code, files, a hand-run stage, a killed run, damage) and says
+what the next ``tpgrpo run`` may run (``allowed``), must run (``required``) and whether it may refuse
+with one line. :func:`run_sequence` applies a seeded sequence of them, each followed by ``tpgrpo run`` and
+the three checks of :mod:`up_to_date_harness`; it stops at the first failure and returns it.
+"""
+
+from __future__ import annotations
+
+import os
+import random
+import re
+import shutil
+import signal
+import subprocess
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import up_to_date_harness as h
+
+BASE_TRAIN = {"iterations": 3, "block_size": 2}  # block 1-2 sealed, iteration 3 open: both paths exercised
+UPSTREAM = {"update.lr": [0.01, 0.005], "sampling.noise_level": [0.7, 0.5]}
+LEAF = {"eval.num_steps": [4, 3], "eval.samples_per_prompt": [2, 1], "task.eval_reward": ["geneval", "geneval_soft"],
+        "credit.mode": ["tp", "incremental", "flow_grpo"], "update.ema": [False, True]}
+# The stage kinds that read each param (written here from the stages' code, not from dvcfile.STAGE_PARAMS,
+# so that a wrong declaration there shows up as a wrong re-run).
+READERS = {"update.lr": {"update"}, "sampling.noise_level": {"rollout", "eval", "baseline"},
+           "eval.num_steps": {"eval", "baseline"}, "eval.samples_per_prompt": {"eval", "baseline"},
+           "task.eval_reward": {"eval", "baseline"}, "credit.mode": {"credit"}, "update.ema": {"update"},
+           "probe.completion": {"probe"}}
+ALL_KINDS = {"rollout", "probe", "credit", "update", "eval", "baseline", "summary"}
+# Code files each kind certainly runs on the tiny project (a comment appended must re-run those stages).
+CODE_TARGETS = {
+    "stages/rollout.py": {"rollout"}, "stages/probe.py": {"probe"}, "stages/credit.py": {"credit"},
+    "stages/update.py": {"update"}, "stages/eval.py": {"eval", "baseline"}, "stages/baseline.py": {"baseline"},
+    "stages/summary.py": {"summary"}, "tpgrpo/algo/seeds.py": {"rollout", "update"},
+    "tpgrpo/algo/loss.py": {"update"}, "tpgrpo/algo/credit.py": {"credit"},
+    "tpgrpo/algo/advantages.py": {"credit", "update"}, "tpgrpo/config.py": ALL_KINDS,
+    "tpgrpo/pipeline/distributed.py": ALL_KINDS, "tpgrpo/io/artifacts.py": ALL_KINDS,
+    "tpgrpo/__init__.py": ALL_KINDS,
+}
+PRODUCER = {"trajectories.zarr": "rollout", "prompt_embeds.safetensors": "rollout", "probe.parquet": "probe",
+            "credit.parquet": "credit", "policy": "update", "eval.parquet": "eval"}
+ALWAYS = {"summary", "code"}  # re-run after any change that reaches a result
+
+
+@dataclass
+class Plan:
+    """What an action did and what the next ``tpgrpo run`` may and must run."""
+
+    what: str
+    allowed: set[str] | None  # None: anything may run
+    required: set[str] = field(default_factory=set)
+    may_refuse: bool = False
+    restore: dict | None = None  # params to put back when the run refuses (a refused edit)
+    damaged: Path | None = None  # the artifact to delete when the run refuses (a refused damage)
+    marks: dict | None = None  # stage marks from before a run the action itself started
+    failure: str | None = None  # the action itself broke the property (e.g. a stage ran on after a kill)
+
+
+@dataclass
+class Seq:
+    root: Path
+    refs: h.References
+    rng: random.Random
+    retained: bool = False
+
+
+# ---------------------------------------------------------------- the stage graph of a config
+
+def n_iters(raw: dict) -> int:
+    return raw["train"]["iterations"]
+
+
+def stages_of(raw: dict, kinds: set[str], iters=None) -> set[str]:
+    """Stage names of ``kinds`` over ``iters`` (default: the run's) under ``raw``."""
+    iters = range(1, n_iters(raw) + 1) if iters is None else iters
+    per = {k for k in kinds if k not in ("baseline", "summary")}  # every credit mode has a probe stage
+    return {f"{k}-{i:04d}" for k in per for i in iters} | (kinds & {"baseline", "summary"})
+
+
+def _children(raw: dict, name: str) -> set[str]:
+    kind, _, num = name.partition("-")
+    if not num:
+        return {"summary"} if name == "baseline" else set()
+    i = int(num)
+    nxt = {f"rollout-{i + 1:04d}", f"update-{i + 1:04d}", f"probe-{i + 1:04d}"}
+    kids = {"rollout": {f"update-{i:04d}", f"probe-{i:04d}"},
+            "probe": {f"credit-{i:04d}"}, "credit": {f"update-{i:04d}"},
+            "update": {f"eval-{i:04d}", *(nxt if i < n_iters(raw) else set())}, "eval": set()}[kind]
+    return kids | {"summary"}
+
+
+def downstream(raw: dict, seeds: set[str]) -> set[str]:
+    """``seeds`` and every stage that reads what they write, transitively."""
+    todo, seen = list(seeds), set(seeds)
+    while todo:
+        for child in _children(raw, todo.pop()) - seen:
+            seen.add(child)
+            todo.append(child)
+    return seen
+
+
+def block_stages(seq: Seq, raw: dict, i: int) -> set[str]:
+    """All stages of the sealed block holding iteration ``i`` (a changed output re-runs a sealed block
+    whole, by design), or none."""
+    for first, last in h.sealed_blocks(seq.root):
+        if first <= i <= last:
+            return stages_of(raw, ALL_KINDS - {"baseline", "summary"}, range(first, last + 1))
+    return set()
+
+
+# ---------------------------------------------------------------- actions
+
+def _edit(seq: Seq, table: dict, label: str) -> Plan:
+    raw = h.read_params(seq.root)
+    key = seq.rng.choice(sorted(table))
+    old = h.get_param(raw, key)
+    new = seq.rng.choice([v for v in table[key] if v != old])
+    before = {s: dict(v) for s, v in raw.items()}
+    h.write_params(seq.root, h.set_param(raw, key, new))
+    kinds = set(READERS[key])
+    if key == "credit.mode" and "flow_grpo" in (old, new):
+        kinds.add("probe")  # the probe stage appears or goes
+    allowed = downstream(raw, stages_of(raw, kinds)) | stages_of(before, kinds) | ALWAYS
+    return Plan(f"{label} {key}: {old!r} -> {new!r}", allowed, may_refuse=seq.retained, restore=before)
+
+
+def edit_upstream(seq: Seq) -> Plan:
+    return _edit(seq, UPSTREAM, "edit upstream param")
+
+
+def edit_leaf(seq: Seq) -> Plan:
+    return _edit(seq, LEAF, "edit leaf param")
+
+
+def edit_code(seq: Seq) -> Plan:
+    """Append a fresh comment to a file stages import: its manifest changes, so those stages re-run
+    (stages the file's kinds do not run may run too when the manifests are coarse: not checked)."""
+    raw = h.read_params(seq.root)
+    path = seq.rng.choice([p for p in sorted(CODE_TARGETS) if (seq.root / p).is_file()])
+    token = f"{seq.rng.getrandbits(48):012x}"
+    with open(seq.root / path, "a") as f:
+        f.write(f"\n{h.MARK} {token}\n")
+    return Plan(f"edit code {path} (comment {token})", None, stages_of(raw, CODE_TARGETS[path]),
+                may_refuse=seq.retained)
+
+
+def touch(seq: Seq) -> Plan:
+    """Change mtimes only (artifacts, code, params, prompts, model): nothing may run."""
+    files = [p for p in seq.root.rglob("*") if p.is_file() and ".git" not in p.parts and ".dvc" not in p.parts
+             and "__pycache__" not in p.parts]
+    picked = seq.rng.sample(sorted(files), min(6, len(files)))
+    stamp = time.time() + seq.rng.choice([-3600, 5, 3600])
+    for p in picked:
+        os.utime(p, (stamp, stamp))
+    return Plan("touch " + ", ".join(p.relative_to(seq.root).as_posix() for p in picked), set())
+
+
+def _hand_stage(seq: Seq, raw: dict) -> tuple[str, int]:
+    return seq.rng.choice(["credit", "eval", "probe", "rollout", "update"]), seq.rng.randint(1, n_iters(raw))
+
+
+def _hand_run(seq: Seq, stage: str, i: int) -> str | None:
+    """Run ``tpgrpo stage`` by hand; None, or why it failed (a one-line missing-input refusal is fine)."""
+    done = h.tpgrpo(seq.root, "stage", stage, "--iter", str(i))
+    if done.returncode == 0 or (seq.retained and h.one_line_error(done)):
+        return None
+    return f"hand re-run of {stage} --iter {i} failed (rc {done.returncode}): {done.stderr.strip()[-600:]}"
+
+
+def rerun_same(seq: Seq) -> Plan:
+    """Re-run a stage by hand with the current params: it rewrites the same artifact, nothing else runs."""
+    stage, i = _hand_stage(seq, h.read_params(seq.root))
+    return Plan(f"hand re-run {stage} --iter {i} (same params)", {"summary"}, failure=_hand_run(seq, stage, i))
+
+
+OTHER = {"rollout": ("sampling.noise_level", [0.7, 0.5]), "probe": ("probe.completion", ["exact", "x0"]),
+         "credit": ("credit.mode", ["tp", "incremental"]), "update": ("update.lr", [0.01, 0.005]),
+         "eval": ("eval.num_steps", [4, 3])}
+
+
+def rerun_other(seq: Seq) -> Plan:
+    """Re-run a stage by hand under another value of a param it reads, then put params.yaml back: the run
+    must bring the artifact (and what reads it) back to the current params."""
+    raw = h.read_params(seq.root)
+    stage, i = _hand_stage(seq, raw)
+    if stage == "credit" and raw["credit"]["mode"] == "flow_grpo":
+        stage = "update"
+    key, values = OTHER[stage]
+    old = h.get_param(raw, key)
+    new = seq.rng.choice([v for v in values if v != old])
+    before = {s: dict(v) for s, v in raw.items()}
+    h.write_params(seq.root, h.set_param(raw, key, new))
+    failure = _hand_run(seq, stage, i)
+    h.write_params(seq.root, before)
+    name = f"{stage}-{i:04d}"
+    allowed = downstream(before, {name}) | block_stages(seq, before, i) | ALWAYS
+    return Plan(f"hand re-run {stage} --iter {i} with {key}={new!r}, params restored", allowed,
+                may_refuse=seq.retained, failure=failure)
+
+
+def _artifacts(seq: Seq, raw: dict) -> list[Path]:
+    found = []
+    for i in range(1, n_iters(raw) + 1):
+        folder = seq.root / "data" / "iters" / f"{i:04d}"
+        found += [folder / name for name in sorted(PRODUCER) if (folder / name).exists()]
+    return found
+
+
+def _affected(seq: Seq, raw: dict, artifact: Path) -> set[str]:
+    i = int(artifact.parent.name)
+    name = f"{PRODUCER[artifact.name]}-{i:04d}"
+    return downstream(raw, {name}) | block_stages(seq, raw, i) | ALWAYS
+
+
+def delete(seq: Seq) -> Plan:
+    raw = h.read_params(seq.root)
+    artifact = seq.rng.choice(_artifacts(seq, raw))
+    shutil.rmtree(artifact) if artifact.is_dir() else artifact.unlink()
+    return Plan(f"delete {artifact.relative_to(seq.root)}", _affected(seq, raw, artifact), may_refuse=seq.retained)
+
+
+def damage(seq: Seq) -> Plan:
+    """Damage a file of an artifact in place; the run must repair it, or refuse with one line naming it
+    (the harness then deletes the artifact, as a user would, and the run after must repair it)."""
+    raw = h.read_params(seq.root)
+    artifact = seq.rng.choice(_artifacts(seq, raw))
+    if artifact.is_dir():
+        files = sorted(p for p in artifact.rglob("*") if p.is_file() and p.name != "zarr.json"
+                       and p.name != "adapter_config.json")
+        target = seq.rng.choice(files)
+    else:
+        target = artifact
+    how = seq.rng.choice(["truncate", "flip"])
+    what = h.damage(target, how, seq.rng)
+    return Plan(f"damage {target.relative_to(seq.root)} ({what})", _affected(seq, raw, artifact),
+                may_refuse=True, damaged=artifact)
+
+
+def retain(seq: Seq) -> Plan:
+    """Set a retention policy and apply it (`tpgrpo retain`): nothing may run afterwards."""
+    raw = h.read_params(seq.root)
+    raw["retention"] = {"keep_trajectories": seq.rng.choice([1, 2]), "keep_adapter_every": seq.rng.choice([2, 3])}
+    h.write_params(seq.root, raw)
+    done = h.tpgrpo(seq.root, "retain")
+    seq.retained = True
+    failure = None if done.returncode == 0 or h.one_line_error(done) else (
+        f"tpgrpo retain failed (rc {done.returncode}): {done.stderr.strip()[-600:]}")
+    return Plan(f"retain {raw['retention']}: {done.stdout.strip()}", set(), failure=failure)
+
+
+def iterations(seq: Seq) -> Plan:
+    raw = h.read_params(seq.root)
+    old = n_iters(raw)
+    new = seq.rng.choice([n for n in (2, 3, 4) if n != old])
+    before = {s: dict(v) for s, v in raw.items()}
+    h.write_params(seq.root, h.set_param(raw, "train.iterations", new))
+    allowed = set(ALWAYS)
+    if new > old:  # the new iterations only
+        allowed |= stages_of(raw, ALL_KINDS - {"baseline", "summary"}, range(old + 1, new + 1))
+    return Plan(f"train.iterations {old} -> {new}", allowed, may_refuse=seq.retained, restore=before)
+
+
+def _kill_during(seq: Seq, plan: Plan) -> Plan:
+    """Start ``tpgrpo run`` after ``plan``'s change, SIGKILL its process group at a random moment, wait
+    for it to be reaped; nothing it started may run on."""
+    marks = h.stage_marks(seq.root)
+    proc = subprocess.Popen([sys.executable, "-m", "tpgrpo", "run"], cwd=seq.root, env=h.env(),
+                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
+    delay = seq.rng.uniform(1.0, 25.0)
+    try:
+        proc.wait(timeout=delay)
+        outcome = f"run ended by itself before {delay:.1f} s"
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait()
+        outcome = f"SIGKILL at {delay:.1f} s"
+    time.sleep(2.0)
+    left = h.processes_in(seq.root)
+    plan.marks, plan.required = marks, set()
+    plan.what = f"{plan.what}; run, {outcome}"
+    if left:
+        plan.failure = f"still running in the project 2 s after the group kill: {left[:3]}"
+        h.end_processes(seq.root)
+    return plan
+
+
+def sigkill(seq: Seq) -> Plan:
+    change = seq.rng.choice([edit_upstream, edit_leaf, delete, edit_code, iterations])
+    return _kill_during(seq, change(seq))
+
+
+def edit_during_run(seq: Seq) -> Plan:
+    """Start a run after an upstream edit and edit another param while it runs (items 2 and 6): the run
+    after must still give the current params' artifacts."""
+    plan = edit_upstream(seq)
+    marks = h.stage_marks(seq.root)
+    proc = subprocess.Popen([sys.executable, "-m", "tpgrpo", "run"], cwd=seq.root, env=h.env(),
+                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
+    time.sleep(seq.rng.uniform(1.0, 20.0))
+    second = _edit(seq, {**UPSTREAM, **LEAF}, "during the run:")
+    proc.wait()
+    return Plan(f"{plan.what}; run; {second.what} (run rc {proc.returncode})", None, marks=marks,
+                may_refuse=seq.retained)
+
+
+def yaml12(seq: Seq) -> Plan:
+    """Write params.yaml's floats as YAML 1.2 reads them (``1e-02``; a string for YAML 1.1): same values,
+    nothing may run (item 5)."""
+    text = (seq.root / "params.yaml").read_text()
+
+    def exp(m: re.Match) -> str:
+        v = float(m.group(2))
+        e = f"{v:.0e}"
+        return m.group(1) + (e if float(e) == v else m.group(2))
+
+    (seq.root / "params.yaml").write_text(re.sub(r"^(\s*\w+: )(-?\d+\.\d+(?:e-?\d+)?)$", exp, text, flags=re.M))
+    return Plan("rewrite params.yaml floats as 1e-02 (YAML 1.2)", set())
+
+
+ACTIONS = {f.__name__: f for f in (edit_upstream, edit_leaf, edit_code, touch, rerun_same, rerun_other, delete,
+                                   damage, retain, iterations, sigkill, edit_during_run, yaml12)}
+
+
+# ---------------------------------------------------------------- checks and sequences
+
+def _undo(seq: Seq, plan: Plan) -> bool:
+    """After an accepted refusal: put the edit back, or delete the damaged artifact. False: nothing to undo
+    (the sequence stops there, held)."""
+    if plan.restore is not None:
+        h.write_params(seq.root, plan.restore)
+        return True
+    if plan.damaged is not None:
+        shutil.rmtree(plan.damaged) if plan.damaged.is_dir() else plan.damaged.unlink(missing_ok=True)
+        return True
+    return False
+
+
+def check(seq: Seq, plan: Plan, depth: int = 0) -> tuple[str | None, bool]:
+    """``tpgrpo run``, then (a) artifacts = reference, (b) ``dvc status`` clean, (c) what ran. Returns
+    (the first failure or None, whether the sequence may go on)."""
+    if plan.failure:
+        return plan.failure, False
+    marks, before = plan.marks or h.stage_marks(seq.root), h.digests(seq.root)
+    done = h.tpgrpo(seq.root, "run")
+    if done.returncode != 0:
+        if not (plan.may_refuse and h.one_line_error(done)):
+            return f"tpgrpo run failed (rc {done.returncode}): {done.stderr.strip()[-800:]}", False
+        refusal = done.stderr.strip()
+        if plan.damaged is not None and plan.damaged.name not in refusal and plan.damaged.parent.name not in refusal:
+            return f"refusal does not name the damaged {plan.damaged.name}: {refusal}", False
+        after = h.digests(seq.root)
+        if after != before:
+            changed = sorted(p for p in set(before) | set(after) if before.get(p) != after.get(p))
+            return f"refused ({refusal}) but changed {changed[:4]}", False
+        if not _undo(seq, plan) or depth:
+            return None, False
+        if plan.damaged is not None:  # the user deleted the damaged artifact: the next run must rebuild it
+            return check(seq, Plan(plan.what + "; deleted after refusal", plan.allowed, marks=marks), depth + 1)
+        return _verify(seq, marks, set(), set())
+    return _verify(seq, marks, plan.allowed, plan.required)
+
+
+def _verify(seq: Seq, marks: dict, allowed: set[str] | None, required: set[str]) -> tuple[str | None, bool]:
+    problems = h.compare(h.digests(seq.root), seq.refs.get(seq.root))
+    if problems:
+        return f"(a) {len(problems)} artifacts differ from a run from scratch: {problems[:4]}", False
+    status = h.dvc_status(seq.root)
+    if status != "{}":
+        return f"(b) dvc status not clean: {status[:600]}", False
+    ran = h.ran_between(marks, h.stage_marks(seq.root))
+    extra = sorted(ran - allowed) if allowed is not None else []
+    missing = sorted(required - ran)
+    if extra or missing:
+        return f"(c) ran {sorted(ran)}; not affected by the change: {extra}; should have re-run: {missing}", False
+    return None, True
+
+
+@dataclass
+class Result:
+    seed: int
+    steps: list[str]
+    failure: str | None = None
+    seconds: float = 0.0
+
+    @property
+    def held(self) -> bool:
+        return self.failure is None
+
+
+def new_project(root: Path, model_dir: Path, code_src: Path, refs: h.References) -> str | None:
+    """A fresh tiny project run from scratch (its digests are the reference for its params and code);
+    None, or why it failed."""
+    from conftest import tiny_params
+
+    h.make_project(root, model_dir, code_src, tiny_params(train=dict(BASE_TRAIN)))
+    done = h.tpgrpo(root, "run")
+    if done.returncode != 0:
+        return f"first run failed: {done.stderr.strip()[-800:]}"
+    key = refs.key(root)
+    if not (refs.folder / f"{key}.json").is_file():
+        refs.store(key, h.digests(root))
+    status = h.dvc_status(root)
+    return None if status == "{}" else f"(b) after the first run: {status[:600]}"
+
+
+def run_sequence(root: Path, model_dir: Path, code_src: Path, refs: h.References, seed: int, length: int,
+                 actions: list[str]) -> Result:
+    """One seeded sequence of ``length`` actions drawn from ``actions``, each followed by the checks."""
+    started = time.time()
+    result = Result(seed, [])
+    try:
+        result.failure = new_project(root, model_dir, code_src, refs)
+        seq = Seq(root, refs, random.Random(seed))
+        for _ in range(length if result.failure is None else 0):
+            name = seq.rng.choice(actions)
+            plan = ACTIONS[name](seq)
+            result.steps.append(plan.what)
+            result.failure, go_on = check(seq, plan)
+            if result.failure or not go_on:
+                if not result.failure:
+                    result.steps.append("(refused with one line; nothing to undo: sequence ends, held)")
+                break
+    finally:
+        h.end_processes(root)
+        result.seconds = time.time() - started
+    return result
+
+
+def describe(result: Result) -> str:
+    lines = [f"sequence seed {result.seed}: {'held' if result.held else 'FAILED'} ({result.seconds:.0f} s)"]
+    lines += [f"  {k + 1}. {step}" for k, step in enumerate(result.steps)]
+    if result.failure:
+        lines.append(f"  first failure: {result.failure}")
+    return "\n".join(lines)
