@@ -36,6 +36,7 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
 from tpgrpo.config import load_config  # noqa: E402
+from tpgrpo.io.artifacts import DVC_CACHE_TYPE  # noqa: E402
 from tpgrpo.pipeline.sealing import dvc_env, seal_finished  # noqa: E402
 from tpgrpo.pipeline.blocks import read_lock, write_lock  # noqa: E402
 
@@ -70,7 +71,7 @@ def new_project(folder: Path, params: dict) -> Path:
     (folder / "params.yaml").write_text(yaml.safe_dump(params, sort_keys=False))
     dvc(folder, "init", "-q", "--no-scm")
     for key, value in (("core.analytics", "false"), ("core.check_update", "false"),
-                       ("cache.type", "reflink,hardlink,copy")):
+                       ("cache.type", DVC_CACHE_TYPE)):
         dvc(folder, "config", key, value)
     return folder
 

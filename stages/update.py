@@ -21,7 +21,8 @@ from tpgrpo.stage_common import load_policy, prompt_embeddings, sampling_from_at
 from tpgrpo.policy.lora import LoraEMA
 from tpgrpo.io.schemas import CREDIT
 from tpgrpo.algo.seeds import sample_seed
-from tpgrpo.policy.update import TransitionBatch, load_training_state, make_optimizer, save_policy, update_policy
+from tpgrpo.policy.update import (FIRST_PASS_RATIO_TOLERANCE, TransitionBatch, load_training_state, make_optimizer,
+                                  save_policy, update_policy)
 
 
 def advantage_matrix(credit, n: int, k: int) -> torch.Tensor:
@@ -39,8 +40,10 @@ def _tick(bar, done: int, total: int) -> None:
 
 def train_epochs(update_pass, cfg: Config, iteration: int, bar) -> dict:
     """``update.epochs`` passes over the iteration's transitions, each reshuffled with its own seed and
-    taking ``optimizer_steps_per_iter / epochs`` optimizer steps; ``update_pass(update_cfg, seed, progress)``
-    runs one pass (``tpgrpo.policy.update.update_policy``) and returns its metrics.
+    taking ``optimizer_steps_per_iter / epochs`` optimizer steps; ``update_pass(update_cfg, seed, progress,
+    ratio_tolerance)`` runs one pass (``tpgrpo.policy.update.update_policy``) and returns its metrics. Only
+    the first pass sees fresh data: its first-pass ratio is checked (``FIRST_PASS_RATIO_TOLERANCE``), later
+    passes' are not (the policy has moved).
 
     Metrics: the first pass's (its first-pass ratio check is the one on fresh data), with ``approx_kl``,
     ``clip_fraction``, ``policy_loss`` and ``grad_norm`` averaged over the passes (later passes show how far
@@ -55,7 +58,8 @@ def train_epochs(update_pass, cfg: Config, iteration: int, bar) -> dict:
     for e in range(epochs):
         def progress(done, total, e=e):
             _tick(bar, e * total + done, epochs * total)
-        passes.append(update_pass(per_pass, sample_seed(cfg.train.seed, iteration, "update", e), progress))
+        tolerance = FIRST_PASS_RATIO_TOLERANCE if e == 0 else None
+        passes.append(update_pass(per_pass, sample_seed(cfg.train.seed, iteration, "update", e), progress, tolerance))
     metrics = dict(passes[0])
     for key in ("approx_kl", "clip_fraction", "policy_loss", "grad_norm"):
         metrics[f"{key}_per_epoch"] = [p[key] for p in passes]
@@ -93,9 +97,9 @@ def run(cfg: Config, iteration: int, root: Path) -> dict:
             sigma_at_one=float(attrs["schedule_sigmas"][1]))
         bar = tqdm(desc=f"update {iteration}", unit="micro-batch", disable=not dist.is_main)
         metrics.update(train_epochs(
-            lambda cfg_pass, seed, progress: update_policy(
+            lambda cfg_pass, seed, progress, tolerance: update_policy(
                 backend, embeds, batch, advantages, sampling_from_attrs(attrs), cfg_pass, optimizer, ema=ema,
-                seed=seed, iteration=iteration, progress=progress, dist=dist),
+                seed=seed, iteration=iteration, progress=progress, dist=dist, ratio_tolerance=tolerance),
             cfg, iteration, bar))
         bar.close()
         if not dist.is_main:  # every process holds the same weights; the main process writes them

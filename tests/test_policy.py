@@ -76,7 +76,7 @@ def test_save_then_attach_in_fresh_backend_gives_identical_velocities(tmp_path):
     randomize_lora(backend)
     expected = velocity(backend, inputs)
     folder = policy.save_adapter(backend, tmp_path / "policy")
-    assert sorted(p.name for p in folder.iterdir()) == [policy.CONFIG_FILE, policy.WEIGHTS_FILE]
+    assert sorted(p.name for p in folder.iterdir()) == [policy.CONFIG_FILE, policy.WEIGHTS_FILE, "sha256.json"]
     assert json.loads((folder / policy.CONFIG_FILE).read_text())["r"] == 4
     assert not [p for p in tmp_path.iterdir() if p.name.startswith(".")]  # no temp left behind
     fresh = make_backend()

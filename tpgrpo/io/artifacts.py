@@ -12,10 +12,16 @@ Iterations are numbered 1..N; policy 0 is the base model. Layout under the proje
     data/iters/0003/eval.json           eval metrics
     data/iters/summary_log.json         the summary stage's seconds (a log, like the stage JSONs)
     data/code/<kind>.json               the code stage: md5 of each file a kind of stage runs (its dependency)
+
+What a stage reads is checked before it is computed on: trajectory chunks carry a crc32c (a flipped byte
+fails to decode), ``states`` are checked finite and in range, and a folder a stage writes for later stages
+to load (the policy) carries ``sha256.json``, verified on load (:func:`verify_file`). DVC's cache never
+shares an inode with the workspace (:data:`DVC_CACHE_TYPE`), so damage in place is a changed output.
 """
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import shutil
@@ -26,8 +32,15 @@ from pathlib import Path
 from typing import Any, Iterator
 
 from tpgrpo.errors import PipelineError
-from tpgrpo.io.schemas import (TRAJECTORY_ARRAYS, ArtifactError, TableSchema, check_embeddings, check_table,
-                            check_trajectories, conform_arrays)
+from tpgrpo.io.schemas import (TRAJECTORY_ARRAYS, ArtifactError, TableSchema, check_array_values,
+                               check_embeddings, check_table, check_trajectories, conform_arrays)
+
+# The DVC cache's link types in every project this code creates (and the repo's .dvc/config): never hardlink
+# or symlink. A linked output IS its cache object, so damage in place (root ignores DVC's read-only bits)
+# damages the object named after the old md5 and DVC checks the damage out as "cached". A reflink is
+# copy-on-write and a copy is a copy: damage is a changed output, and its stage re-runs (or is restored).
+DVC_CACHE_TYPE = "reflink,copy"
+MANIFEST_FILE = "sha256.json"  # in a folder a stage writes for later stages: {file name: sha256 of its bytes}
 
 
 @dataclass(frozen=True)
@@ -101,7 +114,8 @@ def write_json(path: Path, payload: dict[str, Any]) -> None:
         tmp.write_text(json.dumps(payload, indent=2, sort_keys=True) + "\n")
 
 
-def _first_line(exc: BaseException) -> str:
+def first_line(exc: BaseException) -> str:
+    """The first line of an exception's message (its type when empty): for one-line errors."""
     text = str(exc).strip()
     return text.splitlines()[0] if text else type(exc).__name__
 
@@ -110,7 +124,47 @@ def read_json(path: Path, what: str) -> dict[str, Any]:
     try:
         return json.loads(require(path, what).read_text())
     except (json.JSONDecodeError, UnicodeDecodeError) as exc:
-        raise ArtifactError(f"{path}: not readable JSON ({_first_line(exc)})") from None
+        raise ArtifactError(f"{path}: not readable JSON ({first_line(exc)})") from None
+
+
+def sha256_file(path: Path) -> str:
+    """Hex sha256 of a file's bytes (read in 1 MiB blocks)."""
+    digest = hashlib.sha256()
+    with open(path, "rb") as f:
+        for block in iter(lambda: f.read(1 << 20), b""):
+            digest.update(block)
+    return digest.hexdigest()
+
+
+def write_manifest(folder: Path) -> Path:
+    """Write ``folder/sha256.json`` atomically: the sha256 of every file directly in ``folder`` (a sub-folder
+    carries its own), of the bytes as written, so a later stage verifies what it loads (:func:`verify_file`).
+    Sorted keys: identical files give an identical manifest."""
+    folder = Path(folder)
+    sums = {f.name: sha256_file(f) for f in sorted(folder.iterdir())
+            if f.is_file() and f.name != MANIFEST_FILE and not f.name.startswith(".")}
+    write_json(folder / MANIFEST_FILE, {"sha256": sums})
+    return folder / MANIFEST_FILE
+
+
+def verify_file(path: Path) -> Path:
+    """Check ``path`` against the sha256 its folder's ``sha256.json`` records: one :class:`ArtifactError`
+    line naming the file when it differs (damaged, truncated, replaced) or is not listed. A folder without a
+    manifest (written before manifests existed) is not checked."""
+    path = Path(path)
+    manifest = path.parent / MANIFEST_FILE
+    if not manifest.is_file():
+        return path
+    sums = read_json(manifest, "checksum manifest").get("sha256")
+    if not isinstance(sums, dict) or path.name not in sums:
+        raise ArtifactError(f"{manifest}: lists no sha256 for {path.name} (the folder was changed after it "
+                            "was written)")
+    if not path.is_file():
+        raise ArtifactError(f"{path}: missing (its folder's {MANIFEST_FILE} lists it)")
+    if sha256_file(path) != sums[path.name]:
+        raise ArtifactError(f"{path}: damaged: its sha256 differs from the one recorded in {MANIFEST_FILE} "
+                            f"when it was written ({path.stat().st_size} bytes now)")
+    return path
 
 
 def write_table(path: Path, frame, schema: TableSchema, metadata: dict[str, str], **structure) -> None:
@@ -145,14 +199,23 @@ def read_table(path: Path, schema: TableSchema, what: str, **structure):
     try:
         table = pq.read_table(require(path, what))
     except (pa.ArrowException, OSError, ValueError) as exc:
-        reason = _first_line(exc).replace(f"Could not open Parquet input source '{path}': ", "")
+        reason = first_line(exc).replace(f"Could not open Parquet input source '{path}': ", "")
         raise ArtifactError(f"{path}: not a readable Parquet file ({reason})") from None
     return check_table(table.to_pandas(), schema, str(path), **structure)
 
 
+def _chunk_codecs() -> list:
+    """Zarr's bytes-to-bytes codecs for the trajectory store: zstd (with its frame checksum of the content)
+    then crc32c over the stored bytes. Zarr's default zstd has no checksum, so flipped bytes in a chunk
+    decoded to finite nonsense (1e20); now they fail to decode. The decoded values are unchanged."""
+    from zarr.codecs import Crc32cCodec, ZstdCodec
+
+    return [ZstdCodec(level=0, checksum=True), Crc32cCodec()]
+
+
 def write_zarr(path: Path, arrays: dict, attrs: dict) -> None:
     """Write the trajectory store atomically after checking it against its schema; each array gets its
-    dimension names and meaning as attributes."""
+    dimension names and meaning as attributes, each chunk a checksum (``_chunk_codecs``)."""
     import zarr
 
     check_trajectories(arrays, attrs, f"{path} (being written)")
@@ -162,24 +225,84 @@ def write_zarr(path: Path, arrays: dict, attrs: dict) -> None:
         group = zarr.open_group(str(tmp), mode="w")
         for name, data in arrays.items():
             chunks = (min(64, data.shape[0]),) + data.shape[1:]
-            arr = group.create_array(name, data=data, chunks=chunks)
+            # every chunk stored, fill-valued ones too: a missing chunk file is then damage, not zeros
+            arr = group.create_array(name, data=data, chunks=chunks, compressors=_chunk_codecs(),
+                                     config={"write_empty_chunks": True})
             arr.attrs.update({"dims": list(docs[name].dims), "meaning": docs[name].meaning})
         group.attrs.update(attrs)
 
 
+class CheckedArray:
+    """A trajectory array read lazily (``read_trajectories(lazy=...)``): ``shape``, ``dtype``, and slices
+    ``arr[a:b]`` read on use. A chunk that fails its checksum or does not decode, or values the schema
+    refuses (non-finite, out of range), raise one :class:`ArtifactError` line naming the array."""
+
+    def __init__(self, arr, source: str, name: str):
+        self._arr, self._source, self.name = arr, source, name
+        self.shape, self.dtype = tuple(arr.shape), arr.dtype
+        self._spec = next(spec for spec in TRAJECTORY_ARRAYS if spec.name == name)
+
+    def __len__(self) -> int:
+        return self.shape[0]
+
+    def __getitem__(self, key):
+        values = _read_array(self._arr, self._source, self.name, key)
+        first = key.start if isinstance(key, slice) and key.start is not None else 0
+        check_array_values(self._spec, values, self._source, row_offset=first if first >= 0 else 0)
+        return values
+
+
+def _read_array(arr, source: str, name: str, key=slice(None)):
+    """``arr[key]`` as numpy; a reader failure (checksum, truncated chunk, ...) is one line naming the
+    array's first chunk file that fails."""
+    try:
+        return arr[key]
+    except Exception as exc:  # noqa: BLE001 - zarr raises ValueError / RuntimeError / OSError on damage
+        raise ArtifactError(f"{source}: array '{name}' is damaged: chunk {_bad_chunk(arr)} fails its checksum "
+                            f"or does not decode ({first_line(exc)})") from None
+
+
+def _bad_chunk(arr) -> str:
+    """The key (``c/i/0/...``, under the array's folder) of the first chunk of ``arr`` that fails to read.
+    The store is chunked along the trajectory axis only (``write_zarr``)."""
+    rows = arr.chunks[0]
+    for i in range(arr.nchunks):
+        try:
+            arr[i * rows:(i + 1) * rows]
+        except Exception:  # noqa: BLE001
+            return "/".join([f"{arr.path}/c", str(i), *["0"] * (arr.ndim - 1)])
+    return f"{arr.path}/c/?"
+
+
+def _check_chunks_stored(arr, source: str, name: str) -> None:
+    """A checksummed array (``write_zarr``) stores every chunk; zarr reads a missing chunk file as its fill
+    value, so count them. (Stores written before checksums skip fill-valued chunks: not counted.)"""
+    from zarr.codecs import Crc32cCodec
+
+    if any(isinstance(c, Crc32cCodec) for c in arr.compressors) and arr.nchunks_initialized != arr.nchunks:
+        raise ArtifactError(f"{source}: array '{name}' has {arr.nchunks_initialized} of its {arr.nchunks} "
+                            f"chunk files (under {arr.path}/c/): the store is damaged")
+
+
 def read_trajectories(path: Path, lazy: tuple[str, ...] = ()) -> tuple[dict, dict]:
-    """The arrays of a ``trajectories.zarr`` as numpy (those named in ``lazy`` as zarr arrays, read when
-    sliced) and its attributes, checked against the schema (one :class:`ArtifactError` line if not)."""
+    """The arrays of a ``trajectories.zarr`` as numpy (those named in ``lazy`` as :class:`CheckedArray`,
+    read and checked when sliced) and its attributes, checked against the schema: one
+    :class:`ArtifactError` line naming the store (and its iteration) and the array if not."""
     import zarr
 
     require(path, "trajectories.zarr: run the rollout stage first")
     try:  # any failure of the reader on a damaged store is reported as such, with the reader's reason
         group = zarr.open_group(str(path), mode="r")
-        arrays = {name: arr if name in lazy else arr[:] for name, arr in group.arrays()}
+        stored = dict(group.arrays())
         attrs = dict(group.attrs)
     except Exception as exc:  # noqa: BLE001
-        raise ArtifactError(f"{path}: not a readable Zarr group ({_first_line(exc)})") from None
-    check_trajectories(arrays, attrs, str(path), loaded=tuple(n for n in arrays if n not in lazy))
+        raise ArtifactError(f"{path}: not a readable Zarr group ({first_line(exc)})") from None
+    source = f"{path} (iteration {attrs['iteration']})" if "iteration" in attrs else str(path)
+    for name, arr in stored.items():
+        _check_chunks_stored(arr, source, name)
+    arrays = {name: CheckedArray(arr, source, name) if name in lazy else _read_array(arr, source, name)
+              for name, arr in stored.items()}
+    check_trajectories(arrays, attrs, source, loaded=tuple(n for n in arrays if n not in lazy))
     return arrays, attrs
 
 
@@ -257,4 +380,4 @@ def read_embeddings(path: Path, key: dict[str, str]) -> dict | None:
     except ArtifactError:
         raise
     except Exception as exc:  # noqa: BLE001
-        raise ArtifactError(f"{path}: not a readable safetensors file ({_first_line(exc)})") from None
+        raise ArtifactError(f"{path}: not a readable safetensors file ({first_line(exc)})") from None

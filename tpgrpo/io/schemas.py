@@ -175,14 +175,20 @@ class ArraySpec:
     dims: tuple[str, ...]
     dtype: str
     meaning: str
-    finite: bool = False  # checked on write and on an eager read (not for lazily read arrays)
+    finite: bool = False  # checked on write, on an eager read and on each slice of a lazy one
     optional: bool = False  # written only by some settings (absent otherwise)
+    bound: float | None = None  # |value| <= bound, checked where finite is
 
+
+# Latents are data (tiny: pixels in [-1, 1]; SD3/FLUX: VAE latents of about unit variance) mixed with unit
+# Gaussian noise: honest values stay within about +-10. Damaged floats decode to 1e20-1e27 (issue 25);
+# anything beyond this bound is damage or a diverged policy, never a state worth training on.
+LATENT_BOUND = 1.0e4
 
 TRAJECTORIES_FILE = "trajectories.zarr"
 TRAJECTORY_ARRAYS = (
     ArraySpec("states", ("trajectory", "state", "channel", "height", "width"), "float32",
-              "latent z_k before window step k; z_K after the last"),
+              "latent z_k before window step k; z_K after the last", finite=True, bound=LATENT_BOUND),
     ArraySpec("log_probs", ("trajectory", "window_step"), "float32",
               "old log-prob of each window step (sampler's convention)", finite=True),
     ArraySpec("sigmas", ("trajectory", "state"), "float32", "noise level of each stored state, unitless in [0, 1]",
@@ -193,7 +199,8 @@ TRAJECTORY_ARRAYS = (
     ArraySpec("final_reward", ("trajectory",), "float64", "reward of the final image, R_fin", finite=True),
     ArraySpec("final_strict", ("trajectory",), "bool", "all clauses right in the final image"),
     ArraySpec("x0_estimates", ("trajectory", "window_step", "channel", "height", "width"), "float32",
-              "z_k - s_k v_k with the rollout's guided velocity at z_k (probe.completion x0 only)", optional=True),
+              "z_k - s_k v_k with the rollout's guided velocity at z_k (probe.completion x0 only)", optional=True,
+              finite=True, bound=LATENT_BOUND),
 )
 TRAJECTORY_ATTRS = ("prompts", "schedule_sigmas", "group_size", "num_steps", "shift", "window_start",
                     "window_size", "step_kind", "noise_level", "guidance_scale", "reward")
@@ -220,12 +227,27 @@ def check_trajectories(arrays: dict, attrs: dict, source: str, loaded: bool = Tr
         for dim, size in zip(spec.dims, arr.shape):
             if sizes.setdefault(dim, (size, spec.name))[0] != size:
                 _fail(source, f"array '{spec.name}' has {size} along '{dim}'; '{sizes[dim][1]}' has {sizes[dim][0]}")
-        if spec.finite and (loaded is True or spec.name in loaded):
-            bad = ~np.isfinite(np.asarray(arr, dtype=np.float64))
-            if bad.any():
-                _fail(source, f"array '{spec.name}' has {int(bad.sum())} non-finite values "
-                              f"(first at {np.argwhere(bad)[0].tolist()})")
+        if loaded is True or spec.name in loaded:
+            check_array_values(spec, arr, source)
     _check_trajectory_structure(arrays, attrs, sizes, source)
+
+
+def check_array_values(spec: ArraySpec, values, source: str, row_offset: int = 0) -> None:
+    """Refuse non-finite values (``spec.finite``) and values beyond ``+-spec.bound`` in ``values`` (the
+    array, or its rows from ``row_offset`` on): one line naming the array and the first bad index."""
+    if not spec.finite:
+        return
+    arr = np.asarray(values)
+    bad = ~np.isfinite(arr)
+    what = "non-finite values"
+    if not bad.any() and spec.bound is not None:
+        bad, what = np.abs(arr) > spec.bound, f"values beyond +-{spec.bound:g}"
+    if bad.any():
+        first = np.argwhere(bad)[0]
+        value = arr[tuple(first)]
+        first[0] += row_offset
+        _fail(source, f"array '{spec.name}' has {int(bad.sum())} {what} (first at {first.tolist()}: "
+                      f"{_plain(value)!r}); the store is damaged or was written from diverged latents")
 
 
 def _kind(dtype: str) -> str:

@@ -8,7 +8,8 @@ diffusers + peft adapter format; export copies ``pytorch_lora_weights.safetensor
     pipe = StableDiffusion3Pipeline.from_pretrained(base_folder)   # or FluxPipeline
     pipe.load_lora_weights(out_folder)
 
-gives the trained policy. No model is loaded; the files are checked and copied, each atomically.
+gives the trained policy. No model is loaded; the files are verified against the folder's ``sha256.json``,
+checked and copied, each atomically.
 """
 
 from __future__ import annotations
@@ -16,7 +17,7 @@ from __future__ import annotations
 import shutil
 from pathlib import Path
 
-from tpgrpo.io.artifacts import IterationPaths, atomic_path
+from tpgrpo.io.artifacts import IterationPaths, atomic_path, first_line, verify_file
 from tpgrpo.errors import PipelineError
 from tpgrpo.policy.lora import CONFIG_FILE, PREFIX, WEIGHTS_FILE
 
@@ -45,8 +46,11 @@ def _check_weights(path: Path) -> int:
     """Number of LoRA tensors in an adapter file; one-line error unless every key is a transformer LoRA key."""
     from safetensors import safe_open
 
-    with safe_open(str(path), framework="pt") as f:
-        keys = list(f.keys())
+    try:
+        with safe_open(str(path), framework="pt") as f:
+            keys = list(f.keys())
+    except Exception as exc:  # noqa: BLE001 - safetensors' own error types on a damaged file
+        raise PipelineError(f"{path}: not a readable safetensors file ({first_line(exc)})") from None
     bad = [k for k in keys if not (k.startswith(PREFIX) and (".lora_A." in k or ".lora_B." in k))]
     if not keys or bad:
         raise PipelineError(f"{path}: expected {PREFIX}<module>.lora_A/B.weight keys, found "
@@ -61,6 +65,9 @@ def export_adapter(root: Path, iteration: int, out: Path, ema: bool = False) -> 
     Returns ``{"source", "out", "tensors"}`` for the CLI to report.
     """
     source = adapter_folder(root, iteration, ema)
+    for name in (WEIGHTS_FILE, CONFIG_FILE):  # a damaged adapter is not handed on
+        if (source / name).is_file():
+            verify_file(source / name)
     tensors = _check_weights(source / WEIGHTS_FILE)
     out = Path(out)
     if out.exists() and not out.is_dir():

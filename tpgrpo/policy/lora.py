@@ -10,6 +10,8 @@ any process: safetensors header and set-valued config lists in sorted order):
     ``pytorch_lora_weights.safetensors``  LoRA weights, keys ``transformer.<module>.lora_{A,B}.weight``
                                           (+ the LoraConfig as diffusers' adapter metadata)
     ``adapter_config.json``               the peft ``LoraConfig`` (rank, alpha, target modules)
+    ``sha256.json``                       the sha256 of each file above, as written; verified on every load
+                                          (a damaged or truncated file is one line naming it)
 
 The KL reference of the update is the same network with the adapter disabled (``reference_mode``):
 no second copy of the model.
@@ -23,7 +25,8 @@ from typing import Iterator
 
 import torch
 
-from tpgrpo.io.artifacts import atomic_path, canonicalize_safetensors
+from tpgrpo.io.artifacts import atomic_path, canonicalize_safetensors, first_line, verify_file, write_manifest
+from tpgrpo.io.schemas import ArtifactError
 
 ADAPTER_NAME = "default"
 WEIGHTS_FILE = "pytorch_lora_weights.safetensors"  # diffusers' LORA_WEIGHT_NAME_SAFE
@@ -66,24 +69,34 @@ def _freeze_all_but_lora(backend) -> None:
 
 
 def read_adapter_config(folder):
-    """The peft ``LoraConfig`` saved in an adapter folder (one-line error if absent)."""
+    """The peft ``LoraConfig`` saved in an adapter folder, its file verified against ``sha256.json``
+    (one-line error if absent, damaged or unreadable)."""
     from peft import LoraConfig
 
     folder = Path(folder)
     if not (folder / CONFIG_FILE).is_file() or not (folder / WEIGHTS_FILE).is_file():
         raise FileNotFoundError(f"adapter folder {folder} lacks {CONFIG_FILE} or {WEIGHTS_FILE} "
                                 "(expected a folder written by tpgrpo.policy.lora.save_adapter)")
-    return LoraConfig.from_pretrained(str(folder))
+    verify_file(folder / CONFIG_FILE)
+    try:
+        return LoraConfig.from_pretrained(str(folder))
+    except Exception as exc:  # noqa: BLE001 - peft raises JSON, type and value errors on a damaged file
+        raise ArtifactError(f"{folder / CONFIG_FILE}: not a readable peft LoraConfig ({first_line(exc)})") from None
 
 
 def read_adapter_weights(folder) -> dict[str, torch.Tensor]:
-    """The peft state dict (keys without the ``transformer.`` prefix) of an adapter folder."""
+    """The peft state dict (keys without the ``transformer.`` prefix) of an adapter folder, the file verified
+    against ``sha256.json`` first (one line naming it if damaged or unreadable)."""
     from safetensors.torch import load_file
 
-    raw = load_file(str(Path(folder) / WEIGHTS_FILE))
+    path = verify_file(Path(folder) / WEIGHTS_FILE)
+    try:
+        raw = load_file(str(path))
+    except Exception as exc:  # noqa: BLE001 - safetensors raises its own error types on a damaged file
+        raise ArtifactError(f"{path}: not a readable safetensors file ({first_line(exc)})") from None
     bad = [k for k in raw if not k.startswith(PREFIX)]
     if bad:
-        raise ValueError(f"{Path(folder) / WEIGHTS_FILE}: unexpected key {bad[0]!r} (expected {PREFIX}...)")
+        raise ArtifactError(f"{path}: unexpected key {bad[0]!r} (expected {PREFIX}...)")
     return {k[len(PREFIX):]: v for k, v in raw.items()}
 
 
@@ -160,6 +173,7 @@ def save_adapter(backend, folder, state_dict: dict[str, torch.Tensor] | None = N
         canonicalize_safetensors(tmp / WEIGHTS_FILE)  # the library's header order changes per process
         config.save_pretrained(str(tmp))
         _sort_set_lists(tmp / CONFIG_FILE, config)
+        write_manifest(tmp)  # of the bytes as written (the same in any process, see above)
     return folder
 
 

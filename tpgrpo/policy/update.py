@@ -15,15 +15,22 @@ from typing import Any, Callable
 import torch
 
 from tpgrpo.algo.advantages import informative_samples
-from tpgrpo.io.artifacts import atomic_path
+from tpgrpo.io.artifacts import atomic_path, first_line, verify_file, write_manifest
 from tpgrpo.pipeline.distributed import Dist, even_slice, sum_gradients
 from tpgrpo.errors import PipelineError
+from tpgrpo.io.schemas import ArtifactError
 from tpgrpo.algo.loss import policy_loss
 from tpgrpo.policy.lora import LoraEMA, lora_parameters, reference_mode, save_adapter
 from tpgrpo.algo.sampling import sde_std, stochastic_step
 
 TRAINING_STATE_FILE = "training_state.pt"
 EMA_FOLDER = "ema"
+# Largest max |rho - 1| the first pass may show on fresh data (the rollout's own policy and sampler
+# re-scoring its own transitions). Measured on honest runs here: exactly 0.0 in fp32, bf16 and fp16, with 1
+# or 2 threads, rollout batches of 4-12 against update micro-batches of 3-12, and 2 processes (gloo), and
+# 0.0 in every iteration of the archived runs (450 updates); damaged log-probs gave 27.1. A deviation past
+# this is already 1/10 of the default PPO clip range: the stored log-probs are not the sampling policy's.
+FIRST_PASS_RATIO_TOLERANCE = 1e-3
 
 
 @dataclass
@@ -266,7 +273,8 @@ def select_transitions(advantages: torch.Tensor, seed: int) -> tuple[torch.Tenso
 def update_policy(backend, embeds, batch: TransitionBatch, advantages: torch.Tensor, sampling_cfg,
                   update_cfg, optimizer, ema: LoraEMA | None = None,
                   progress: Callable[[int, int], None] | None = None, seed: int | None = None,
-                  iteration: int | None = None, after_sample: int = 64, dist: Dist | None = None) -> dict:
+                  iteration: int | None = None, after_sample: int = 64, dist: Dist | None = None,
+                  ratio_tolerance: float | None = FIRST_PASS_RATIO_TOLERANCE) -> dict:
     """One iteration's policy step on ``batch``; returns a dict of metrics (floats, ints, one list).
 
     Every transition of the samples with a nonzero advantage at some step (``advantages`` ``(N, K)``,
@@ -279,7 +287,9 @@ def update_policy(backend, embeds, batch: TransitionBatch, advantages: torch.Ten
     the processes and the gradients summed (``_run_chunk``): the same optimisation as one process, up to
     float round-off. Inputs are checked first: any non-finite value raises ``PipelineError`` before a
     weight changes; a non-finite loss or gradient later raises before that chunk's optimizer step.
-    ``progress(done, total)`` is called per micro-batch of this process.
+    ``progress(done, total)`` is called per micro-batch of this process. ``ratio_tolerance``: the first
+    chunk's max |rho - 1| past it raises ``PipelineError`` before any optimizer step (the stored log-probs
+    are not those of this policy); None skips the check (a pass over data the policy has moved on from).
 
     Metrics (reduced over processes): ``first_pass_ratio_max_dev`` (max |rho - 1| over the first chunk,
     before any step: ~0 on fresh data), ``first_pass_ratio_dev_per_step`` (list, per window step, None
@@ -299,16 +309,19 @@ def update_policy(backend, embeds, batch: TransitionBatch, advantages: torch.Ten
     run = _Pass(backend, embeds, batch, advantages.detach().float().cpu(), sampling_cfg, update_cfg, dist, progress)
     run.counters["total_micro_batches"] = sum(
         -(-_len(even_slice(c[0].numel(), dist.world, dist.rank)) // update_cfg.micro_batch) for c in chunks)
-    stats, norms, first_dev = _Stats(LOSS_KEYS), [], 0.0
-    per_step = torch.full((batch.num_steps,), -1.0)
+    stats, norms = _Stats(LOSS_KEYS), []
+    first = torch.cat([torch.zeros(1), torch.full((batch.num_steps,), -1.0)])  # max |rho - 1|: all, per step
     optimizer.zero_grad(set_to_none=True)
     for j, chunk in enumerate(chunks):
         step_ctx = _context(iteration, f"optimizer step {j + 1}/{len(chunks)}")
-        dev = _run_chunk(run, chunk, step_ctx, stats, per_step if j == 0 else torch.full_like(per_step, -1.0))
-        first_dev = dev if j == 0 else first_dev
+        per_step = first[1:] if j == 0 else torch.full_like(first[1:], -1.0)
+        dev = _run_chunk(run, chunk, step_ctx, stats, per_step)
+        if j == 0:  # before any step: every process sees the same reduced figure, so all stop or none
+            first[0] = dev
+            first = dist.reduce(first, "max", "update metrics")
+            _check_first_pass(first, ratio_tolerance, optimizer, _context(iteration))
         norms.append(_optimizer_step(run, optimizer, ema, step_ctx))
     stats.reduce(dist)
-    first = dist.reduce(torch.cat([torch.tensor([first_dev]), per_step]), "max", "update metrics")
     metrics = {**stats.means(), "first_pass_ratio_max_dev": float(first[0]),
                "first_pass_ratio_dev_per_step": [None if v < 0 else float(v) for v in first[1:].tolist()],
                "grad_norm": sum(norms) / len(norms) if norms else 0.0, "optimizer_steps": len(chunks),
@@ -319,6 +332,20 @@ def update_policy(backend, embeds, batch: TransitionBatch, advantages: torch.Ten
     passes = dist.reduce(torch.tensor([run.counters["forward_passes"]], dtype=torch.int64), "sum", "update metrics")
     metrics.update(after, forward_passes=int(passes[0]), processes=dist.world)
     return metrics
+
+
+def _check_first_pass(first: torch.Tensor, tolerance: float | None, optimizer, ctx: str) -> None:
+    """Stop (weights unchanged) when the first pass's max |rho - 1| (``first[0]``; per window step in
+    ``first[1:]``, -1 where absent) exceeds ``tolerance``."""
+    if tolerance is None or float(first[0]) <= tolerance:  # (a NaN deviation stops too)
+        return
+    optimizer.zero_grad(set_to_none=True)
+    step = int(torch.argmax(first[1:]))
+    raise PipelineError(
+        f"update{ctx}: the stored log-probs do not match the policy that sampled them: first-pass "
+        f"max |ratio - 1| = {float(first[0]):.3g} (window step {step}; tolerance {tolerance:g}); "
+        "trajectories.zarr's log_probs are damaged, or the previous policy or the sampler is not the "
+        "rollout's; weights left unchanged")
 
 
 def _len(s: slice) -> int:
@@ -345,6 +372,7 @@ def save_training_state(folder, optimizer, ema: LoraEMA | None, step: int | None
              "ema": None if ema is None else ema.state_dict()}
     with atomic_path(path) as tmp:
         torch.save(state, tmp)
+    write_manifest(path.parent)  # the folder's sha256.json now covers the state too
     return path
 
 
@@ -358,14 +386,23 @@ def load_training_state(folder, optimizer, ema: LoraEMA | None = None) -> int:
     path = Path(folder) / TRAINING_STATE_FILE
     if not path.is_file():
         raise PipelineError(f"missing training state {path} (written by the previous update stage)")
-    state = torch.load(path, map_location="cpu", weights_only=True)
+    verify_file(path)  # against the folder's sha256.json: damage is one line, before unpickling
+    try:
+        state = torch.load(path, map_location="cpu", weights_only=True)
+        optimizer_state, step = state["optimizer"], int(state["step"])
+    except Exception as exc:  # noqa: BLE001 - torch raises zip, pickle and runtime errors on a damaged file
+        raise ArtifactError(f"{path}: not a readable training state ({first_line(exc)})") from None
     hyper = [{k: v for k, v in g.items() if k != "params"} for g in optimizer.param_groups]
-    optimizer.load_state_dict(state["optimizer"])
+    try:
+        optimizer.load_state_dict(optimizer_state)
+    except (ValueError, KeyError) as exc:
+        raise ArtifactError(f"{path}: its optimizer state does not fit this policy's LoRA weights "
+                            f"({first_line(exc)})") from None
     for group, saved in zip(optimizer.param_groups, hyper):
         group.update(saved)
     if ema is not None and state.get("ema") is not None:
         ema.load_state_dict(state["ema"])
-    return int(state["step"])
+    return step
 
 
 def save_policy(folder, backend, optimizer, ema: LoraEMA | None, step: int | None = None) -> Path:
