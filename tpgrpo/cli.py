@@ -184,10 +184,11 @@ def run_command(params: ParamsOpt = Path("params.yaml")) -> None:
     if not (root / ".dvc").is_dir():
         scm = [] if (root / ".git").exists() else ["--no-scm"]
         subprocess.run([sys.executable, "-m", "dvc", "init", "-q", *scm], cwd=root, env=env, check=True)
-        # the cache links to the workspace instead of copying where the filesystem allows (stages write
-        # new files and rename, never edit in place, so a hard link cannot corrupt the cache)
+        # never a hard link or symlink: damage in place would damage the cache object too (DVC_CACHE_TYPE)
+        from tpgrpo.io.artifacts import DVC_CACHE_TYPE
+
         for key, value in (("core.analytics", "false"), ("core.check_update", "false"),
-                           ("cache.type", "reflink,hardlink,copy")):
+                           ("cache.type", DVC_CACHE_TYPE)):
             subprocess.run([sys.executable, "-m", "dvc", "config", key, value], cwd=root, env=env, check=True)
     lock = root / "dvc.lock"
     with stage_server.running(root, stage_server.wanted(cfg)) as server_env:
