@@ -17,7 +17,7 @@ import yaml
 from tpgrpo.pipeline.block_logs import digest_path
 from tpgrpo.pipeline.code_manifest import code_deps, code_stage, uses_code_files
 from tpgrpo.config import Config, ConfigError
-from tpgrpo.reports.figures import figure_names
+from tpgrpo.reports import figure_names  # not .figures: it imports stage_common, which imports this
 from tpgrpo.pipeline.blocks import Block, full_blocks, read_lock, sealed_outs
 
 REWARD_PARAMS = ["reward_models", "remote_reward"]  # read by every stage that scores images

@@ -223,9 +223,9 @@ def _run_child(request: dict, fds: list[int], set_by_imports: dict[str, str]) ->
     code = 1
     try:
         _fresh_global_generators()
-        from tpgrpo.cli import app
+        import importlib  # the CLI by name (PRELOAD imported it): tpgrpo.cli imports this module
 
-        app(args=sys.argv[1:], prog_name="tpgrpo")
+        importlib.import_module("tpgrpo.cli").app(args=sys.argv[1:], prog_name="tpgrpo")
         code = 0
     except SystemExit as exc:
         code = exc.code if isinstance(exc.code, int) else (0 if exc.code is None else 1)

@@ -13,15 +13,10 @@ from __future__ import annotations
 from pathlib import Path
 
 from tpgrpo.io.artifacts import IterationPaths, read_json
+from tpgrpo.reports import FIGURES, figure_names  # noqa: F401 (FIGURES re-exported)
 
-FIGURES = ("reward_curves.png", "turning_points.png", "turning_point_rates.png", "before_after.png")
 TURNING_POINTS = "turning_points.png"  # for credit.mode flow_grpo: flat Q_k = R_fin, no turning point
 GRID_PROMPTS = 8  # held-out prompts in the before/after figure (first eval seed of each)
-
-
-def figure_names(cfg) -> list[str]:
-    """The figures a run of these params draws: the same for every credit mode (one dvc.yaml for all)."""
-    return list(FIGURES)
 
 
 def tp_rate_table(root: Path, iterations: range):

@@ -1,0 +1,118 @@
+"""The package's import graph has no cycle, and no two modules have names a reader confuses.
+
+The graph is read from the source (no import runs): every ``import`` and ``from ... import`` statement of a
+module under ``tpgrpo/`` or ``stages/``, at module level or inside a function (a function-level import is
+how a cycle hides until the function runs), with ``from pkg import name`` resolved to the module
+``pkg.name`` when there is one and to ``pkg`` otherwise. Importing ``a.b`` runs ``a/__init__.py`` first; that
+implicit edge is left out, or every package whose ``__init__`` names one of its modules would be a cycle.
+"""
+
+from __future__ import annotations
+
+import ast
+from collections import Counter
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+PACKAGES = ("tpgrpo", "stages")
+# Library module names that may repeat inside tpgrpo/, and why a reader does not confuse them.
+SHARED_NAMES = {
+    "cli": "tpgrpo/cli.py is the command line; tpgrpo/comparison/cli.py its `compare` sub-app",
+    "rewards": "tpgrpo/tasks/rewards.py is the reward registry; tpgrpo/rewards/ the model and remote rewards",
+}
+
+
+def module_name(path: Path) -> str:
+    """``tpgrpo/algo/loss.py`` -> ``tpgrpo.algo.loss``; a package's ``__init__.py`` -> the package."""
+    parts = list(path.relative_to(ROOT).with_suffix("").parts)
+    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+
+
+def project_modules() -> dict[str, Path]:
+    """Every module under tpgrpo/ and stages/, by dotted name."""
+    return {module_name(p): p for package in PACKAGES for p in sorted((ROOT / package).rglob("*.py"))}
+
+
+def _from_base(module: str, path: Path, node: ast.ImportFrom) -> str:
+    """The absolute module of ``from <base> import ...`` (relative imports resolved against ``module``)."""
+    if not node.level:
+        return node.module or ""
+    package = module.split(".") if path.name == "__init__.py" else module.split(".")[:-1]
+    package = package[:len(package) - node.level + 1]
+    return ".".join(package + ([node.module] if node.module else []))
+
+
+def imports_of(module: str, path: Path, modules: dict[str, Path]) -> set[str]:
+    """The project modules ``module`` imports anywhere in its file."""
+    found: set[str] = set()
+    for node in ast.walk(ast.parse(path.read_text(), filename=str(path))):
+        if isinstance(node, ast.Import):
+            found.update(alias.name for alias in node.names if alias.name in modules)
+        elif isinstance(node, ast.ImportFrom):
+            base = _from_base(module, path, node)
+            for alias in node.names:
+                target = f"{base}.{alias.name}"
+                found.add(target if target in modules else base)
+    return (found & modules.keys()) - {module}
+
+
+def import_graph() -> dict[str, set[str]]:
+    """Module -> the project modules it imports."""
+    modules = project_modules()
+    return {name: imports_of(name, path, modules) for name, path in modules.items()}
+
+
+def find_cycle(graph: dict[str, set[str]]) -> list[str] | None:
+    """One cycle ``[a, b, ..., a]`` of ``graph``, or None (iterative depth-first search, sorted: stable)."""
+    state: dict[str, int] = {}  # 1 = on the current path, 2 = done
+    for start in sorted(graph):
+        if start in state:
+            continue
+        path, stack = [start], [iter(sorted(graph[start]))]
+        state[start] = 1
+        while stack:
+            nxt = next(stack[-1], None)
+            if nxt is None:
+                state[path.pop()] = 2
+                stack.pop()
+            elif state.get(nxt) == 1:
+                return path[path.index(nxt):] + [nxt]
+            elif nxt not in state:
+                state[nxt] = 1
+                path.append(nxt)
+                stack.append(iter(sorted(graph[nxt])))
+    return None
+
+
+def test_no_import_cycle():
+    graph = import_graph()
+    assert {"tpgrpo.algo.credit", "tpgrpo.config", "tpgrpo.io.schemas"} <= graph["stages.credit"]
+    cycle = find_cycle(graph)
+    assert cycle is None, "import cycle: " + " -> ".join(cycle)
+
+
+def test_find_cycle_names_a_function_level_cycle(tmp_path):
+    """The checker itself: a cycle through a function-level ``from pkg import module`` is found and named."""
+    graph = {"p.a": {"p.b"}, "p.b": {"p.c"}, "p.c": {"p.a"}, "p.d": {"p.a"}}
+    assert find_cycle(graph) == ["p.a", "p.b", "p.c", "p.a"]
+    assert find_cycle({"p.a": {"p.b"}, "p.b": set()}) is None
+    (tmp_path / "a.py").write_text("def f():\n    from tpgrpo.algo import loss\n    from tpgrpo.io import nothing\n")
+    modules = {"tpgrpo.algo.loss": Path(), "tpgrpo.io": Path(), "x.a": tmp_path / "a.py"}
+    assert imports_of("x.a", tmp_path / "a.py", modules) == {"tpgrpo.algo.loss", "tpgrpo.io"}
+
+
+def test_module_names_are_not_confusable():
+    """A bench script never shares a library or stage module's name (``bench/probe_modes.py`` beside
+    ``tpgrpo/probe_modes.py`` was read as one); inside tpgrpo/ a name repeats only where SHARED_NAMES says."""
+    library = list((ROOT / "tpgrpo").rglob("*.py"))
+    # a module's name, or a subpackage's (tpgrpo/rewards/ is a name too)
+    names = Counter(p.parent.name if p.name == "__init__.py" else p.stem for p in library
+                    if p.parent != ROOT / "tpgrpo" or p.name != "__init__.py")
+    repeated = {name for name, n in names.items() if n > 1}
+    assert SHARED_NAMES.keys() <= repeated, "SHARED_NAMES lists only names that do repeat"
+    assert repeated <= SHARED_NAMES.keys(), f"tpgrpo/ names used twice: {sorted(repeated - SHARED_NAMES.keys())}"
+    stages = {p.stem for p in (ROOT / "stages").glob("*.py")}
+    bench = {p.stem for p in (ROOT / "bench").glob("*.py")}
+    assert bench, "bench/ has scripts"
+    clash = bench & (set(names) | stages)
+    assert not clash, f"bench/ scripts named like library or stage modules: {sorted(clash)}"
