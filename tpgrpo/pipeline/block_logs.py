@@ -4,7 +4,7 @@ The summary reads every iteration's stage JSONs (``rollout.json`` ... ``eval.jso
 iterations dvc.yaml lists them as the summary's dependencies; a sealed block stood for its iterations with
 its last credit table alone, so a re-run of the block that changed only a logged number (approx KL, grad
 norm) left ``summary.json`` and the curves stale. The block now also writes
-``data/iters/<block>.logs.json``: the md5 of each file of its iterations the summary reads. It is an output
+``data/iters/<last iteration>/block_logs.json``: the md5 of each file of its iterations the summary reads. It is an output
 of the block's stage (rewritten by ``tpgrpo block`` after its stages and at sealing) and the summary's
 dependency, so any re-run of a block re-runs the summary.
 """
@@ -23,7 +23,7 @@ READ_BY_SUMMARY = ("rollout.json", "probe.json", "credit.json", "update.json", "
 
 def digest_path(block: Block) -> str:
     """The digest's path relative to the project root."""
-    return f"data/iters/{block.name}.logs.json"
+    return f"data/iters/{block.last:04d}/block_logs.json"  # in an iteration folder, as every block output
 
 
 def write_digest(root: Path, block: Block) -> Path:

@@ -111,25 +111,28 @@ def iteration_stages(cfg: Config, i: int, manifests: bool = True) -> dict[str, d
     cmd = lambda name: stage_command(cfg, name, i)  # noqa: E731
     code = lambda kind: code_deps(kind, manifests)  # noqa: E731
     model, scorers = [cfg.model.path], reward_folders(cfg, cfg.task.reward)
+    # A stage's JSON log is a (small, cached) output: DVC's run cache, which restores a stage it has seen
+    # with these deps and params instead of running it, then restores the log with the tables (it kept the
+    # log of the last real run before, which the summary read). Eval stages always run (uncached outputs).
     # Every credit mode has the same stages, so that `dvc exp run -S credit.mode=...` runs what `tpgrpo run`
     # renders: Flow-GRPO's probe loads no model and writes Q_k = R_fin from the rollout (stages/probe.py).
     stages: dict[str, dict] = {
         f"rollout-{i:04d}": {
             "cmd": cmd("rollout"), "params": STAGE_PARAMS["rollout"],
             "deps": [*code("rollout"), *scorers, *model, cfg.task.train_prompts, *prev],
-            "outs": [f"{d}/trajectories.zarr", f"{d}/prompt_embeds.safetensors"]},
+            "outs": [f"{d}/trajectories.zarr", f"{d}/prompt_embeds.safetensors", f"{d}/rollout.json"]},
         f"probe-{i:04d}": {
             "cmd": cmd("probe"), "params": STAGE_PARAMS["probe"],
             "deps": [*code("probe"), *scorers, *model, f"{d}/trajectories.zarr", f"{d}/prompt_embeds.safetensors", *prev],
-            "outs": [f"{d}/probe.parquet"]},
+            "outs": [f"{d}/probe.parquet", f"{d}/probe.json"]},
         f"credit-{i:04d}": {
             "cmd": cmd("credit"), "params": STAGE_PARAMS["credit"],
             "deps": [*code("credit"), f"{d}/probe.parquet"],
-            "outs": [f"{d}/credit.parquet"]},
+            "outs": [f"{d}/credit.parquet", f"{d}/credit.json"]},
         f"update-{i:04d}": {
             "cmd": cmd("update"), "params": STAGE_PARAMS["update"],
             "deps": [*code("update"), *model, f"{d}/trajectories.zarr", f"{d}/prompt_embeds.safetensors", f"{d}/credit.parquet", *prev],
-            "outs": [f"{d}/policy"]},
+            "outs": [f"{d}/policy", f"{d}/update.json"]},
         f"eval-{i:04d}": {
             "cmd": cmd("eval"), "params": STAGE_PARAMS["eval"],
             "deps": [*code("eval"), *reward_folders(cfg, cfg.task.reward, cfg.task.eval_reward), *model,
@@ -199,11 +202,9 @@ def summary_stage(cfg: Config, open_iters: list[int], sealed: list[Block], manif
     as DVC deps it lists them for open iterations only and, per sealed block, the block's log digest (the md5
     of each of those files, rewritten whenever the block runs), so its dependency count does not grow with the
     run."""
-    logs = STAGE_LOGS
-    # Stage JSONs are logs (wall seconds differ run to run), not DVC outputs: re-running a stage by hand with
-    # the same inputs leaves DVC with nothing to redo but this summary. The eval tables (outputs) order it
-    # after every iteration, whose stages all wrote their JSON before its eval ran.
-    per_iter = [f"{_iter_dir(i)}/{name}.json" for i in open_iters for name in logs]
+    # The stage JSONs: outputs of their stages (eval.json and baseline_eval.json come with uncached tables,
+    # so those stages never come from the run cache and their logs are always their last run's).
+    per_iter = [f"{_iter_dir(i)}/{name}.json" for i in open_iters for name in STAGE_LOGS]
     evals = [f"{_iter_dir(i)}/eval.parquet" for i in open_iters]
     blocks = [digest_path(b) for b in sealed]  # every log and table of the block, through its digest
     last = _iter_dir(cfg.train.iterations)  # the figures draw its tables and its policy's images
