@@ -95,13 +95,13 @@ def run(cfg: Config, iteration: int, root: Path) -> dict:
             latents=torch.from_numpy(arrays["states"]), old_log_probs=torch.from_numpy(arrays["log_probs"]),
             sigmas=torch.from_numpy(arrays["sigmas"]), prompt_index=torch.from_numpy(arrays["prompt_index"]).long(),
             sigma_at_one=float(attrs["schedule_sigmas"][1]))
-        bar = tqdm(desc=f"update {iteration}", unit="micro-batch", disable=not dist.is_main)
-        metrics.update(train_epochs(
-            lambda cfg_pass, seed, progress, tolerance: update_policy(
-                backend, embeds, batch, advantages, sampling_from_attrs(attrs), cfg_pass, optimizer, ema=ema,
-                seed=seed, iteration=iteration, progress=progress, dist=dist, ratio_tolerance=tolerance),
-            cfg, iteration, bar))
-        bar.close()
+        with tqdm(desc=f"update {iteration}", unit="micro-batch", disable=not dist.is_main) as bar:
+            # (closed on an error too: the one-line error then starts its own line)
+            metrics.update(train_epochs(
+                lambda cfg_pass, seed, progress, tolerance: update_policy(
+                    backend, embeds, batch, advantages, sampling_from_attrs(attrs), cfg_pass, optimizer, ema=ema,
+                    seed=seed, iteration=iteration, progress=progress, dist=dist, ratio_tolerance=tolerance),
+                cfg, iteration, bar))
         if not dist.is_main:  # every process holds the same weights; the main process writes them
             return metrics
         save_policy(paths.policy, backend, optimizer, ema)
