@@ -26,6 +26,7 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO / "tests"))
 
 import up_to_date_actions as ua  # noqa: E402
+import up_to_date_runner as ur  # noqa: E402
 import up_to_date_harness as h  # noqa: E402
 
 
@@ -62,12 +63,17 @@ def main() -> None:
     model = build_model(args.cache / "model" / "base")
     refs = h.References(args.cache / f"refs-{h.code_key(code_src)[:12]}", model)
     started, results = time.time(), []
+    template = work / "template"
+    failure = ur.new_project(template, model, code_src, refs)
+    h.end_processes(template)
+    if failure:
+        sys.exit(f"the tiny project did not run from scratch: {failure}")
     indices = [args.only] if args.only is not None else range(args.sequences)
     for k in indices:
         root = work / f"seq{k}"
-        result = ua.run_sequence(root, model, code_src, refs, args.seed * 1000 + k, args.length, actions)
+        result = ur.run_sequence(root, template, refs, args.seed * 1000 + k, args.length, actions)
         results.append(result)
-        print(ua.describe(result), flush=True)
+        print(ur.describe(result), flush=True)
         shutil.rmtree(root, ignore_errors=True)
     wall = time.time() - started
     held = sum(r.held for r in results)

@@ -16,6 +16,7 @@ import pandas as pd
 import pytest
 import up_to_date_actions as ua
 import up_to_date_harness as h
+import up_to_date_runner as ur
 
 # Actions whose fixes have not landed stay out of CI (the bench still runs them, see bench/up_to_date.py):
 # (none yet: the list below is what CI runs)
@@ -82,18 +83,27 @@ def references(tmp_path_factory, tiny_model_dir) -> h.References:
     return h.References(tmp_path_factory.mktemp("up_to_date_refs"), tiny_model_dir)
 
 
-def _sequence(tmp_path, tiny_model_dir, references, seed: int, length: int, actions: list[str]) -> None:
-    result = ua.run_sequence(tmp_path / "project", tiny_model_dir, h.REPO, references, seed, length, actions)
-    assert result.held, ua.describe(result)
-    assert len(result.steps) == length
+@pytest.fixture(scope="session")
+def template(tmp_path_factory, tiny_model_dir, references):
+    """The tiny project (3 iterations, blocks of 2) run once from scratch; each sequence works on a copy."""
+    root = tmp_path_factory.mktemp("up_to_date") / "template"
+    failure = ur.new_project(root, tiny_model_dir, h.REPO, references)
+    h.end_processes(root)
+    assert failure is None, failure
+    return root
 
 
-def test_cheap_actions_keep_up_to_date_correct(tmp_path, tiny_model_dir, references):
+def _sequence(tmp_path, template, references, seed: int, length: int, actions: list[str]) -> None:
+    result = ur.run_sequence(tmp_path / "project", template, references, seed, length, actions)
+    assert result.held, ur.describe(result)
+
+
+def test_cheap_actions_keep_up_to_date_correct(tmp_path, template, references):
     """Touches, a leaf param, a hand re-run with the same params: a few minutes on 2 cores."""
-    _sequence(tmp_path, tiny_model_dir, references, seed=11, length=3, actions=CHEAP_ACTIONS)
+    _sequence(tmp_path, template, references, seed=11, length=3, actions=CHEAP_ACTIONS)
 
 
 @pytest.mark.slow
 @pytest.mark.parametrize("seed", [1, 2])
-def test_random_user_actions_keep_up_to_date_correct(tmp_path, tiny_model_dir, references, seed):
-    _sequence(tmp_path, tiny_model_dir, references, seed=seed, length=5, actions=CI_ACTIONS)
+def test_random_user_actions_keep_up_to_date_correct(tmp_path, template, references, seed):
+    _sequence(tmp_path, template, references, seed=seed, length=5, actions=CI_ACTIONS)

@@ -250,7 +250,7 @@ def retain(seq: Seq) -> Plan:
     seq.retained = True
     failure = None if done.returncode == 0 or h.one_line_error(done) else (
         f"tpgrpo retain failed (rc {done.returncode}): {done.stderr.strip()[-600:]}")
-    return Plan(f"retain {raw['retention']}: {done.stdout.strip()}", set(), failure=failure)
+    return Plan(f"retain {raw['retention']}: {done.stdout.strip()}", {"code"}, failure=failure)
 
 
 def iterations(seq: Seq) -> Plan:
@@ -319,121 +319,8 @@ def yaml12(seq: Seq) -> Plan:
         return m.group(1) + (e if float(e) == v else m.group(2))
 
     (seq.root / "params.yaml").write_text(re.sub(r"^(\s*\w+: )(-?\d+\.\d+(?:e-?\d+)?)$", exp, text, flags=re.M))
-    return Plan("rewrite params.yaml floats as 1e-02 (YAML 1.2)", set())
+    return Plan("rewrite params.yaml floats as 1e-02 (YAML 1.2)", {"code"})  # the code stage reads params.yaml
 
 
 ACTIONS = {f.__name__: f for f in (edit_upstream, edit_leaf, edit_code, touch, rerun_same, rerun_other, delete,
                                    damage, retain, iterations, sigkill, edit_during_run, yaml12)}
-
-
-# ---------------------------------------------------------------- checks and sequences
-
-def _undo(seq: Seq, plan: Plan) -> bool:
-    """After an accepted refusal: put the edit back, or delete the damaged artifact. False: nothing to undo
-    (the sequence stops there, held)."""
-    if plan.restore is not None:
-        h.write_params(seq.root, plan.restore)
-        return True
-    if plan.damaged is not None:
-        shutil.rmtree(plan.damaged) if plan.damaged.is_dir() else plan.damaged.unlink(missing_ok=True)
-        return True
-    return False
-
-
-def check(seq: Seq, plan: Plan, depth: int = 0) -> tuple[str | None, bool]:
-    """``tpgrpo run``, then (a) artifacts = reference, (b) ``dvc status`` clean, (c) what ran. Returns
-    (the first failure or None, whether the sequence may go on)."""
-    if plan.failure:
-        return plan.failure, False
-    marks, before = plan.marks or h.stage_marks(seq.root), h.digests(seq.root)
-    done = h.tpgrpo(seq.root, "run")
-    if done.returncode != 0:
-        if not (plan.may_refuse and h.one_line_error(done)):
-            return f"tpgrpo run failed (rc {done.returncode}): {done.stderr.strip()[-800:]}", False
-        refusal = done.stderr.strip()
-        if plan.damaged is not None and plan.damaged.name not in refusal and plan.damaged.parent.name not in refusal:
-            return f"refusal does not name the damaged {plan.damaged.name}: {refusal}", False
-        after = h.digests(seq.root)
-        if after != before:
-            changed = sorted(p for p in set(before) | set(after) if before.get(p) != after.get(p))
-            return f"refused ({refusal}) but changed {changed[:4]}", False
-        if not _undo(seq, plan) or depth:
-            return None, False
-        if plan.damaged is not None:  # the user deleted the damaged artifact: the next run must rebuild it
-            return check(seq, Plan(plan.what + "; deleted after refusal", plan.allowed, marks=marks), depth + 1)
-        return _verify(seq, marks, set(), set())
-    return _verify(seq, marks, plan.allowed, plan.required)
-
-
-def _verify(seq: Seq, marks: dict, allowed: set[str] | None, required: set[str]) -> tuple[str | None, bool]:
-    problems = h.compare(h.digests(seq.root), seq.refs.get(seq.root))
-    if problems:
-        return f"(a) {len(problems)} artifacts differ from a run from scratch: {problems[:4]}", False
-    status = h.dvc_status(seq.root)
-    if status != "{}":
-        return f"(b) dvc status not clean: {status[:600]}", False
-    ran = h.ran_between(marks, h.stage_marks(seq.root))
-    extra = sorted(ran - allowed) if allowed is not None else []
-    missing = sorted(required - ran)
-    if extra or missing:
-        return f"(c) ran {sorted(ran)}; not affected by the change: {extra}; should have re-run: {missing}", False
-    return None, True
-
-
-@dataclass
-class Result:
-    seed: int
-    steps: list[str]
-    failure: str | None = None
-    seconds: float = 0.0
-
-    @property
-    def held(self) -> bool:
-        return self.failure is None
-
-
-def new_project(root: Path, model_dir: Path, code_src: Path, refs: h.References) -> str | None:
-    """A fresh tiny project run from scratch (its digests are the reference for its params and code);
-    None, or why it failed."""
-    from conftest import tiny_params
-
-    h.make_project(root, model_dir, code_src, tiny_params(train=dict(BASE_TRAIN)))
-    done = h.tpgrpo(root, "run")
-    if done.returncode != 0:
-        return f"first run failed: {done.stderr.strip()[-800:]}"
-    key = refs.key(root)
-    if not (refs.folder / f"{key}.json").is_file():
-        refs.store(key, h.digests(root))
-    status = h.dvc_status(root)
-    return None if status == "{}" else f"(b) after the first run: {status[:600]}"
-
-
-def run_sequence(root: Path, model_dir: Path, code_src: Path, refs: h.References, seed: int, length: int,
-                 actions: list[str]) -> Result:
-    """One seeded sequence of ``length`` actions drawn from ``actions``, each followed by the checks."""
-    started = time.time()
-    result = Result(seed, [])
-    try:
-        result.failure = new_project(root, model_dir, code_src, refs)
-        seq = Seq(root, refs, random.Random(seed))
-        for _ in range(length if result.failure is None else 0):
-            name = seq.rng.choice(actions)
-            plan = ACTIONS[name](seq)
-            result.steps.append(plan.what)
-            result.failure, go_on = check(seq, plan)
-            if result.failure or not go_on:
-                if not result.failure:
-                    result.steps.append("(refused with one line; nothing to undo: sequence ends, held)")
-                break
-    finally:
-        h.end_processes(root)
-        result.seconds = time.time() - started
-    return result
-
-
-def describe(result: Result) -> str:
-    lines = [f"sequence seed {result.seed}: {'held' if result.held else 'FAILED'} ({result.seconds:.0f} s)"]
-    lines += [f"  {k + 1}. {step}" for k, step in enumerate(result.steps)]
-    if result.failure:
-        lines.append(f"  first failure: {result.failure}")
-    return "\n".join(lines)

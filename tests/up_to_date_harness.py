@@ -239,7 +239,7 @@ def _png(path: Path, h) -> None:
 def _log_digest(path: Path, h) -> None:
     """A sealed block's ``<block>.logs.json`` holds md5s of stage logs (wall-clock fields and all): never
     equal between two runs. What must hold: its names, and each md5 matching the file it names now."""
-    folder = path.parent
+    folder = next(p for p in path.parents if p.name == "iters")  # its names are relative to data/iters
     for name, md5 in sorted(json.loads(path.read_text()).items()):
         actual = hashlib.md5((folder / name).read_bytes()).hexdigest() if (folder / name).is_file() else None
         h.update(f"{name}:{md5 is None}:{'matches' if md5 == actual else 'STALE'};".encode())
@@ -260,7 +260,7 @@ def digest(path: Path) -> str:
             import torch
 
             _torch_obj(torch.load(path, map_location="cpu", weights_only=False), h)
-        elif path.name.endswith(".logs.json"):
+        elif path.name.endswith((".logs.json", "block_logs.json")):
             _log_digest(path, h)
         elif path.suffix == ".json":
             h.update(json.dumps(_drop_wall(json.loads(path.read_text())), sort_keys=True).encode())
@@ -380,8 +380,8 @@ class References:
 # ---------------------------------------------------------------- which stages ran
 
 def stage_marks(root: Path) -> dict[str, tuple]:
-    """Per stage, the identity of the log it writes when it runs (a restore from DVC's run cache writes
-    outputs, not logs): data/iters/NNNN/<stage>.json, the baseline's JSON, the summary, the manifests."""
+    """Per stage, the mtime and size of the log it writes when it runs (a restore from DVC's run cache
+    rewrites a cached log too: counted as a run, which the allowed sets tolerate where a restore can happen): data/iters/NNNN/<stage>.json, the baseline's JSON, the summary, the manifests."""
     logs = {"baseline": root / "data/iters/baseline_eval.json", "summary": root / "data/metrics/summary.json",
             "code": root / "data/code/rollout.json"}
     for folder in sorted((root / "data/iters").glob("[0-9]" * 4)):
@@ -391,7 +391,7 @@ def stage_marks(root: Path) -> dict[str, tuple]:
     for name, path in logs.items():
         try:
             st = path.stat()
-            marks[name] = (st.st_mtime_ns, st.st_ino, st.st_size)
+            marks[name] = (st.st_mtime_ns, st.st_size)  # not the inode: relinking to the cache changes it
         except OSError:
             pass
     return marks
