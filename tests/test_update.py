@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 
+import numpy as np
 import pytest
 import torch
 
@@ -132,6 +133,66 @@ def test_kl_metric_uses_the_sde_std_without_sqrt_dt(kind):
                             make_optimizer(backend, cfg), seed=0)
     want = float(torch.stack(expected).mean())
     assert want > 0 and metrics["kl"] == pytest.approx(want, rel=1e-4)
+
+
+@pytest.mark.parametrize("step", [0, 2])
+def test_log_probs_not_the_sampling_policys_stop_the_update_before_any_step(step):
+    """Stored log-probs that are not the sampling policy's (issue 25: first-pass ratio 27.1, trained on, rc 0):
+    past the tolerance the update stops on the first pass with one line, and no weight changes. (The first
+    chunk is checked, the transitions seen before any step: a sampler or policy mismatch shows in all of
+    them; random damage on disk is the Zarr checksums' to catch.)"""
+    from tpgrpo.policy.update import FIRST_PASS_RATIO_TOLERANCE
+
+    backend, embeds = make_policy()
+    batch = rollout(backend, embeds, "sde")
+    batch.old_log_probs[:, step] += 0.05  # |exp(-0.05) - 1| = 0.049: far past the tolerance, a plausible value
+    adv = torch.ones(8, K)
+    before = policy.lora_state_dict(backend)
+    with pytest.raises(PipelineError) as err:
+        update_policy(backend, embeds, batch, adv, sampling(), UPD, make_optimizer(backend, UPD), seed=0, iteration=3)
+    message = str(err.value)
+    assert "\n" not in message and message.startswith("update (iteration 3): the stored log-probs do not match")
+    assert f"window step {step}" in message and f"tolerance {FIRST_PASS_RATIO_TOLERANCE:g}" in message
+    after = policy.lora_state_dict(backend)
+    assert all(torch.equal(before[k], after[k]) for k in before)
+    # A pass over data the policy has moved on from (a later epoch) is not checked:
+    metrics = update_policy(backend, embeds, batch, adv, sampling(), UPD, make_optimizer(backend, UPD), seed=0,
+                            ratio_tolerance=None)
+    assert metrics["first_pass_ratio_max_dev"] == pytest.approx(-np.expm1(-0.05), rel=1e-3)  # rho = exp(-0.05)
+
+
+def test_later_epochs_are_not_held_to_the_first_pass_tolerance():
+    """update.epochs 2 with a large lr: the second pass's first chunk sees a moved policy (ratio far from 1)
+    and must not stop the stage; only the first pass carries the tolerance."""
+    from stages.update import train_epochs
+    from tpgrpo.config import Config
+    from tpgrpo.policy.update import FIRST_PASS_RATIO_TOLERANCE
+
+    backend, embeds = make_policy()
+    batch = rollout(backend, embeds, "sde")
+    adv = torch.randn(8, K, generator=torch.Generator().manual_seed(3))
+    cfg = Config()
+    cfg = dataclasses.replace(cfg, update=dataclasses.replace(UPD, lr=5e-2, epochs=2, optimizer_steps_per_iter=2))
+    opt = make_optimizer(backend, cfg.update)
+    seen = []
+
+    def one_pass(update_cfg, seed, progress, tolerance):
+        metrics = update_policy(backend, embeds, batch, adv, sampling(), update_cfg, opt, seed=seed,
+                                progress=progress, ratio_tolerance=tolerance)
+        seen.append((tolerance, metrics["first_pass_ratio_max_dev"]))
+        return metrics
+
+    class Bar:
+        n, total = 0, 0
+
+        def update(self, k):
+            self.n += k
+
+    metrics = train_epochs(one_pass, cfg, 1, Bar())
+    (first_tolerance, first_dev), (second_tolerance, second_dev) = seen
+    assert first_tolerance == FIRST_PASS_RATIO_TOLERANCE and second_tolerance is None
+    assert first_dev < 1e-5 < FIRST_PASS_RATIO_TOLERANCE < second_dev  # the moved policy would have stopped it
+    assert metrics["first_pass_ratio_max_dev"] == first_dev
 
 
 def test_select_transitions_drops_whole_zero_samples_only():
