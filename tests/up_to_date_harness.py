@@ -380,25 +380,34 @@ class References:
 # ---------------------------------------------------------------- which stages ran
 
 def stage_marks(root: Path) -> dict[str, tuple]:
-    """Per stage, the mtime and size of the log it writes when it runs (a restore from DVC's run cache
-    rewrites a cached log too: counted as a run, which the allowed sets tolerate where a restore can happen): data/iters/NNNN/<stage>.json, the baseline's JSON, the summary, the manifests."""
+    """Per stage, (mtime, content hash) of the log it writes when it runs: data/iters/NNNN/<stage>.json, the
+    baseline's JSON, the summary, a manifest; under "" the time the marks were taken."""
     logs = {"baseline": root / "data/iters/baseline_eval.json", "summary": root / "data/metrics/summary.json",
             "code": root / "data/code/rollout.json"}
     for folder in sorted((root / "data/iters").glob("[0-9]" * 4)):
         for name in STAGE_LOGS:
             logs[f"{name}-{folder.name}"] = folder / f"{name}.json"
-    marks = {}
+    marks: dict[str, tuple] = {"": (time.time_ns(),)}
     for name, path in logs.items():
         try:
-            st = path.stat()
-            marks[name] = (st.st_mtime_ns, st.st_size)  # not the inode: relinking to the cache changes it
+            marks[name] = (path.stat().st_mtime_ns, hashlib.md5(path.read_bytes()).hexdigest())
         except OSError:
             pass
     return marks
 
 
 def ran_between(before: dict[str, tuple], after: dict[str, tuple]) -> set[str]:
-    return {name for name, mark in after.items() if before.get(name) != mark}
+    """The stages whose log is new, holds other bytes, or was written after ``before`` was taken. The logs
+    are cached DVC outputs: relinking them to the cache gives them the cache object's older mtime and the
+    same bytes (not a run); a restore from the run cache brings other bytes (counted: allowed sets include
+    the stages a restore can bring back)."""
+    since = before[""][0] - 50_000_000  # file times lag the clock by a tick
+    ran = set()
+    for name, mark in after.items():
+        old = before.get(name)
+        if name and (old is None or old[1] != mark[1] or (old[0] != mark[0] and mark[0] >= since)):
+            ran.add(name)
+    return ran
 
 
 def sealed_blocks(root: Path) -> list[tuple[int, int]]:
