@@ -166,7 +166,7 @@ def run_command(params: ParamsOpt = Path("params.yaml")) -> None:
     from tpgrpo.pipeline.dvcfile import RENDER_UPTO_ENV, write_dvc_yaml
     from tpgrpo.pipeline.dvclock import clear_stale_lock
     from tpgrpo.errors import PipelineError
-    from tpgrpo.pipeline.sealing import dvc_env, relink, repro_ends, seal_finished, unseal_changed
+    from tpgrpo.pipeline.sealing import dvc_env, repro_ends, seal_finished, unseal_changed
 
     root = Path(params).resolve().parent
     try:
@@ -190,20 +190,16 @@ def run_command(params: ParamsOpt = Path("params.yaml")) -> None:
         for key, value in (("core.analytics", "false"), ("core.check_update", "false"),
                            ("cache.type", DVC_CACHE_TYPE)):
             subprocess.run([sys.executable, "-m", "dvc", "config", key, value], cwd=root, env=env, check=True)
-    lock = root / "dvc.lock"
     with stage_server.running(root, stage_server.wanted(cfg)) as server_env:
         for upto in repro_ends(root, cfg):  # block by block: dvc.lock stays about one block long
-            before = lock.stat().st_mtime_ns if lock.exists() else None
             write_dvc_yaml(cfg, root, upto)
             refresh_manifests(root)  # a library upgraded since the code stage ran: it re-runs (see LIBRARIES)
             code = subprocess.run([sys.executable, "-m", "dvc", "repro"], cwd=root,
                                   env={**env, **server_env, RENDER_UPTO_ENV: str(upto)}).returncode
             if code != 0:
                 _fail(f"dvc repro failed with exit code {code}")
-            try:
+            try:  # (no relinking: with cache.type copy a workspace file is never the cache's object)
                 sealed = seal_finished(root, cfg, upto)
-                if sealed or (lock.exists() and lock.stat().st_mtime_ns != before):  # something ran: link
-                    relink(root)
             except PipelineError as exc:
                 _fail(str(exc))
             if sealed:

@@ -97,12 +97,6 @@ def seal_finished(root: Path, cfg: Config, upto: int | None = None) -> list[Bloc
     return new
 
 
-def relink(root: Path) -> None:
-    """Link every output to its cache copy (``cache.type``): ``dvc repro`` leaves directory outputs
-    (trajectories.zarr, policy/) as copies beside the cache's. Costs about a ``dvc status``."""
-    dvc(root, "checkout", "--relink", "--quiet")
-
-
 def unseal_changed(root: Path, cfg: Config, raw_params: dict) -> list[Block]:
     """Unseal the sealed blocks this config no longer matches: recorded params differ, no lock entry,
     or a block size that changed. Restores their per-stage lock entries; returns the blocks unsealed."""
