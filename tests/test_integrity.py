@@ -167,6 +167,11 @@ def shift_log_probs(store: Path) -> None:
     arr[:] = arr[:] + np.float32(0.5)
 
 
+def flip_tensor_bytes(path: Path) -> None:
+    """Flip bytes of a safetensors file's tensor data only (after its header): a file that still parses."""
+    flip_bytes(path, seed=2, lo=8 + int.from_bytes(path.read_bytes()[:8], "little"))
+
+
 def drop_manifest_then(damage):
     return lambda p: ((p.parent / MANIFEST_FILE).unlink(), damage(p))
 
@@ -189,7 +194,10 @@ CASES = {  # case: (file under data/iters, damage, stage and iteration that read
         ["iteration 1", "array 'states' has 1 values beyond +-10000 (first at [7, 2, 1, 0, 0]"]),
     "log_probs not the sampling policy's": (
         TRAJ, shift_log_probs, ("update", 1), ["stored log-probs do not match the policy that sampled them"]),
+    "prompt embeddings with flipped tensor bytes": (
+        "0001/prompt_embeds.safetensors", flip_tensor_bytes, ("update", 1), ["damaged: its tensors' sha256"]),
     "adapter with flipped bytes": (WEIGHTS, flip_bytes, ("rollout", 2), ["damaged: its sha256 differs"]),
+    "adapter with flipped tensor bytes": (WEIGHTS, flip_tensor_bytes, ("eval", 1), ["damaged: its sha256 differs"]),
     "truncated adapter": (WEIGHTS, truncate, ("update", 2), ["damaged: its sha256 differs"]),
     "adapter config with flipped bytes": (
         f"{POLICY}/adapter_config.json", lambda p: flip_bytes(p, count=4), ("probe", 2), ["damaged"]),
@@ -201,7 +209,8 @@ CASES = {  # case: (file under data/iters, damage, stage and iteration that read
         STATE, drop_manifest_then(truncate), ("update", 2), ["not a readable training state"]),
 }
 OUTPUTS = {"rollout": ("trajectories.zarr", "prompt_embeds.safetensors", "rollout.json"),
-           "probe": ("probe.parquet", "probe.json"), "update": ("policy", "update.json")}
+           "probe": ("probe.parquet", "probe.json"), "update": ("policy", "update.json"),
+           "eval": ("eval.json", "eval.parquet")}
 
 
 @pytest.mark.parametrize("case", list(CASES))
@@ -263,3 +272,33 @@ def test_flipped_bytes_anywhere_in_a_chunk_fail_to_decode(tmp_path, seed):
     for lazy in ((), ("states",)):
         with pytest.raises(ArtifactError, match=r"\(iteration 4\): array 'states' is damaged: chunk states/c/0/0"):
             read_trajectories(tmp_path / "t.zarr", lazy=lazy)[0]["states"][0:2]
+
+
+def test_a_store_written_before_checksums_still_reads(tmp_path):
+    """Zarr's defaults (no checksum, fill-valued chunks not stored): an older run's iterations stay readable."""
+    import zarr
+    from test_artifacts import trajectory_arrays
+
+    from tpgrpo.io.artifacts import read_trajectories
+    from tpgrpo.io.schemas import conform_arrays
+
+    arrays, attrs = trajectory_arrays()
+    arrays["final_strict"] = np.zeros(4, dtype=bool)  # all fill value: no chunk file
+    group = zarr.open_group(str(tmp_path / "old.zarr"), mode="w")
+    for name, data in conform_arrays(arrays).items():
+        group.create_array(name, data=data, chunks=data.shape)
+    group.attrs.update(attrs)
+    assert not (tmp_path / "old.zarr" / "final_strict" / "c").exists()
+    back, _ = read_trajectories(tmp_path / "old.zarr")
+    np.testing.assert_array_equal(back["final_strict"], arrays["final_strict"])
+
+
+def test_prompt_embeddings_without_a_checksum_still_read(tmp_path):
+    import torch
+
+    from tpgrpo.io.artifacts import read_embeddings, save_safetensors
+
+    key = {"prompts": json.dumps(["a"]), "model": "h"}
+    tensors = {"embeds": torch.ones(1, 5, 8), "uncond_embeds": torch.zeros(1, 5, 8)}
+    save_safetensors(tensors, tmp_path / "old.safetensors", key)  # as write_embeddings did before checksums
+    assert torch.equal(read_embeddings(tmp_path / "old.safetensors", key)["embeds"], tensors["embeds"])

@@ -32,7 +32,7 @@ from pathlib import Path
 from typing import Any, Iterator
 
 from tpgrpo.errors import PipelineError
-from tpgrpo.io.schemas import (TRAJECTORY_ARRAYS, ArtifactError, TableSchema, check_array_values,
+from tpgrpo.io.schemas import (EMBEDDING_CHECKSUM, TRAJECTORY_ARRAYS, ArtifactError, TableSchema, check_array_values,
                                check_embeddings, check_table, check_trajectories, conform_arrays)
 
 # The DVC cache's link types in every project this code creates (and the repo's .dvc/config): never hardlink
@@ -358,11 +358,23 @@ def canonicalize_safetensors(path: Path) -> None:
     save_safetensors(tensors, path, metadata)
 
 
+def _tensors_sha256(tensors: dict) -> str:
+    """sha256 over the tensors' names and raw bytes, in name order (what ``read_embeddings`` checks)."""
+    import torch
+
+    digest = hashlib.sha256()
+    for name in sorted(tensors):
+        t = tensors[name].detach().cpu().contiguous()
+        digest.update(name.encode() + b"\0" + (t.reshape(-1).view(torch.uint8).numpy().tobytes() if t.numel() else b""))
+    return digest.hexdigest()
+
+
 def write_embeddings(path: Path, tensors: dict, metadata: dict[str, str]) -> None:
-    """Write prompt embeddings (``{field: tensor (P, ...)}``) and their metadata, checked, atomically."""
+    """Write prompt embeddings (``{field: tensor (P, ...)}``) and their metadata, checked, atomically, with
+    the tensors' sha256 in the metadata (``EMBEDDING_CHECKSUM``)."""
     check_embeddings({k: tuple(t.shape) for k, t in tensors.items()}, metadata, f"{path} (being written)")
     with atomic_path(path) as tmp:
-        save_safetensors(tensors, tmp, metadata)
+        save_safetensors(tensors, tmp, {**metadata, EMBEDDING_CHECKSUM: _tensors_sha256(tensors)})
 
 
 def read_embeddings(path: Path, key: dict[str, str]) -> dict | None:
@@ -374,9 +386,14 @@ def read_embeddings(path: Path, key: dict[str, str]) -> dict | None:
         with safe_open(str(path), framework="pt", device="cpu") as f:
             metadata = f.metadata() or {}
             check_embeddings({k: tuple(f.get_slice(k).get_shape()) for k in f.keys()}, metadata, str(path))
+            stored = metadata.pop(EMBEDDING_CHECKSUM, None)  # (absent in files written before checksums)
             if metadata != key:
                 return None
-            return {name: f.get_tensor(name) for name in f.keys()}
+            tensors = {name: f.get_tensor(name) for name in f.keys()}
+        if stored is not None and _tensors_sha256(tensors) != stored:
+            raise ArtifactError(f"{path}: damaged: its tensors' sha256 differs from the one recorded when it "
+                                "was written")
+        return tensors
     except ArtifactError:
         raise
     except Exception as exc:  # noqa: BLE001

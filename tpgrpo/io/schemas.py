@@ -280,6 +280,7 @@ EMBEDDING_ROWS = {"embeds": "prompts", "pooled": "prompts", "uncond_embeds": 1, 
 EMBEDDING_FIELDS = tuple(EMBEDDING_ROWS)
 EMBEDDING_REQUIRED = ("embeds", "uncond_embeds")
 EMBEDDING_METADATA = ("prompts", "model")  # the prompts (JSON list) and the hash of the `model` params
+EMBEDDING_CHECKSUM = "sha256"  # metadata key added on write: the tensors' sha256 (checked on read)
 
 
 def check_embeddings(shapes: dict[str, tuple[int, ...]], metadata: dict, source: str) -> None:
@@ -288,7 +289,7 @@ def check_embeddings(shapes: dict[str, tuple[int, ...]], metadata: dict, source:
     token in ``embeds`` and ``uncond_embeds``."""
     import json
 
-    if sorted(metadata) != sorted(EMBEDDING_METADATA):
+    if sorted(set(metadata) - {EMBEDDING_CHECKSUM}) != sorted(EMBEDDING_METADATA):
         _fail(source, f"metadata keys {sorted(metadata)}; expected {list(EMBEDDING_METADATA)}")
     if set(shapes) - set(EMBEDDING_FIELDS) or not set(EMBEDDING_REQUIRED) <= set(shapes):
         _fail(source, f"tensors {sorted(shapes)}; expected {list(EMBEDDING_REQUIRED)} and any of "
