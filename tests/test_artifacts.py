@@ -214,6 +214,8 @@ def test_trajectory_store_is_written_in_declared_dtypes_and_read_back_checked(tm
     (lambda a, t: t.pop("group_size"), "missing attribute 'group_size'"),
     (lambda a, t: a.update(seeds=a["seeds"].astype(float)), "array 'seeds' is float64"),
     (lambda a, t: a.update(final_reward=np.full(4, np.inf)), "'final_reward' has 4 non-finite"),
+    (lambda a, t: a["states"].__setitem__((1, 2, 0, 0, 0), np.nan), "'states' has 1 non-finite values (first at [1, 2"),
+    (lambda a, t: a["states"].__setitem__((3, 0, 1, 1, 1), -1e6), "'states' has 1 values beyond +-10000"),
 ])
 def test_bad_trajectory_stores_are_refused_on_write(tmp_path, change, words):
     from tpgrpo.io.artifacts import write_zarr

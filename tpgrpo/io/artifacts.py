@@ -379,7 +379,8 @@ def write_embeddings(path: Path, tensors: dict, metadata: dict[str, str]) -> Non
 
 def read_embeddings(path: Path, key: dict[str, str]) -> dict | None:
     """The tensors of a prompt-embeddings file (on the CPU) when its metadata equals ``key``, else None.
-    A file that is unreadable or does not follow the schema is one :class:`ArtifactError` line."""
+    A file that is unreadable, does not follow the schema or whose tensors differ from their recorded sha256
+    is one :class:`ArtifactError` line."""
     from safetensors import safe_open
 
     try:  # any failure of the reader on a damaged file is reported as such

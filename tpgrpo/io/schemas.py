@@ -238,16 +238,20 @@ def check_array_values(spec: ArraySpec, values, source: str, row_offset: int = 0
     if not spec.finite:
         return
     arr = np.asarray(values)
-    bad = ~np.isfinite(arr)
-    what = "non-finite values"
-    if not bad.any() and spec.bound is not None:
+    if arr.size == 0:
+        return
+    lo, hi = arr.min(), arr.max()  # NaN and inf propagate: no array-sized temporaries on the good path
+    if np.isfinite(lo) and np.isfinite(hi) and (spec.bound is None or -spec.bound <= lo <= hi <= spec.bound):
+        return
+    bad, what, why = ~np.isfinite(arr), "non-finite values", ""
+    if not bad.any():
         bad, what = np.abs(arr) > spec.bound, f"values beyond +-{spec.bound:g}"
-    if bad.any():
-        first = np.argwhere(bad)[0]
-        value = arr[tuple(first)]
-        first[0] += row_offset
-        _fail(source, f"array '{spec.name}' has {int(bad.sum())} {what} (first at {first.tolist()}: "
-                      f"{_plain(value)!r}); the store is damaged or was written from diverged latents")
+        why = " (no honest latent is that large: damage, or a diverged policy)"
+    first = np.argwhere(bad)[0]
+    value = arr[tuple(first)]
+    first[0] += row_offset
+    _fail(source, f"array '{spec.name}' has {int(bad.sum())} {what} (first at {first.tolist()}: "
+                  f"{_plain(value)!r}){why}")
 
 
 def _kind(dtype: str) -> str:
