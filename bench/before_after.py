@@ -56,7 +56,7 @@ def measure(folder: Path, iterations: int, threads: int, pure_yaml: bool = False
         blocker.mkdir(exist_ok=True)
         (blocker / "_ruamel_yaml.py").write_text("raise ImportError('blocked by bench/before_after.py')\n")
         path += os.pathsep + str(blocker)
-    env = dict(os.environ, PYTHONPATH=path, OMP_NUM_THREADS=str(threads), DVC_NO_ANALYTICS="1")
+    env = dict(os.environ, PYTHONPATH=path, OMP_NUM_THREADS=str(threads), DVC_NO_ANALYTICS="1", DVC_STUDIO_OFFLINE="true")
     env["PATH"] = str(Path(sys.executable).parent) + os.pathsep + env["PATH"]
     start = time.perf_counter()
     done = subprocess.run([sys.executable, "-m", "tpgrpo", "run"], cwd=folder, env=env, capture_output=True,

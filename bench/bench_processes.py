@@ -53,7 +53,8 @@ def run_stage(root: Path, name: str, threads: int) -> float:
     from tpgrpo.pipeline.dvcfile import stage_command
 
     cmd = shlex.split(stage_command(load_config(root / "params.yaml"), name, 0))
-    env = dict(os.environ, OMP_NUM_THREADS=str(threads), OMP_WAIT_POLICY="PASSIVE", DVC_NO_ANALYTICS="1")
+    env = dict(os.environ, OMP_NUM_THREADS=str(threads), OMP_WAIT_POLICY="PASSIVE", DVC_NO_ANALYTICS="1",
+               DVC_STUDIO_OFFLINE="true")
     env["PATH"] = str(Path(sys.executable).parent) + os.pathsep + env.get("PATH", "")
     start = time.perf_counter()
     out = subprocess.run(cmd, cwd=root, env=env, capture_output=True, text=True)

@@ -67,7 +67,7 @@ sys.exit(main(["repro"]))
 def measure(folder: Path, threads: int, pure_yaml: bool = False) -> dict:
     """DVC init as ``tpgrpo run`` does it, the stage server, and the timed ``dvc repro``."""
     env = dict(os.environ, PYTHONPATH=str(folder), OMP_NUM_THREADS=str(threads), DVC_NO_ANALYTICS="1",
-               BENCH_PURE_YAML="1" if pure_yaml else "")
+               DVC_STUDIO_OFFLINE="true", BENCH_PURE_YAML="1" if pure_yaml else "")
     env["PATH"] = str(Path(sys.executable).parent) + os.pathsep + env["PATH"]
     code = ("import sys, subprocess, yaml; from pathlib import Path; from tpgrpo.pipeline import stage_server; "
             "from tpgrpo.config import load_config; from tpgrpo.pipeline.dvcfile import write_dvc_yaml; "

@@ -69,7 +69,7 @@ def make_project(root: Path, device: str, smoke: bool) -> Path:
 
 def run_step(label: str, command: list[str], timeout: float) -> dict:
     """Run one command from the repo root; ``{label, ok, seconds, error}`` (error: its last output line)."""
-    env = dict(os.environ, DVC_NO_ANALYTICS="1", PYTHONPATH=str(REPO), PYTHONUNBUFFERED="1")
+    env = dict(os.environ, DVC_NO_ANALYTICS="1", DVC_STUDIO_OFFLINE="true", PYTHONPATH=str(REPO), PYTHONUNBUFFERED="1")
     timeout = min(timeout, _DEADLINE[0] - time.monotonic())
     if timeout < 5:
         return {"label": label, "ok": False, "seconds": 0.0, "error": f"not run: the check's {TOTAL_S:.0f} s are spent"}

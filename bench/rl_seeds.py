@@ -43,7 +43,8 @@ def make_project(folder: Path, seed: int, settings: list[str]) -> Path:
 
 
 def launch(folder: Path, threads: int) -> subprocess.Popen:
-    env = dict(os.environ, DVC_NO_ANALYTICS="1", OMP_NUM_THREADS=str(threads), OMP_WAIT_POLICY="PASSIVE")
+    env = dict(os.environ, DVC_NO_ANALYTICS="1", DVC_STUDIO_OFFLINE="true", OMP_NUM_THREADS=str(threads),
+               OMP_WAIT_POLICY="PASSIVE")
     # The run uses its own copy of the code, not the (editable-installed) working tree, which may change.
     env["PYTHONPATH"] = str(folder)
     env["PATH"] = str(Path(sys.executable).parent) + os.pathsep + env.get("PATH", "")

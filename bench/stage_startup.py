@@ -59,7 +59,7 @@ def main() -> None:
     parser.add_argument("--repeat", type=int, default=3)
     parser.add_argument("--first", type=int, default=1, help="number of the first iteration (0 before issue 11)")
     args = parser.parse_args()
-    env = dict(os.environ, OMP_NUM_THREADS="1", DVC_NO_ANALYTICS="1", PYTHONPATH=str(REPO))
+    env = dict(os.environ, OMP_NUM_THREADS="1", DVC_NO_ANALYTICS="1", DVC_STUDIO_OFFLINE="true", PYTHONPATH=str(REPO))
     with tempfile.TemporaryDirectory(prefix="stage-startup-") as tmp:
         root = Path(tmp)
         shutil.copytree(REPO / "data" / "prompts", root / "data" / "prompts")

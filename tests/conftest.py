@@ -11,6 +11,7 @@ import yaml
 
 REPO = Path(__file__).resolve().parents[1]
 os.environ.setdefault("DVC_NO_ANALYTICS", "1")
+os.environ.setdefault("DVC_STUDIO_OFFLINE", "true")
 
 # A small but real configuration: 32x32 images (the detector's scale), 1 transformer block.
 TINY_PARAMS_OVERRIDES = {

@@ -132,7 +132,8 @@ def test_rerunning_the_update_stage_in_a_new_process_gives_the_same_policy_bytes
     policy = root / "data" / "iters" / "0001" / "policy"
     runs = []
     for seed in ("3", "4"):
-        env = dict(os.environ, PYTHONHASHSEED=seed, OMP_NUM_THREADS="1", MKL_NUM_THREADS="1", DVC_NO_ANALYTICS="1")
+        env = dict(os.environ, PYTHONHASHSEED=seed, OMP_NUM_THREADS="1", MKL_NUM_THREADS="1", DVC_NO_ANALYTICS="1",
+                   DVC_STUDIO_OFFLINE="true")
         run = subprocess.run([sys.executable, "-m", "tpgrpo", "stage", "update", "--iter", "1"], cwd=root, env=env,
                              capture_output=True, text=True)
         assert run.returncode == 0, run.stderr[-3000:]

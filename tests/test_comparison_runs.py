@@ -73,7 +73,7 @@ def test_cli_bad_override_is_one_line_and_writes_nothing(tmp_path, tiny_model_di
 # ---- end to end -----------------------------------------------------------------------------------------------
 
 def cli(*args: str) -> subprocess.CompletedProcess:
-    env = dict(os.environ, DVC_NO_ANALYTICS="1")
+    env = dict(os.environ, DVC_NO_ANALYTICS="1", DVC_STUDIO_OFFLINE="true")
     res = subprocess.run([sys.executable, str(REPO / "bench" / "compare_modes.py"), *args], capture_output=True,
                          text=True, env=env)
     assert res.returncode == 0, res.stdout + res.stderr

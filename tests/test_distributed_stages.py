@@ -35,7 +35,7 @@ STAGES = ("baseline", "rollout", "probe", "credit", "update", "eval")
 
 def env(**extra: str) -> dict:
     e = {k: v for k, v in os.environ.items() if k != FAIL_HOOK_ENV}
-    e.update(DVC_NO_ANALYTICS="1", OMP_NUM_THREADS="1", **extra)
+    e.update(DVC_NO_ANALYTICS="1", DVC_STUDIO_OFFLINE="true", OMP_NUM_THREADS="1", **extra)
     e["PATH"] = str(Path(sys.executable).parent) + os.pathsep + e.get("PATH", "")  # tpgrpo, accelerate
     return e
 

@@ -18,7 +18,7 @@ pytestmark = pytest.mark.slow
 
 
 def env() -> dict:
-    e = dict(os.environ, DVC_NO_ANALYTICS="1")
+    e = dict(os.environ, DVC_NO_ANALYTICS="1", DVC_STUDIO_OFFLINE="true")
     e["PATH"] = str(Path(sys.executable).parent) + os.pathsep + e.get("PATH", "")
     return e
 

@@ -48,7 +48,7 @@ def truncate(path: Path) -> None:
 # Item 9: the DVC cache never shares an inode with the workspace.
 
 def dvc(root: Path, *args: str) -> subprocess.CompletedProcess:
-    env = {**os.environ, "DVC_NO_ANALYTICS": "1"}
+    env = {**os.environ, "DVC_NO_ANALYTICS": "1", "DVC_STUDIO_OFFLINE": "true"}
     done = subprocess.run([sys.executable, "-m", "dvc", *args], cwd=root, env=env, capture_output=True, text=True)
     assert done.returncode == 0, f"dvc {' '.join(args)}: {done.stdout}{done.stderr}"
     return done
@@ -112,7 +112,7 @@ def test_tpgrpo_run_restores_an_adapter_damaged_in_place(tmp_path, tiny_model_di
     from conftest import make_tiny_project
 
     root = make_tiny_project(tmp_path / "project", tiny_model_dir)
-    env = {**os.environ, "DVC_NO_ANALYTICS": "1", "OMP_NUM_THREADS": "1"}
+    env = {**os.environ, "DVC_NO_ANALYTICS": "1", "DVC_STUDIO_OFFLINE": "true", "OMP_NUM_THREADS": "1"}
     env["PATH"] = str(Path(sys.executable).parent) + os.pathsep + env.get("PATH", "")
 
     def run() -> None:

@@ -211,7 +211,7 @@ def test_no_stage_reads_the_bookkeeping_params():
 def _env() -> dict:
     import os
 
-    e = dict(os.environ, DVC_NO_ANALYTICS="1")
+    e = dict(os.environ, DVC_NO_ANALYTICS="1", DVC_STUDIO_OFFLINE="true")
     e["PATH"] = str(Path(sys.executable).parent) + os.pathsep + e.get("PATH", "")
     return e
 

@@ -43,7 +43,7 @@ def make_project(root: Path, model_dir: Path) -> Path:
 
 def base_env() -> dict[str, str]:
     env = {k: v for k, v in os.environ.items() if k != ENV_VAR}
-    return dict(env, OMP_NUM_THREADS="1", DVC_NO_ANALYTICS="1")
+    return dict(env, OMP_NUM_THREADS="1", DVC_NO_ANALYTICS="1", DVC_STUDIO_OFFLINE="true")
 
 
 def stage(root: Path, env: dict, *args: str, check: bool = True) -> subprocess.CompletedProcess:

@@ -36,8 +36,8 @@ STAGE_LOGS = ("rollout", "probe", "credit", "update", "eval")
 
 def env() -> dict[str, str]:
     """The environment of every command: 1 thread, no analytics, this interpreter's scripts first."""
-    e = dict(os.environ, DVC_NO_ANALYTICS="1", OMP_NUM_THREADS=THREADS, MKL_NUM_THREADS=THREADS,
-             OMP_WAIT_POLICY="PASSIVE")
+    e = dict(os.environ, DVC_NO_ANALYTICS="1", DVC_STUDIO_OFFLINE="true", OMP_NUM_THREADS=THREADS,
+             MKL_NUM_THREADS=THREADS, OMP_WAIT_POLICY="PASSIVE")
     e["PATH"] = str(Path(sys.executable).parent) + os.pathsep + e.get("PATH", "")
     return e
 

@@ -236,7 +236,8 @@ def run_env(folder: Path, threads: int) -> dict[str, str]:
     """The environment of one run: its own code first on PYTHONPATH (absolute: its processes start in the
     folder), ``threads`` BLAS/OpenMP threads, no bytecode files inside the code DVC hashes, no DVC analytics."""
     env = dict(os.environ, PYTHONPATH=str(Path(folder).resolve()), PYTHONDONTWRITEBYTECODE="1", DVC_NO_ANALYTICS="1",
-               OMP_NUM_THREADS=str(threads), MKL_NUM_THREADS=str(threads), OMP_WAIT_POLICY="PASSIVE")
+               DVC_STUDIO_OFFLINE="true", OMP_NUM_THREADS=str(threads), MKL_NUM_THREADS=str(threads),
+               OMP_WAIT_POLICY="PASSIVE")
     env["PATH"] = str(Path(sys.executable).parent) + os.pathsep + env.get("PATH", "")
     return env
 

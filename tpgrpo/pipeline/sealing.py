@@ -34,7 +34,7 @@ DROPPABLE = {"trajectories.zarr": "trajectories", "prompt_embeds.safetensors": "
 
 def dvc_env() -> dict[str, str]:
     """Stage commands call ``tpgrpo``: this interpreter's scripts folder comes first on PATH."""
-    env = dict(os.environ, DVC_NO_ANALYTICS="1")
+    env = dict(os.environ, DVC_NO_ANALYTICS="1", DVC_STUDIO_OFFLINE="true")
     env["PATH"] = str(Path(sys.executable).parent) + os.pathsep + env.get("PATH", "")
     return env
 
