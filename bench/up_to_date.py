@@ -74,6 +74,8 @@ def main() -> None:
         result = ur.run_sequence(root, template, refs, args.seed * 1000 + k, args.length, actions)
         results.append(result)
         print(ur.describe(result), flush=True)
+        print(f"[so far: {sum(r.held for r in results)} of {len(results)} held, "
+              f"{sum(len(r.steps) for r in results)} actions, {time.time() - started:.0f} s]", flush=True)
         shutil.rmtree(root, ignore_errors=True)
     wall = time.time() - started
     held = sum(r.held for r in results)

@@ -396,18 +396,22 @@ def stage_marks(root: Path) -> dict[str, tuple]:
     return marks
 
 
-def ran_between(before: dict[str, tuple], after: dict[str, tuple]) -> set[str]:
-    """The stages whose log is new, holds other bytes, or was written after ``before`` was taken. The logs
-    are cached DVC outputs: relinking them to the cache gives them the cache object's older mtime and the
-    same bytes (not a run); a restore from the run cache brings other bytes (counted: allowed sets include
-    the stages a restore can bring back)."""
+def ran_between(before: dict[str, tuple], after: dict[str, tuple]) -> tuple[set[str], set[str]]:
+    """(stages whose log is new or holds other bytes, stages whose log was rewritten during the run). A
+    real run rewrites its log's wall-clock fields, so other bytes mean it ran; the logs are cached DVC
+    outputs, and a checkout or a restore from the run cache rewrites a log with the same bytes (not a
+    run), so a rewrite alone only shows that a stage *may* have run."""
     since = before[""][0] - 50_000_000  # file times lag the clock by a tick
-    ran = set()
+    changed, rewritten = set(), set()
     for name, mark in after.items():
         old = before.get(name)
-        if name and (old is None or old[1] != mark[1] or (old[0] != mark[0] and mark[0] >= since)):
-            ran.add(name)
-    return ran
+        if not name:
+            continue
+        if old is None or old[1] != mark[1]:
+            changed.add(name)
+        elif old[0] != mark[0] and mark[0] >= since:
+            rewritten.add(name)
+    return changed, rewritten
 
 
 def sealed_blocks(root: Path) -> list[tuple[int, int]]:
