@@ -1,8 +1,11 @@
-"""The typed, validated configuration loaded from ``params.yaml``.
+"""The typed, validated configuration loaded from ``params.yaml``: the one source of what each key means.
 
-``params.yaml`` is the one place values live, one section per concern. Every field below has a
-docstring-style comment with its unit. Loading is strict: an unknown key, a missing key, a value of the
-wrong type or out of range raises :class:`ConfigError` with one line naming the key and what is expected.
+``params.yaml`` is the one place values live, one section per concern. Each field below is declared with
+:func:`param`: its meaning, unit, bounds and a note (often how the paper's GPU recipe differs) are written
+there once; the loader checks those bounds, and ``params.yaml``'s comments and ``docs/parameters.md`` are
+generated from the same metadata (``python -m tpgrpo.config_docs``; a test checks that they are current).
+Loading is strict: an unknown key, a missing key, a value of the wrong type or out of range raises
+:class:`ConfigError` with one line naming the key and what is expected.
 """
 
 from __future__ import annotations
@@ -22,124 +25,213 @@ class ConfigError(ValueError):
     """A bad ``params.yaml``: the message names the key and what is expected."""
 
 
+MEMORY_KNOB = "A memory knob: results do not depend on it"
+# Bounds the loader checks: a tuple of choices, one of these ranges, or a value kind checked by its own code.
+RANGES = {"> 0": lambda v: v > 0, ">= 0": lambda v: v >= 0, "[0, 1]": lambda v: 0.0 <= v <= 1.0}
+RANGE_TEXT = {"> 0": "a value > 0", ">= 0": "a value >= 0", "[0, 1]": "a value in [0, 1]"}
+SPECIAL_BOUNDS = ("reward", "completion")  # a reward spec; a probe completion (tpgrpo.algo.probe_modes)
+
+
+def param(default: Any, doc: str, unit: str = "", bounds: str | tuple[str, ...] = "", rule: str = "",
+          note: str = "") -> Any:
+    """A params key: its code default and, written once, what it means (``doc``), its ``unit``, its
+    ``bounds`` (checked at load: a tuple of choices, a key of :data:`RANGES` or of :data:`SPECIAL_BOUNDS`),
+    a cross-key ``rule`` (checked in ``_check_consistency``) and a ``note`` (why this value, the paper's)."""
+    if bounds and not isinstance(bounds, tuple) and bounds not in RANGES and bounds not in SPECIAL_BOUNDS:
+        raise ValueError(f"param bounds {bounds!r}: expected choices, one of {list(RANGES)} or {SPECIAL_BOUNDS}")
+    meta = {"doc": doc, "unit": unit, "bounds": bounds, "rule": rule, "note": note}
+    return field(default=default, metadata=meta)
+
+
 @dataclass(frozen=True)
 class ModelConfig:
-    kind: str = "tiny"  # backend: tiny | sd3 | flux
-    path: str = "data/base"  # local folder in the diffusers save_pretrained layout
-    device: str = "cpu"  # torch device for every model stage
-    dtype: str = "fp32"  # fp32 | bf16 | fp16 (the step maths always runs in fp32)
-    resolution: int = 0  # image side in pixels; 0 = the backend's default (tiny: its own 32; sd3/flux: 512)
+    """The model every model stage loads (nothing is downloaded)."""
+
+    kind: str = param("tiny", "model backend; tiny = the embedded model", bounds=("tiny", "sd3", "flux"))
+    path: str = param("data/base", "local model folder in the diffusers save_pretrained layout", "path")
+    device: str = param("cpu", "torch device of every model stage (cpu, cuda, cuda:1)")
+    dtype: str = param("fp32", "dtype of the weights; the step maths and log-probs always run in fp32",
+                       bounds=("fp32", "bf16", "fp16"))
+    resolution: int = param(0, "image side; 0 = the backend's default (tiny: its own 32; sd3/flux: 512, the "
+                            "paper's)", "pixels", ">= 0")
 
 
 @dataclass(frozen=True)
 class TaskConfig:
-    train_prompts: str = "data/prompts/compositional_train.jsonl"  # JSONL of prompt metadata
-    eval_prompts: str = "data/prompts/compositional_eval.jsonl"  # held-out JSONL
-    # Reward specs: a name from tpgrpo.tasks.rewards, or a mapping name -> weight (the weighted sum;
-    # strict accuracy = that of the first component that defines one).
-    reward: str | dict[str, float] = "geneval_soft"  # training signal
-    eval_reward: str | dict[str, float] = "geneval"  # reported at eval (strict accuracy comes with it)
+    """What is trained and scored: the prompt files and the rewards (a name or a weighted sum such as
+    `{geneval_soft: 1.0, pickscore: 0.5}`)."""
+
+    train_prompts: str = param("data/prompts/compositional_train.jsonl", "JSONL of training prompt metadata "
+                               "(`tpgrpo prompts` writes it)", "path")
+    eval_prompts: str = param("data/prompts/compositional_eval.jsonl", "JSONL of held-out prompts, never "
+                              "trained on", "path")
+    reward: str | dict[str, float] = param("geneval_soft", "training reward", bounds="reward",
+                                           note="Continuous, so step increments d_k are rarely exactly 0")
+    eval_reward: str | dict[str, float] = param(
+        "geneval", "reward reported at eval; strict accuracy is that of the first component that defines one",
+        bounds="reward", note="With geneval (GenEval-style rules), strict = every clause right")
 
 
 @dataclass(frozen=True)
 class RewardModelsConfig:
     """Local folders of the reward models (nothing is downloaded) and how they run; "" = not configured."""
 
-    device: str = "cpu"  # torch device of the reward models (e.g. cuda); they always run in fp32
-    batch_size: int = 32  # images per reward-model forward pass (memory knob, no effect on results)
-    pickscore_path: str = ""  # CLIP save_pretrained folder of PickScore_v1 (config.json, weights)
-    pickscore_processor_path: str = ""  # its CLIP processor folder; "" = pickscore_path
-    pickscore_divisor: float = 26.0  # reward = 100 * cos(text, image) / divisor (raw PickScore ~21-23)
-    geneval_detector_path: str = ""  # OWL-ViT / OWLv2 / AutoModelForObjectDetection save_pretrained folder
-    geneval_detector_threshold: float = 0.3  # detection score a box needs (in [0, 1]; GenEval: 0.3)
-    aesthetic_clip_path: str = ""  # CLIP ViT-L/14 save_pretrained folder for the aesthetic head
-    aesthetic_head_path: str = ""  # LAION aesthetic MLP weights (.pth / .safetensors state dict)
+    device: str = param("cpu", "torch device of the reward models (cuda on a GPU machine); they run in fp32")
+    batch_size: int = param(32, "images per reward-model forward pass", "images", "> 0", note=MEMORY_KNOB)
+    pickscore_path: str = param("", "PickScore_v1: a CLIP save_pretrained folder (config.json + weights)",
+                                "path")
+    pickscore_processor_path: str = param("", "its CLIP processor folder (CLIP-ViT-H-14); \"\" = "
+                                          "pickscore_path", "path")
+    pickscore_divisor: float = param(26.0, "pickscore = 100 * cos(text, image) / divisor", bounds="> 0",
+                                     note="Raw PickScore is about 21-23 (Flow-GRPO divides by 26)")
+    geneval_detector_path: str = param("", "OWL-ViT / OWLv2 or any AutoModelForObjectDetection "
+                                       "save_pretrained folder", "path")
+    geneval_detector_threshold: float = param(0.3, "detection score a box needs", "score", "[0, 1]",
+                                              note="GenEval: 0.3")
+    aesthetic_clip_path: str = param("", "CLIP ViT-L/14 save_pretrained folder (openai/clip-vit-large-patch14)",
+                                     "path")
+    aesthetic_head_path: str = param("", "LAION aesthetic MLP state dict (.pth / .safetensors, e.g. "
+                                     "sac+logos+ava1-l14-linearMSE.pth)", "path")
 
 
 @dataclass(frozen=True)
 class RemoteRewardConfig:
-    """The reward server the "remote" reward posts to (`tpgrpo serve-reward`)."""
+    """The reward server the `remote` reward posts to (`tpgrpo serve-reward --reward NAME`)."""
 
-    url: str = ""  # e.g. http://127.0.0.1:8765/score; "" = not configured
-    timeout: float = 120.0  # seconds per request before it counts as failed
-    retries: int = 3  # extra attempts after a failed request (unreachable, timeout, HTTP 5xx)
-    backoff: float = 1.0  # seconds before the first retry; doubles with each further retry
-    batch_size: int = 64  # images per request
-    encoding: str = "png"  # image encoding in the request: png (lossless, smaller) | raw (uint8 bytes)
+    url: str = param("", "the server's scoring URL, e.g. http://127.0.0.1:8765/score; \"\" = not configured")
+    timeout: float = param(120.0, "time a request may take before it counts as failed", "seconds", "> 0")
+    retries: int = param(3, "extra attempts after a failed request (unreachable, timeout, HTTP 5xx)",
+                         "attempts", ">= 0")
+    backoff: float = param(1.0, "wait before the first retry; doubles with each further retry", "seconds", ">= 0")
+    batch_size: int = param(64, "images per request", "images", "> 0")
+    encoding: str = param("png", "image encoding in a request: png (lossless, smaller) or raw (uint8 bytes, "
+                          "base64)", bounds=("png", "raw"))
 
 
 @dataclass(frozen=True)
 class SamplingConfig:
-    num_steps: int = 10  # T, denoising steps per rollout
-    shift: float = 1.0  # FlowMatchEulerDiscreteScheduler shift (SD3.5-M: 3)
-    guidance_scale: float = 4.5  # classifier-free guidance g
-    step_kind: str = "sde"  # stochastic step: sde (Flow-GRPO) | cps (coefficients-preserving)
-    noise_level: float = 0.7  # eta (the paper's alpha)
-    window_start: int = 0  # first stochastic step
-    window_size: int = 9  # w, number of stochastic (stored, trained) steps
+    """The rollout's sampler: schedule, guidance and the window of stochastic steps."""
+
+    num_steps: int = param(10, "T, denoising steps per rollout", "steps", "> 0",
+                           note="Paper: 10 for training, 40 for eval")
+    shift: float = param(1.0, "schedule shift (FlowMatchEulerDiscreteScheduler)", bounds="> 0",
+                         note="SD3.5-M uses 3; the tiny model was pretrained with 1")
+    guidance_scale: float = param(4.5, "classifier-free guidance scale g (1 = conditional only)", bounds=">= 0",
+                                  note="Paper: 4.5")
+    step_kind: str = param("sde", "stochastic step: sde (Flow-GRPO, Gaussian log-prob) or cps "
+                           "(coefficients-preserving, TP-GRPO's release)", bounds=("sde", "cps"))
+    noise_level: float = param(0.7, "eta, the stochastic steps' noise level (the paper's alpha)", bounds=">= 0",
+                               note="The paper's sweet spot was 0.7")
+    window_start: int = param(0, "first stochastic step (0-based)", "step index", ">= 0")
+    window_size: int = param(9, "w, stochastic (stored, trained) steps from window_start", "steps", ">= 0",
+                             rule="at least 1; window_start + window_size <= num_steps, and <= num_steps - 1 "
+                             "for sde (an sde last step leaves noise in the final latent; cps may reach it)",
+                             note="At 9 of 10: steps 0..8 stochastic, step 9 ODE (the paper's default)")
 
 
 @dataclass(frozen=True)
 class RolloutConfig:
-    prompts_per_iter: int = 8  # prompt groups per iteration
-    group_size: int = 8  # G, samples per prompt
-    batch_size: int = 64  # images per forward pass (memory knob, no effect on results)
+    """How many samples an iteration draws."""
+
+    prompts_per_iter: int = param(8, "prompt groups per iteration", "prompts", "> 0",
+                                  note="Paper: 48 per GPU step across 32 GPUs")
+    group_size: int = param(8, "G, samples per prompt", "samples", "> 0", rule=">= 2 (GRPO needs a group)",
+                            note="Paper: 24")
+    batch_size: int = param(64, "images per forward pass", "images", "> 0", note=MEMORY_KNOB)
 
 
 @dataclass(frozen=True)
 class ProbeConfig:
-    batch_size: int = 128  # states per forward pass during ODE completion
-    # How a state is scored (tpgrpo.algo.probe_modes): exact (the rest of the schedule) | ode:M (at most M Euler
-    # steps, re-spaced) | x0 (z_k - s_k v_k from the rollout's own velocity: no transformer pass)
-    completion: str = "exact"
+    """How the probe scores the state before each window step (Q_k)."""
+
+    batch_size: int = param(128, "states per forward pass during ODE completion", "states", "> 0",
+                            note=MEMORY_KNOB)
+    completion: str = param("exact", "how Q_k is scored: exact (the ODE over the rest of the schedule), ode:M "
+                            "(at most M Euler steps, re-spaced; DenseGRPO's 1 or 2) or x0 (z_k - s_k v_k from the "
+                            "rollout's own velocity: no transformer pass)", bounds="completion",
+                            note="Under credit.mode flow_grpo the probe loads no model")
 
 
 @dataclass(frozen=True)
 class CreditConfig:
-    mode: str = "tp"  # tp | tp_unconstrained | incremental | flow_grpo
-    balance: str = "group"  # turning-point sign balancing: group | none
-    global_std: bool = False  # normalise by the std over the whole iteration (per step)
-    adv_clip: float = 5.0  # advantages clipped to [-adv_clip, adv_clip]
+    """Credit: a pure function of the probe table (re-run offline for every mode in seconds)."""
+
+    mode: str = param("tp", "tp (TP-GRPO: turning points take the aggregated reward), tp_unconstrained (without "
+                      "the consistency condition), incremental (d_k on every step) or flow_grpo (R_fin on every "
+                      "step)", bounds=("tp", "tp_unconstrained", "incremental", "flow_grpo"))
+    balance: str = param("group", "turning-point sign balancing inside each prompt group (group) or none",
+                         bounds=("group", "none"))
+    global_std: bool = param(False, "divide advantages by the std over the whole iteration (per step) instead "
+                             "of the prompt group's")
+    adv_clip: float = param(5.0, "advantages clipped to [-adv_clip, adv_clip]", "standard deviations", "> 0",
+                            note="Paper: 5")
 
 
 @dataclass(frozen=True)
 class UpdateConfig:
-    lora_rank: int = 16  # LoRA rank r on the attention projections
-    lora_alpha: int = 32  # LoRA alpha (scale alpha / r)
-    lr: float = 3e-4  # AdamW learning rate
-    weight_decay: float = 1e-4  # AdamW weight decay
-    clip_range: float = 1e-4  # PPO ratio clip eps
-    kl_beta: float = 0.0  # weight of the KL to the reference; release's scale: std without sqrt(-dt)
-    optimizer_steps_per_iter: int = 2  # optimizer steps per iteration (gradient accumulation)
-    epochs: int = 1  # passes over the iteration's transitions; the optimizer steps are split evenly over them
-    micro_batch: int = 32  # transitions per backward pass (memory knob)
-    max_grad_norm: float = 1.0  # gradient-norm clip
-    ema: bool = False  # keep an EMA of the LoRA weights for eval/export
-    gradient_checkpointing: bool = False  # recompute block activations in backward: less memory, ~30% slower
+    """The LoRA policy step on the iteration's stored trajectories and advantages."""
+
+    lora_rank: int = param(16, "LoRA rank r on the attention projections", bounds="> 0",
+                           note="Paper (SD3): 32; the tiny model has 3.5M parameters")
+    lora_alpha: int = param(32, "LoRA alpha (the adapter's scale is alpha / r)", bounds="> 0",
+                            note="A scale of 2 as the paper's 64 / 32")
+    lr: float = param(3e-4, "AdamW learning rate", bounds="> 0",
+                      note="Paper: 3e-4 over thousands of steps; a CPU run has a few dozen")
+    weight_decay: float = param(1e-4, "AdamW weight decay", bounds=">= 0", note="Paper: 1e-4")
+    clip_range: float = param(1e-4, "PPO ratio clip eps", bounds="> 0",
+                              note="Paper: 1e-4 sde / 1e-5 cps, too tight to move a policy in a few steps")
+    kl_beta: float = param(0.0, "weight of the KL to the adapter-disabled reference (0 = off)", bounds=">= 0",
+                           note="Its scale: KL = mean((mean - mean_ref)^2) / (2 std^2), std = eta sqrt(s/(1-s)) without "
+                           "sqrt(-dt), for sde and cps alike: the release's scale, so its 1e-4 carries over")
+    optimizer_steps_per_iter: int = param(2, "optimizer steps per iteration (gradient accumulation)", "steps",
+                                          "> 0", rule="a multiple of update.epochs", note="Paper: 2")
+    epochs: int = param(1, "passes over the iteration's transitions (reshuffled each); the optimizer steps are "
+                        "split evenly over them", "passes", "> 0")
+    micro_batch: int = param(32, "transitions per backward pass", "transitions", "> 0", note=MEMORY_KNOB)
+    max_grad_norm: float = param(1.0, "gradient-norm clip", bounds="> 0", note="Paper: 1.0")
+    ema: bool = param(False, "keep an EMA of the LoRA weights for eval and export")
+    gradient_checkpointing: bool = param(False, "recompute transformer blocks in backward: less memory, about "
+                                         "30% slower", note="SD3.5 / FLUX at 512 px on one GPU")
 
 
 @dataclass(frozen=True)
 class EvalConfig:
-    every: int = 1  # evaluate after every N iterations (0 = never)
-    num_steps: int = 40  # ODE steps at eval
-    num_prompts: int = 32  # held-out prompts evaluated (first N of the eval file)
-    samples_per_prompt: int = 2  # seeds per prompt
-    seed: int = 0  # eval seeds derive from this, not train.seed: runs with other train seeds stay paired
+    """Held-out evaluation: ODE samples of the eval prompts at the same seeds in every iteration."""
+
+    every: int = param(1, "evaluate after every N-th iteration (0 = never)", "iterations", ">= 0",
+                       note="An eval draws num_prompts x samples_per_prompt images: 216 take about 50 s on 2 "
+                       "cores")
+    num_steps: int = param(40, "ODE steps at eval", "steps", "> 0", note="Paper: 40")
+    num_prompts: int = param(32, "held-out prompts evaluated (the first N of task.eval_prompts)", "prompts",
+                             "> 0", note="The shipped eval file has 108")
+    samples_per_prompt: int = param(2, "seeds per prompt, the same at every iteration (paired comparison)",
+                                    "samples", "> 0")
+    seed: int = param(0, "eval seeds derive from this, not train.seed: runs with other train seeds are scored "
+                      "on the same noise", bounds=">= 0")
 
 
 @dataclass(frozen=True)
 class TrainConfig:
-    iterations: int = 4  # RL iterations that `dvc repro` runs
-    seed: int = 0  # run seed: every sample's seed derives from (seed, iteration, prompt, sample)
-    block_size: int = 25  # finished iterations sealed into one DVC stage per block of this many (0 = never)
+    """The run: its length, its seed and how finished iterations are sealed."""
+
+    iterations: int = param(4, "RL iterations `tpgrpo run` / `dvc repro` trains", "iterations", "> 0")
+    seed: int = param(0, "run seed: each sample's seed derives from (seed, iteration, prompt, sample)",
+                      bounds=">= 0")
+    block_size: int = param(25, "finished iterations recorded as ONE sealed DVC stage per block of this many "
+                            "(their five stages per iteration leave dvc.yaml); 0 = never seal", "iterations",
+                            ">= 0", note="Keeps DVC's work bounded at 1,000 iterations; a param change a sealed "
+                            "block read unseals it first (exact re-runs)")
 
 
 @dataclass(frozen=True)
 class RetentionConfig:
-    """What ``tpgrpo retain`` keeps of sealed blocks. Never changes an artifact; no stage reads it."""
+    """What `tpgrpo retain` keeps of sealed blocks (tables and metrics: always, all). Never changes an
+    artifact; no stage reads it."""
 
-    keep_trajectories: int = 0  # trajectories + prompt embeddings of the last k finished iterations (0 = all)
-    keep_adapter_every: int = 0  # adapters of every m-th iteration, plus each block's last (0 = all)
+    keep_trajectories: int = param(0, "trajectories.zarr + prompt embeddings of the last k finished iterations "
+                                   "(0 = keep all)", "iterations", ">= 0")
+    keep_adapter_every: int = param(0, "policy adapters of every m-th iteration, plus each block's last "
+                                    "(0 = keep all)", "iterations", ">= 0")
 
 
 @dataclass(frozen=True)
@@ -147,12 +239,16 @@ class LaunchConfig:
     """How the model stages (rollout, probe, update, eval, baseline) are launched. Never changes an
     artifact: no stage declares these params; dvc.yaml's commands carry the process count."""
 
-    num_processes: int = 1  # processes on this machine (one per GPU); 1 = plain `tpgrpo stage`, no accelerate
-    config_file: str = ""  # accelerate config file (multi-node, DeepSpeed); it sets the process count
-    timeout_s: float = 1800.0  # seconds a process waits at a barrier / all-reduce before failing the stage
-    # `tpgrpo run` on the CPU with one process per stage (Linux): stage processes fork from a server that
-    # imported torch/diffusers/transformers/peft once (tpgrpo.pipeline.stage_server); false = each imports its own
-    stage_server: bool = True
+    num_processes: int = param(1, "processes on this machine (one per GPU); 1 = plain `tpgrpo stage`, > 1 = "
+                               "`accelerate launch` in dvc.yaml", "processes", "> 0",
+                               rule="1 when launch.config_file is set")
+    config_file: str = param("", "accelerate config file (multi-node, DeepSpeed); it sets the process count",
+                             "path")
+    timeout_s: float = param(1800.0, "time a process waits at a barrier or all-reduce before the stage fails "
+                             "(a dead peer)", "seconds", "> 0")
+    stage_server: bool = param(True, "on the CPU with one process per stage (Linux), stages fork from a server "
+                               "that imported torch/diffusers/transformers/peft once "
+                               "(tpgrpo.pipeline.stage_server); false = each imports its own")
 
 
 @dataclass(frozen=True)
@@ -182,31 +278,10 @@ class Config:
         return hashlib.sha256(json.dumps(payload, sort_keys=True).encode()).hexdigest()[:16]
 
 
-CHOICES = {
-    "model.kind": ("tiny", "sd3", "flux"),
-    "model.dtype": ("fp32", "bf16", "fp16"),
-    "sampling.step_kind": ("sde", "cps"),
-    "credit.mode": ("tp", "tp_unconstrained", "incremental", "flow_grpo"),
-    "credit.balance": ("group", "none"),
-    "remote_reward.encoding": ("png", "raw"),
-}
-REWARD_SPECS = {"task.reward", "task.eval_reward"}  # a reward name or a mapping name -> weight
-UNIT_INTERVAL = {"reward_models.geneval_detector_threshold"}  # in [0, 1]
-POSITIVE = {
-    "sampling.num_steps", "sampling.shift", "rollout.prompts_per_iter", "rollout.group_size",
-    "rollout.batch_size", "probe.batch_size", "update.lora_rank", "update.lora_alpha", "update.lr",
-    "update.clip_range", "update.optimizer_steps_per_iter", "update.epochs", "update.micro_batch",
-    "update.max_grad_norm", "credit.adv_clip", "eval.num_steps", "eval.num_prompts",
-    "eval.samples_per_prompt", "train.iterations", "launch.num_processes", "launch.timeout_s",
-}
-NON_NEGATIVE = {
-    "sampling.guidance_scale", "sampling.noise_level", "sampling.window_start",
-    "sampling.window_size", "update.weight_decay", "update.kl_beta", "eval.every", "eval.seed", "train.seed",
-    "remote_reward.retries", "remote_reward.backoff", "model.resolution", "train.block_size",
-    "retention.keep_trajectories", "retention.keep_adapter_every",
-}
-POSITIVE |= {"reward_models.batch_size", "reward_models.pickscore_divisor", "remote_reward.timeout",
-             "remote_reward.batch_size"}
+def param_fields() -> dict[str, dataclasses.Field]:
+    """Every params key, ``"section.key"`` -> its dataclass field (metadata: doc, unit, bounds, rule, note)."""
+    return {f"{section.name}.{f.name}": f for section in dataclasses.fields(Config)
+            for f in dataclasses.fields(get_type_hints(Config)[section.name])}
 
 
 def _coerce(key: str, value: Any, kind: type) -> Any:
@@ -230,41 +305,39 @@ def _coerce(key: str, value: Any, kind: type) -> Any:
     return value
 
 
-def _check_range(key: str, value: Any) -> None:
-    if key == "probe.completion":
+def _check_range(key: str, value: Any, bounds: str | tuple[str, ...]) -> None:
+    """Check ``value`` against the field's declared ``bounds`` (see :func:`param`)."""
+    if bounds == "completion":
         from tpgrpo.algo.probe_modes import EXPECTED, parse_completion  # no torch: a few pure functions
 
         try:
             parse_completion(value)
         except ValueError:
             raise ConfigError(f"params: {key} = {value!r}: expected {EXPECTED}") from None
-    if key in CHOICES and value not in CHOICES[key]:
-        raise ConfigError(f"params: {key} = {value!r}: expected one of {', '.join(CHOICES[key])}")
-    if key in POSITIVE and value <= 0:
-        raise ConfigError(f"params: {key} = {value!r}: expected a value > 0")
-    if key in NON_NEGATIVE and value < 0:
-        raise ConfigError(f"params: {key} = {value!r}: expected a value >= 0")
-    if key in UNIT_INTERVAL and not 0.0 <= value <= 1.0:
-        raise ConfigError(f"params: {key} = {value!r}: expected a value in [0, 1]")
+    elif isinstance(bounds, tuple) and value not in bounds:
+        raise ConfigError(f"params: {key} = {value!r}: expected one of {', '.join(bounds)}")
+    elif bounds in RANGES and not RANGES[bounds](value):
+        raise ConfigError(f"params: {key} = {value!r}: expected {RANGE_TEXT[bounds]}")
 
 
 def _build_section(name: str, cls: type, raw: Any) -> Any:
     if not isinstance(raw, dict):
         raise ConfigError(f"params: {name}: expected a mapping of keys, got {type(raw).__name__}")
     hints = get_type_hints(cls)
-    names = [f.name for f in dataclasses.fields(cls)]
+    fields = {f.name: f for f in dataclasses.fields(cls)}
     for key in raw:
-        if key not in hints:
-            raise ConfigError(f"params: unknown key {name}.{key} (known: {', '.join(names)})")
+        if key not in fields:
+            raise ConfigError(f"params: unknown key {name}.{key} (known: {', '.join(fields)})")
     values = {}
-    for key in names:
+    for key, spec in fields.items():
         if key not in raw:
             raise ConfigError(f"params: missing key {name}.{key}")
-        if f"{name}.{key}" in REWARD_SPECS:
+        bounds = spec.metadata["bounds"]
+        if bounds == "reward":
             values[key] = _reward_spec(f"{name}.{key}", raw[key])
             continue
         values[key] = _coerce(f"{name}.{key}", raw[key], hints[key])
-        _check_range(f"{name}.{key}", values[key])
+        _check_range(f"{name}.{key}", values[key], bounds)
     return cls(**values)
 
 
