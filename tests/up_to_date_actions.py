@@ -45,6 +45,7 @@ CODE_TARGETS = {
 PRODUCER = {"trajectories.zarr": "rollout", "prompt_embeds.safetensors": "rollout", "probe.parquet": "probe",
             "credit.parquet": "credit", "policy": "update", "eval.parquet": "eval"}
 ALWAYS = {"summary", "code"}  # re-run after any change that reaches a result
+GRACE_S = 10  # seconds a killed run's processes get to end
 
 
 @dataclass
@@ -279,12 +280,13 @@ def _kill_during(seq: Seq, plan: Plan) -> Plan:
         os.killpg(proc.pid, signal.SIGKILL)
         proc.wait()
         outcome = f"SIGKILL at {delay:.1f} s"
-    time.sleep(2.0)
-    left = h.processes_in(seq.root)
+    deadline = time.time() + GRACE_S  # a server polling for its parent's death may take a moment
+    while (left := h.processes_in(seq.root)) and time.time() < deadline:
+        time.sleep(0.5)
     plan.marks, plan.required = marks, set()
     plan.what = f"{plan.what}; run, {outcome}"
     if left:
-        plan.failure = f"still running in the project 2 s after the group kill: {left[:3]}"
+        plan.failure = f"still running in the project {GRACE_S} s after the group kill: {left[:3]}"
         h.end_processes(seq.root)
     return plan
 
