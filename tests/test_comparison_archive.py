@@ -3,12 +3,9 @@
 from __future__ import annotations
 
 import json
-import subprocess
-import sys
 
 import pandas as pd
 import pytest
-from conftest import REPO
 from test_comparison import make_comparison
 
 from tpgrpo.comparison.archive import MARKER, archived_files, refuse_archive, write_archive
@@ -60,18 +57,3 @@ def test_an_archive_is_not_trained_nor_archived_again_and_lands_outside_its_root
     refuse_archive(root)  # a real root: no error
     with pytest.raises(PipelineError, match="results only, nothing can be trained"):
         refuse_archive(dest)
-
-
-def test_cli_run_in_an_archive_is_refused_in_one_line(tmp_path):
-    root, dest = tmp_path / "cmp", tmp_path / "arch"
-    comparison_with_artifacts(root)
-    write_archive(root, dest)
-    before = sorted(p for p in dest.rglob("*"))
-    res = subprocess.run([sys.executable, str(REPO / "bench" / "compare_modes.py"), "run", "--base", str(REPO),
-                          "--out", str(dest), "--modes", "tp", "--seeds", "0"], capture_output=True, text=True)
-    assert res.returncode == 2 and res.stderr.strip().count("\n") == 0 and MARKER in res.stderr
-    assert sorted(p for p in dest.rglob("*")) == before
-    status = subprocess.run([sys.executable, str(REPO / "bench" / "compare_modes.py"), "status", "--out", str(dest)],
-                            capture_output=True, text=True)
-    assert "tp/seed0: archived (4/4 iterations)" in status.stdout
-    assert "flow_grpo/seed0: archived (8/8 iterations)" in status.stdout

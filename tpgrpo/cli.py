@@ -322,5 +322,16 @@ def serve_reward_command(
         _fail(f"cannot serve on {host}:{port}: {exc}")
 
 
+@app.command("compare", add_help_option=False,
+             context_settings={"allow_extra_args": True, "ignore_unknown_options": True})
+def compare_command(ctx: typer.Context) -> None:
+    """The credit-mode comparison: run | equal-wall | status | report | archive (`tpgrpo compare --help`)."""
+    # Imported here, not mounted with add_typer: the stage commands' code manifests follow this module's
+    # top level, and the comparison's code is no stage's.
+    from tpgrpo.comparison.cli import app as compare_app
+
+    compare_app(args=ctx.args, prog_name="tpgrpo compare")
+
+
 def main() -> None:  # pragma: no cover - console entry point
     app()

@@ -1,4 +1,4 @@
-"""Command line of the mode comparison (``bench/compare_modes.py``; ``tpgrpo compare`` where the CLI mounts it).
+"""Command line of the mode comparison: ``tpgrpo compare`` (``bench/compare_modes.py`` is an alias).
 
     run         create the run folders and train them (resumable: re-run the same command)
     equal-wall  give flow_grpo the iterations its cheaper iteration buys in tp's time, and train them
@@ -18,7 +18,7 @@ import typer
 from tpgrpo.comparison.variants import MODES  # no heavy imports: yaml and the config only
 
 app = typer.Typer(help="Compare credit modes over training seeds, by iteration and by wall clock.",
-                  no_args_is_help=True, pretty_exceptions_enable=False)
+                  no_args_is_help=True, pretty_exceptions_enable=False, add_completion=False)
 
 OutOpt = Annotated[Path, typer.Option("--out", help="comparison root: one folder per variant and seed")]
 JobsOpt = Annotated[int, typer.Option("--jobs", help="runs trained at once (processes)")]
@@ -38,8 +38,13 @@ def _list(text: str, kind: type, what: str) -> list:
 
 
 def _command_line() -> list[str]:
+    """The command as typed, for the report and commands.txt (``tpgrpo``, ``python -m tpgrpo`` or the alias)."""
     prog = Path(sys.argv[0])
-    return [*(["tpgrpo"] if prog.name == "tpgrpo" else ["python", sys.argv[0]]), *sys.argv[1:]]
+    if prog.name == "tpgrpo":
+        return ["tpgrpo", *sys.argv[1:]]
+    if prog.name == "__main__.py" and prog.parent.name == "tpgrpo":
+        return ["python", "-m", "tpgrpo", *sys.argv[1:]]
+    return ["python", sys.argv[0], *sys.argv[1:]]
 
 
 def _report_results(results: dict[str, str]) -> None:

@@ -284,7 +284,7 @@ def section(out: Path, fig_dir: Path, md_dir: Path, n_boot: int = N_BOOT) -> lis
     snapshot = json.loads(snap.read_text()) if snap.is_file() else {}
     if (out / ARCHIVE_MARKER).is_file():
         a = json.loads((out / ARCHIVE_MARKER).read_text())
-        lines += [f"Read from an archive of `{a['source']}` made {a['time']} (`bench/compare_modes.py archive`: the "
+        lines += [f"Read from an archive of `{a['source']}` made {a['time']} (`tpgrpo compare archive`: the "
                   f"runs' result files only, {a['runs']} runs, {a['bytes'] / 1e6:.2f} MB).", ""]
     if commands:
         lines += ["Built by:", "", "```", *commands, "```", ""]
