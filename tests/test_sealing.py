@@ -11,6 +11,7 @@ import yaml
 from conftest import tiny_params
 
 from tpgrpo.config import ConfigError, config_from_dict
+from tpgrpo.errors import PipelineError
 from tpgrpo.pipeline.dvcfile import STAGE_PARAMS, block_out_paths, block_stage, iteration_stages, render
 from tpgrpo.pipeline.sealing import kept_outs, repro_ends, retain, sealable, stage_names, unseal_changed
 from tpgrpo.pipeline.blocks import Block, full_blocks, param_values, read_lock, read_seal, write_lock, write_yaml
@@ -153,6 +154,55 @@ def test_a_block_beyond_a_lowered_iteration_count_stays_sealed_for_later(tmp_pat
     assert unseal_changed(root, config_from_dict(raw), raw) == []
     raw = _raw(iterations=4, block_size=4)  # another block size: the old blocks no longer fit
     assert sorted(unseal_changed(root, config_from_dict(raw), raw)) == [Block(1, 2), Block(3, 4)]
+
+
+def test_lowering_the_iteration_count_into_a_block_unseals_it_and_rendering_alone_refuses(tmp_path):
+    root, cfg, lock = _four_iterations_sealed(tmp_path)
+    write_lock(root, lock)
+    raw = _raw(iterations=3, block_size=2)
+    lowered = config_from_dict(raw)
+    with pytest.raises(ConfigError, match=r"do not fit sealed block iters-0003-0004 \(data/seals/0003-0004.yaml\)"):
+        render(lowered, root)  # iteration 3 would render without its lock entries: DVC would re-run it
+    assert unseal_changed(root, lowered, raw) == [Block(3, 4)]
+    stages = read_lock(root)["stages"]
+    assert "credit-0003" in stages and "credit-0004" in stages and "iters-0003-0004" not in stages
+    rendered = render(lowered, root)["stages"]
+    assert "iters-0001-0002" in rendered and "rollout-0003" in rendered and "rollout-0004" not in rendered
+
+
+def test_a_block_retention_thinned_is_never_unsealed(tmp_path):
+    root, cfg, lock = _four_iterations_sealed(tmp_path)
+    write_lock(root, lock)
+    block = Block(1, 2)
+    write_yaml(block.entries_path(root), {"rollout-0001": {"cmd": "x", "outs": [
+        {"path": "data/iters/0001/trajectories.zarr", "md5": "a.dir"}]}})
+    seal = read_seal(block.seal_path(root))
+    seal["outs"].remove("data/iters/0001/trajectories.zarr")  # what `tpgrpo retain` does
+    write_yaml(block.seal_path(root), seal)
+    raw = _raw(iterations=4, block_size=2)
+    raw["eval"]["num_steps"] += 1
+    before = (root / "dvc.lock").read_bytes()
+    with pytest.raises(PipelineError) as err:
+        unseal_changed(root, config_from_dict(raw), raw)
+    message = str(err.value)
+    assert "\n" not in message and "iters-0001-0002" in message and "eval.num_steps" in message
+    assert "data/iters/0001/trajectories.zarr" in message and "retain" in message
+    assert (root / "dvc.lock").read_bytes() == before and block.seal_path(root).is_file()
+
+
+def test_dvc_files_read_and_write_as_dvc_reads_them(tmp_path):
+    """YAML 1.2 (DVC) vs 1.1 (PyYAML): a lock DVC wrote reads with DVC's types, and what we write reads back
+    the same through DVC's parser (an md5 of digits and one e would otherwise become a float)."""
+    from dvc.utils.serialize import parse_yaml
+
+    (tmp_path / "dvc.lock").write_text("schema: '2.0'\nstages:\n  a:\n    params:\n      params.yaml:\n"
+                                       "        update.lr: 1e-05\n")
+    lock = read_lock(tmp_path)
+    assert lock["stages"]["a"]["params"]["params.yaml"]["update.lr"] == 1e-05
+    data = {"md5": "1234567890123456789012345678e901", "lr": 1e-05, "s": "1e-4", "n": "1_000", "b": "on"}
+    write_yaml(tmp_path / "x.yaml", data)
+    assert parse_yaml((tmp_path / "x.yaml").read_text(), "x") == data and yaml.safe_load(
+        (tmp_path / "x.yaml").read_text()) == data
 
 
 def test_retention_keeps_tables_recent_trajectories_and_every_mth_adapter_plus_block_ends():

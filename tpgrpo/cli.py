@@ -158,8 +158,6 @@ def run_command(params: ParamsOpt = Path("params.yaml")) -> None:
     import subprocess
     import sys
 
-    import yaml
-
     from tpgrpo.pipeline import stage_server
     from tpgrpo.config import ConfigError, load_config
     from tpgrpo.pipeline.code_manifest import refresh_manifests
@@ -167,11 +165,12 @@ def run_command(params: ParamsOpt = Path("params.yaml")) -> None:
     from tpgrpo.pipeline.dvclock import clear_stale_lock
     from tpgrpo.errors import PipelineError
     from tpgrpo.pipeline.sealing import dvc_env, repro_ends, seal_finished, unseal_changed
+    from tpgrpo.pipeline.blocks import read_as_dvc
 
     root = Path(params).resolve().parent
     try:
         cfg = load_config(params)
-        unsealed = unseal_changed(root, cfg, yaml.safe_load(Path(params).read_text()))
+        unsealed = unseal_changed(root, cfg, read_as_dvc(Path(params)))  # values as DVC reads them
     except (ConfigError, PipelineError) as exc:
         _fail(str(exc))
     if unsealed:
@@ -199,7 +198,7 @@ def run_command(params: ParamsOpt = Path("params.yaml")) -> None:
             if code != 0:
                 _fail(f"dvc repro failed with exit code {code}")
             try:  # (no relinking: with cache.type copy a workspace file is never the cache's object)
-                sealed = seal_finished(root, cfg, upto)
+                sealed = seal_finished(root, cfg, upto, note=typer.echo)
             except PipelineError as exc:
                 _fail(str(exc))
             if sealed:
@@ -229,15 +228,18 @@ def block_command(first: Annotated[int, typer.Option("--first", help="first iter
 
 @app.command("retain")
 def retain_command(params: ParamsOpt = Path("params.yaml"),
-                   gc: Annotated[bool, typer.Option(help="dvc gc --workspace afterwards (frees the cache)")] = True,
+                   gc: Annotated[bool, typer.Option(help="remove the dropped outputs' cache objects that nothing else "
+                                                         "in this project references (not `dvc gc`: experiments' "
+                                                         "and other commits' objects stay)")] = True,
                    ) -> None:
-    """Apply params.yaml's retention to the sealed blocks; `dvc status` stays clean."""
+    """Apply params.yaml's retention to the sealed blocks; `dvc status` stays clean. Holds DVC's lock (refused
+    while a DVC command runs in the project)."""
     from tpgrpo.config import ConfigError, load_config
     from tpgrpo.errors import PipelineError
     from tpgrpo.pipeline.sealing import retain
 
     try:
-        dropped = retain(Path(params).resolve().parent, load_config(params), gc=gc)
+        dropped = retain(Path(params).resolve().parent, load_config(params), gc=gc, note=typer.echo)
     except (ConfigError, PipelineError) as exc:
         _fail(str(exc))
     typer.echo(f"dropped {len(dropped)} artifacts" + (f" (first: {dropped[0]})" if dropped else ""))

@@ -18,7 +18,7 @@ from tpgrpo.pipeline.block_logs import digest_path
 from tpgrpo.pipeline.code_manifest import code_deps, code_stage, uses_code_files
 from tpgrpo.config import Config, ConfigError
 from tpgrpo.reports import figure_names  # not .figures: it imports stage_common, which imports this
-from tpgrpo.pipeline.blocks import Block, full_blocks, read_lock, sealed_outs
+from tpgrpo.pipeline.blocks import Block, full_blocks, read_lock, seal_files, sealed_outs
 
 REWARD_PARAMS = ["reward_models", "remote_reward"]  # read by every stage that scores images
 
@@ -172,6 +172,18 @@ def block_out_paths(cfg: Config, block: Block) -> list[str]:
     return [_out_path(o) for o in block_stage(cfg, block)["outs"]]
 
 
+def _refuse_misfit_seals(cfg: Config, root: Path, last: int) -> None:
+    """A sealed block inside iterations 1..last that is not a full block of this run (train.iterations lowered
+    into it, another train.block_size) would render as stages without lock entries, which DVC re-runs:
+    ``tpgrpo run`` unseals such a block first (its entries come back); anything else rendering stops here."""
+    full = set(full_blocks(cfg.train.block_size, cfg.train.iterations))
+    for block, path in seal_files(root).items():
+        if block.first <= last and block not in full:
+            raise ConfigError(f"params: train.iterations = {cfg.train.iterations} / train.block_size = "
+                              f"{cfg.train.block_size} do not fit sealed block {block.name} ({path.relative_to(root)}): "
+                              "run `tpgrpo run`, which unseals it first")
+
+
 def render(cfg: Config, root: Path | None = None, upto: int | None = None) -> dict:
     """The whole ``dvc.yaml`` as a mapping; blocks sealed under ``root`` appear as one stage each. With
     ``upto`` < train.iterations: only iterations 1..upto and no summary (``tpgrpo run`` trains block by
@@ -185,6 +197,8 @@ def render(cfg: Config, root: Path | None = None, upto: int | None = None) -> di
                  cfg.model.path, cfg.task.eval_prompts],
         "outs": [_uncached("data/iters/baseline_eval.parquet")]}
     blocks = [b for b in full_blocks(cfg.train.block_size, cfg.train.iterations) if b.last <= last]
+    if root:
+        _refuse_misfit_seals(cfg, root, last)
     sealed = sealed_outs(root, blocks) if root else {}
     in_sealed = {i for block in sealed for i in block.iterations}
     for block, outs in sealed.items():
