@@ -205,3 +205,73 @@ def test_tpgrpo_run_forks_every_stage_and_writes_what_it_writes_without_the_serv
                  "0002/policy"):
         a, b = (runs[s] / "data" / "iters" / name for s in (True, False))
         assert (digest(a) if a.is_dir() else a.read_bytes()) == (digest(b) if b.is_dir() else b.read_bytes()), name
+
+
+def test_after_a_code_edit_the_server_refuses_and_the_stage_runs_the_new_code(tmp_path, tiny_model_dir):
+    """The server imported the code when it started: once a file under tpgrpo/ or stages/ changes, a stage
+    it forked would run the old modules while DVC records the new code. It must refuse (the caller then runs
+    the stage in a fresh process) and stop serving. The server runs a copy of the code here (PYTHONPATH), so
+    the edit touches no file of the checkout."""
+    import shutil
+
+    code = tmp_path / "code"
+    for package in ("tpgrpo", "stages"):
+        shutil.copytree(REPO / package, code / package, ignore=shutil.ignore_patterns("__pycache__"))
+    root = make_project(tmp_path / "project", tiny_model_dir)
+    env = dict(base_env(), PYTHONPATH=str(code))
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setenv("OMP_NUM_THREADS", "1")
+        patch.setenv("PYTHONPATH", str(code))
+        with running(root) as extra:
+            env.update(extra)
+            first = stage(root, env, "credit", "--iter", "99", check=False)
+            assert first.stderr.startswith("error: --iter 99: this run has iterations"), first.stderr
+            assert log_lines(root)[-1].endswith("stage credit --iter 99")  # served, from the copy
+            cli = code / "tpgrpo" / "cli.py"  # imported by the server at start (PRELOAD)
+            text = cli.read_text()
+            assert 'typer.echo(f"error: {message}", err=True)' in text
+            cli.write_text(text.replace('typer.echo(f"error: {message}"', 'typer.echo(f"error (edited): {message}"'))
+            second = stage(root, env, "credit", "--iter", "99", check=False)
+            assert second.stderr.startswith("error (edited): --iter 99: this run"), second.stderr  # the new code
+            assert second.returncode == 2
+            last = log_lines(root)[-1]
+            assert last.startswith("refused") and f"code changed since the server started ({cli})" in last
+            assert not Path(extra[ENV_VAR]).exists()  # it stopped listening: later stages run themselves
+            stage(root, env, "credit", "--iter", "99", check=False)
+            assert log_lines(root)[-1] == last
+
+
+def test_code_state_sees_edits_new_files_and_distributions_but_not_a_touch(tmp_path, monkeypatch):
+    from tpgrpo.pipeline.processes import CodeState
+
+    (tmp_path / "pkg").mkdir()
+    module = tmp_path / "pkg" / "m.py"
+    module.write_text("X = 1\n")
+    site = tmp_path / "site"
+    (site / "lib-1.0.dist-info").mkdir(parents=True)
+    monkeypatch.syspath_prepend(str(site))
+    state = CodeState([str(tmp_path / "pkg")])
+    assert state.changed() == ""
+    os.utime(module, ns=(time.time_ns() + 10**9,) * 2)  # touched: same bytes
+    assert state.changed() == ""
+    module.write_text("X = 2\n")  # same size, other bytes
+    assert state.changed() == str(module)
+    state = CodeState([str(tmp_path / "pkg")])
+    (site / "lib-1.0.dist-info").rename(site / "lib-1.1.dist-info")  # an upgrade
+    assert state.changed() == str(site / "lib-1.0.dist-info")
+    state = CodeState([str(tmp_path / "pkg")])
+    (tmp_path / "pkg" / "new.py").write_text("")
+    assert state.changed() == str(tmp_path / "pkg" / "new.py")
+
+
+def test_the_server_is_wanted_only_when_the_model_and_the_reward_models_run_on_the_cpu():
+    import dataclasses
+
+    from tpgrpo.config import Config
+    from tpgrpo.pipeline.stage_server import wanted
+
+    cfg = Config()
+    cfg = dataclasses.replace(cfg, launch=dataclasses.replace(cfg.launch, stage_server=True))
+    assert wanted(cfg)
+    assert not wanted(dataclasses.replace(cfg, model=dataclasses.replace(cfg.model, device="cuda")))
+    assert not wanted(dataclasses.replace(cfg, reward_models=dataclasses.replace(cfg.reward_models, device="cuda")))

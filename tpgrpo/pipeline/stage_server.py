@@ -14,6 +14,13 @@ The client runs the command itself (the old path) whenever the server cannot tak
 the environment, the socket gone, the server died before forking, or a caller whose interpreter, code
 folders or thread/seed/device environment differ from the server's (then the imports would differ).
 
+The server runs the modules it imported when it started, so before each fork it checks that no file under
+``tpgrpo/`` or ``stages/`` and no installed distribution changed since (:class:`CodeState`); after a change
+it refuses (the caller runs the stage in a fresh process, with the code on disk), stops listening, and exits
+once its running stages end. It lives and dies with ``tpgrpo run``: it stays in the run's process group (a
+group kill reaches it and its stages), it gets SIGTERM when the run's process dies (``PR_SET_PDEATHSIG``),
+and each forked stage gets SIGKILL when the server dies, so no stage of a killed run writes on unseen.
+
 Nothing here imports more than the standard library at module level: the client must start in
 milliseconds. The server's preload happens in :func:`serve`.
 """
@@ -34,6 +41,8 @@ import time
 import traceback
 from pathlib import Path
 from typing import Iterator
+
+from tpgrpo.pipeline.processes import CodeState, die_with_parent
 
 ENV_VAR = "TPGRPO_STAGE_SERVER"  # the socket's path, set by `tpgrpo run` for `dvc repro`
 COMMANDS = ("stage", "block")  # what the server runs; anything else runs in the caller
@@ -127,12 +136,15 @@ def preload(names=PRELOAD) -> list[str]:
 
 def serve(path: str, parent: int, names=PRELOAD) -> None:
     """Listen on ``path`` (bound before the imports, so early callers wait instead of falling back), import
-    ``names``, then fork one child per request until ``parent`` exits."""
+    ``names``, then fork one child per request until ``parent`` exits, SIGTERM comes, or the code changed
+    (then it stops listening and waits for its running children)."""
     listener = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
     listener.bind(path + ".tmp")
     listener.listen(64)
     os.rename(path + ".tmp", path)  # the name appears only once connect() can succeed: running() waits for it
     start_env = dict(os.environ)
+    # noted before the imports: an edit made while they run counts as a change
+    code = CodeState([folder for name in ("tpgrpo", "stages") for folder in fingerprint({})[name]])
     failed = preload(names)
     # what the imports set (OMP_WAIT_POLICY, torch's cache folders): a fresh stage process would set it too
     set_by_imports = {k: v for k, v in os.environ.items() if start_env.get(k) != v}
@@ -141,24 +153,41 @@ def serve(path: str, parent: int, names=PRELOAD) -> None:
     own = fingerprint(start_env)
     children: dict[int, socket.socket | None] = {}
     try:
-        while os.getppid() == parent:
+        while os.getppid() == parent and (listener is not None or children):
             callers = {conn: pid for pid, conn in children.items() if conn is not None}
-            ready, _, _ = select.select([listener, *callers], [], [], 0.05)
+            ready, _, _ = select.select([*([listener] if listener else []), *callers], [], [], 0.05)
             for sock in ready:
-                if sock is listener:
-                    _accept(listener, own, set_by_imports, children)
-                else:  # a caller sends nothing after its request: readable means it is gone (SIGKILL)
+                if sock is not listener:  # a caller sends nothing after its request: readable means gone
                     _caller_gone(callers[sock], children)
+                elif not _accept(listener, own, code, set_by_imports, children):
+                    listener = _stop_listening(listener, path)  # callers now find no socket: they run it
             _reap(children)
     finally:
-        listener.close()
-        os.unlink(path)
+        _end_children(children)  # the run is gone (or ends): its stages go with it, as their processes would
+        if listener is not None:
+            _stop_listening(listener, path)
         with contextlib.suppress(OSError):
             os.rmdir(os.path.dirname(path))  # running()'s folder, if the parent could not remove it
 
 
-def _accept(listener: socket.socket, own: dict, set_by_imports: dict[str, str],
-            children: dict[int, socket.socket | None]) -> None:
+def _stop_listening(listener: socket.socket, path: str) -> None:
+    listener.close()
+    with contextlib.suppress(FileNotFoundError):
+        os.unlink(path)
+
+
+def _send(conn: socket.socket, payload: dict) -> bool:
+    """Reply to a caller; False when it has gone (it may leave at any time: that must not end the server)."""
+    try:
+        conn.send(json.dumps(payload).encode())
+        return True
+    except OSError:
+        return False
+
+
+def _accept(listener: socket.socket, own: dict, code: CodeState, set_by_imports: dict[str, str],
+            children: dict[int, socket.socket | None]) -> bool:
+    """Take one request: refuse it, or fork its child. Returns False once the code changed (stop serving)."""
     conn, _ = listener.accept()
     try:
         message, fds, _, _ = socket.recv_fds(conn, MAX_MESSAGE, 3)
@@ -166,19 +195,25 @@ def _accept(listener: socket.socket, own: dict, set_by_imports: dict[str, str],
     except (OSError, ValueError) as exc:
         print(f"bad request: {exc}", flush=True)
         conn.close()
-        return
-    reason = _refusal(request, own, fds)
+        return True
+    changed = code.changed()
+    reason = (f"code changed since the server started ({changed}): its imports are stale" if changed
+              else _refusal(request, own, fds))
     if reason:
         print(f"refused {request.get('argv')}: {reason}", flush=True)
-        conn.send(json.dumps({"refused": reason}).encode())
+        _send(conn, {"refused": reason})
         for fd in fds:
             os.close(fd)
         conn.close()
-        return
+        return not changed
     sys.stdout.flush()
     sys.stderr.flush()
+    server = os.getpid()
     pid = os.fork()
     if pid == 0:
+        die_with_parent(signal.SIGKILL)  # the server gone (the run killed): so is this stage, at once
+        if os.getppid() != server:
+            os._exit(1)  # it died before prctl
         listener.close()
         conn.close()  # only the server answers the caller: its EOF then means the server is gone
         for other in children.values():
@@ -188,8 +223,10 @@ def _accept(listener: socket.socket, own: dict, set_by_imports: dict[str, str],
     for fd in fds:
         os.close(fd)
     print(f"forked {pid}: {' '.join(request['argv'][1:])}", flush=True)
-    conn.send(json.dumps({"pid": pid}).encode())
     children[pid] = conn
+    if not _send(conn, {"pid": pid}):
+        _caller_gone(pid, children)  # it left before the reply: nobody would wait for or signal its stage
+    return True
 
 
 def _refusal(request: dict, own: dict, fds: list[int]) -> str:
@@ -276,19 +313,28 @@ def _reap(children: dict[int, socket.socket | None]) -> None:
             return
         conn = children.pop(pid, None)
         if conn is not None:
-            try:
-                conn.send(json.dumps({"exit": os.waitstatus_to_exitcode(status)}).encode())
-            except OSError:
-                pass  # the caller is gone (killed); nothing to tell
+            _send(conn, {"exit": os.waitstatus_to_exitcode(status)})  # fails if the caller is gone: nothing to tell
             conn.close()
+
+
+def _end_children(children: dict[int, socket.socket | None]) -> None:
+    """SIGKILL every running child and reap it (the server is ending: nothing may write on unseen)."""
+    for pid, conn in children.items():
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(pid, signal.SIGKILL)
+        with contextlib.suppress(ChildProcessError):
+            os.waitpid(pid, 0)
+        if conn is not None:
+            conn.close()  # the caller reads EOF: "the stage server stopped before the stage finished"
+    children.clear()
 
 
 def wanted(cfg) -> bool:
     """Whether ``tpgrpo run`` starts the server: ``launch.stage_server``, one process per stage (no
-    accelerate), the CPU (a GPU stage's start-up is small next to its work, and the server never touches
-    CUDA, untested there), Linux (fork after importing torch is not safe on macOS)."""
+    accelerate), the CPU for the model and the reward models (a GPU stage's start-up is small next to its
+    work, and the server never touches CUDA, untested there), Linux (fork after importing torch is not safe on macOS)."""
     return (cfg.launch.stage_server and cfg.launch.num_processes == 1 and not cfg.launch.config_file
-            and cfg.model.device == "cpu" and sys.platform.startswith("linux"))
+            and cfg.model.device == "cpu" and cfg.reward_models.device == "cpu" and sys.platform.startswith("linux"))
 
 
 @contextlib.contextmanager
@@ -305,9 +351,10 @@ def running(root: Path, enabled: bool = True) -> Iterator[dict[str, str]]:
     with open(log_path, "w") as log:
         # -c, then drop '' from sys.path: the server finds tpgrpo and stages where the `tpgrpo` command does
         code = "import sys; sys.path.remove(''); from tpgrpo.pipeline.stage_server import main; main()"
+        # in the run's process group (a group kill of the run reaches the server and its stages); it ignores
+        # SIGINT: a Ctrl-C is for the stages, which get it from the terminal and from their callers
         server = subprocess.Popen([sys.executable, "-c", code, path, str(os.getpid())],
-                                  cwd=root, stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT,
-                                  start_new_session=True)  # the terminal's Ctrl-C reaches callers, not it
+                                  cwd=root, stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT)
     try:
         _wait_for_socket(server, path)
         yield {ENV_VAR: path}
@@ -331,7 +378,17 @@ def _wait_for_socket(server: subprocess.Popen, path: str, timeout: float = 60.0)
 
 def main() -> None:
     """``python -m tpgrpo.pipeline.stage_server SOCKET PARENT_PID``."""
-    serve(sys.argv[1], int(sys.argv[2]))
+    path, parent = sys.argv[1], int(sys.argv[2])
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    signal.signal(signal.SIGTERM, _exit_on_signal)  # running() ending, or the run's process gone:
+    die_with_parent(signal.SIGTERM)                 # either way serve()'s cleanup ends its stages
+    if os.getppid() != parent:
+        return  # the run died before prctl
+    serve(path, parent)
+
+
+def _exit_on_signal(signum, _frame):
+    raise SystemExit(128 + signum)
 
 
 if __name__ == "__main__":
