@@ -80,7 +80,26 @@ def require(path: Path, what: str) -> Path:
 
 
 def _temp_sibling(path: Path) -> Path:
-    return path.with_name(f".{path.name}.tmp-{uuid.uuid4().hex[:8]}")
+    # the writer's PID in the name: a later writer removes only the temporaries of writers that are gone
+    return path.with_name(f".{path.name}.tmp-{os.getpid()}-{uuid.uuid4().hex[:8]}")
+
+
+def _writer_alive(temporary: Path) -> bool:
+    """Whether the process named in ``.NAME.tmp-PID-XXXXXXXX`` still runs (a zombie does not; an older name
+    without a PID counts as gone)."""
+    pid = temporary.name.rsplit(".tmp-", 1)[1].split("-")[0]
+    if not pid.isdigit():
+        return False
+    try:
+        os.kill(int(pid), 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"
+    except (OSError, IndexError):
+        return True  # no /proc (macOS): kill(0) found it
 
 
 @contextmanager
@@ -91,8 +110,9 @@ def atomic_path(path: Path) -> Iterator[Path]:
     failed stage never leaves a half-written artifact under the final name.
     """
     path.parent.mkdir(parents=True, exist_ok=True)
-    for stale in path.parent.glob(f".{path.name}.tmp-*"):  # left behind by a killed run
-        shutil.rmtree(stale) if stale.is_dir() else stale.unlink()
+    for stale in path.parent.glob(f".{path.name}.tmp-*"):  # left behind by a killed run, not one writing now
+        if not _writer_alive(stale):
+            shutil.rmtree(stale, ignore_errors=True) if stale.is_dir() else stale.unlink(missing_ok=True)
     tmp = _temp_sibling(path)
     try:
         yield tmp
@@ -101,6 +121,10 @@ def atomic_path(path: Path) -> Iterator[Path]:
         elif path.exists():
             path.unlink()
         os.replace(tmp, path)
+    except OSError as exc:
+        if exc.filename is None:  # a failed write (a full disk) names no file: name the artifact
+            exc.filename = str(path)
+        raise
     finally:
         if tmp.is_dir():
             shutil.rmtree(tmp, ignore_errors=True)
