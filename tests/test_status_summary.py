@@ -128,3 +128,102 @@ def test_dvc_yaml_declares_only_the_summary_as_a_metric_and_named_plots():
     names = [next(iter(p)) for p in render(cfg)["plots"]]
     assert names == [next(iter(p)) for p in PLOTS] and "held_out_reward" in names and "turning_point_rate" in names
     assert yaml.safe_load(yaml.safe_dump(render(cfg)))["plots"] == PLOTS
+
+
+def _full_disk(monkeypatch):
+    """Creating and writing new files fails with ENOSPC as on a full disk (the error names no file, as a
+    failed write does); rewriting a file that exists, in place, still works (its blocks are freed first)."""
+    import errno
+    import pathlib
+
+    def write_text(self, *args, **kwargs):
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr(pathlib.Path, "write_text", write_text)
+
+
+def test_a_stage_failing_on_a_full_disk_is_one_line_naming_the_file_and_status_says_so(tmp_path, monkeypatch,
+                                                                                        capsys):
+    import stages.credit
+    from tpgrpo.cli import run_app
+    from tpgrpo.io.artifacts import IterationPaths, write_json
+
+    (tmp_path / "params.yaml").write_text(yaml.safe_dump(tiny_params(), sort_keys=False))
+    record_stage(tmp_path, "update", 1, "done")  # the note of the stage before
+    target = IterationPaths(tmp_path, 1).credit_metrics
+    monkeypatch.setattr(stages.credit, "run", lambda cfg, iteration, root: write_json(target, {"x": 1}))
+    _full_disk(monkeypatch)
+    with pytest.raises(SystemExit) as info:
+        run_app(["stage", "credit", "--iter", "1", "--params", str(tmp_path / "params.yaml")], "tpgrpo")
+    err = capsys.readouterr().err
+    assert info.value.code == 2 and err.count("\n") == 1 and "Traceback" not in err, err
+    assert err.startswith(f"error: {target}: No space left on device (ENOSPC)"), err
+    assert not target.exists() and not [p for p in target.parent.iterdir() if ".tmp-" in p.name]
+    text = status_text(tmp_path, planned=2)
+    assert "last stage: credit --iter 1: failed" in text and "No space left on device" in text, text
+
+
+def test_status_never_names_an_older_stage_when_the_last_could_not_record(tmp_path, monkeypatch):
+    """A disk so full that even the in-place rewrite of the note fails: the note is left empty and status
+    says the last stage is unknown, not that the stage before it was done."""
+    import builtins
+    import errno
+
+    from tpgrpo.pipeline import status
+
+    record_stage(tmp_path, "update", 1, "done")
+    _full_disk(monkeypatch)
+
+    class Full:
+        def __init__(self, f):
+            self.f = f
+
+        def __enter__(self):
+            return self
+
+        def __exit__(self, *exc):
+            self.f.close()
+
+        def write(self, text):
+            raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr(status, "open", lambda path, mode="r": Full(builtins.open(path, mode)), raising=False)
+    record_stage(tmp_path, "eval", 1, "failed", "OSError: [Errno 28] No space left on device")
+    text = status_text(tmp_path, planned=2)
+    assert "update --iter 1: done" not in text
+    assert "last stage: unknown (data/.last_stage.json is empty or unreadable" in text, text
+
+
+def test_only_the_main_process_notes_a_failed_stage(tmp_path, monkeypatch):
+    from typer.testing import CliRunner
+
+    from tpgrpo.cli import app
+
+    (tmp_path / "params.yaml").write_text(yaml.safe_dump(tiny_params(), sort_keys=False))
+    for rank, noted in (("1", False), ("0", True)):
+        monkeypatch.setenv("RANK", rank)
+        result = CliRunner().invoke(app, ["stage", "credit", "--iter", "99", "--params", str(tmp_path / "params.yaml")])
+        assert result.exit_code == 2 and "--iter 99" in result.output
+        assert (tmp_path / "data" / ".last_stage.json").exists() == noted, rank
+
+
+def test_an_output_dvc_recorded_but_could_not_store_fails_the_run_with_one_line(tmp_path):
+    """What DVC leaves when it logs "failed to transfer" (a full disk): the stage recorded in dvc.lock, its
+    output's object missing from the cache. Made here by deleting the object after a real `dvc repro`."""
+    from tpgrpo.pipeline.status import check_outputs_cached
+
+    env = dict(os.environ, DVC_NO_ANALYTICS="1")
+    dvc = [sys.executable, "-m", "dvc"]
+    subprocess.run([*dvc, "init", "-q", "--no-scm"], cwd=tmp_path, env=env, check=True)
+    (tmp_path / "dvc.yaml").write_text(yaml.safe_dump({"stages": {"make": {
+        "cmd": f"{sys.executable} -c \"open('out.txt', 'w').write('hello')\"", "outs": ["out.txt"]}}}))
+    subprocess.run([*dvc, "repro", "-q"], cwd=tmp_path, env=env, check=True)
+    check_outputs_cached(tmp_path, env)  # all stored: nothing to say
+    for obj in (tmp_path / ".dvc" / "cache").rglob("*"):
+        if obj.is_file():
+            obj.unlink()
+    with pytest.raises(PipelineError) as info:
+        check_outputs_cached(tmp_path, env)
+    message = str(info.value)
+    assert message.startswith("dvc repro recorded stages it could not store: make's output out.txt is not in cache")
+    assert "\n" not in message

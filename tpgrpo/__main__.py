@@ -10,9 +10,9 @@ def main() -> None:
     code = run_via_server(sys.argv)
     if code is not None:
         sys.exit(code)
-    from tpgrpo.cli import app
+    from tpgrpo.cli import run_app
 
-    app()
+    run_app()
 
 
 if __name__ == "__main__":

@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import errno
 import os
+import re
 from pathlib import Path
 from typing import Annotated, Optional
 
@@ -37,32 +39,37 @@ def _run_stage(name: str, iteration: int | None, params: Path) -> None:
     from tpgrpo.pipeline.dvcfile import MULTI_PROCESS_STAGES
     from tpgrpo.errors import PipelineError
     from tpgrpo.pipeline.code_manifest import check_stage_code
-    from tpgrpo.pipeline.status import check_iteration, describe_done, record_stage
+    from tpgrpo.pipeline.status import (check_iteration, check_params_unchanged, describe_done, record_stage,
+                                        stage_params)
 
     root, cfg = Path(params).resolve().parent, None
+    label = f"{name}" + ("" if iteration is None else f" --iter {iteration}")
     try:
-        cfg = load_config(params)
+        read = stage_params(params, name, missing_ok=True)  # before the stage reads them: an edit from now is seen
+        cfg = load_config(params)  # names what is wrong with params.yaml, if anything
+        read = read if read is not None else stage_params(params, name)
         check_iteration(cfg, root, iteration)
         import importlib
 
         module = importlib.import_module(f"stages.{name}")
         if name in MULTI_PROCESS_STAGES:  # under `accelerate launch`: join the process group (gloo on CPU)
-            label = f"stage {name}" + ("" if iteration is None else f" --iter {iteration}")
-            distributed.init(cfg.model.device, cfg.launch.timeout_s, label)
+            distributed.init(cfg.model.device, cfg.launch.timeout_s, f"stage {label}")
         main = distributed.current().is_main  # one process notes the stage for `tpgrpo status`
         record_stage(root, name, iteration, "running", enabled=main)
         check_stage_code(root, name)  # the code DVC will record is the code that runs (before and after)
         module.run(cfg, iteration, root=root)
         check_stage_code(root, name)
+        check_params_unchanged(params, name, label, read)  # DVC records params.yaml as it is when we exit
         record_stage(root, name, iteration, "done", enabled=main)
     except (ConfigError, PipelineError, FileNotFoundError) as exc:
         message = str(exc)
         if iteration is not None and message.startswith("missing input") and cfg is not None:
             message += f"; finished iterations: {describe_done(root, cfg.train.iterations)}"
-        record_stage(root, name, iteration, "failed", message)
+        record_stage(root, name, iteration, "failed", message, enabled=distributed.is_main_process())
         _fail(message)
     except Exception as exc:  # an unexpected error still shows in `tpgrpo status`, then its traceback
-        record_stage(root, name, iteration, "failed", f"{type(exc).__name__}: {exc}")
+        record_stage(root, name, iteration, "failed", f"{type(exc).__name__}: {exc}",
+                     enabled=distributed.is_main_process())
         raise
     finally:
         distributed.shutdown()
@@ -166,6 +173,7 @@ def run_command(params: ParamsOpt = Path("params.yaml")) -> None:
     from tpgrpo.errors import PipelineError
     from tpgrpo.pipeline.sealing import dvc_env, repro_ends, seal_finished, unseal_changed
     from tpgrpo.pipeline.blocks import read_as_dvc
+    from tpgrpo.pipeline.status import check_outputs_cached
 
     root = Path(params).resolve().parent
     try:
@@ -189,15 +197,19 @@ def run_command(params: ParamsOpt = Path("params.yaml")) -> None:
         for key, value in (("core.analytics", "false"), ("core.check_update", "false"),
                            ("cache.type", DVC_CACHE_TYPE)):
             subprocess.run([sys.executable, "-m", "dvc", "config", key, value], cwd=root, env=env, check=True)
+    lock = root / "dvc.lock"
     with stage_server.running(root, stage_server.wanted(cfg)) as server_env:
         for upto in repro_ends(root, cfg):  # block by block: dvc.lock stays about one block long
             write_dvc_yaml(cfg, root, upto)
             refresh_manifests(root)  # a library upgraded since the code stage ran: it re-runs (see LIBRARIES)
+            before = lock.stat().st_mtime_ns if lock.exists() else None
             code = subprocess.run([sys.executable, "-m", "dvc", "repro"], cwd=root,
                                   env={**env, **server_env, RENDER_UPTO_ENV: str(upto)}).returncode
             if code != 0:
                 _fail(f"dvc repro failed with exit code {code}")
             try:  # (no relinking: with cache.type copy a workspace file is never the cache's object)
+                if lock.exists() and lock.stat().st_mtime_ns != before:  # something ran: was it all stored?
+                    check_outputs_cached(root, env)
                 sealed = seal_finished(root, cfg, upto, note=typer.echo)
             except PipelineError as exc:
                 _fail(str(exc))
@@ -335,5 +347,27 @@ def compare_command(ctx: typer.Context) -> None:
     compare_app(args=ctx.args, prog_name="tpgrpo compare")
 
 
+# What a full or read-only disk raises: the environment, not a bug, so one line naming the file, no traceback.
+DISK_ERRNOS = {errno.ENOSPC, errno.EDQUOT, errno.EFBIG, errno.EROFS}
+
+
+def run_app(args: list[str] | None = None, prog_name: str | None = None) -> None:
+    """The CLI (``app``) with one boundary for disk errors: ``error: PATH: No space left on device (ENOSPC)
+    ...``, exit code 2. Every entry point goes through here (the console script, the stage server's child)."""
+    try:
+        app(args=args, prog_name=prog_name)
+    except OSError as exc:
+        code = exc.errno
+        if code is None:  # an I/O error wrapped by a library may carry its errno in the message only
+            found = re.search(r"\[errno (\d+)\]", str(exc), re.IGNORECASE)
+            code = int(found.group(1)) if found else None
+        if code not in DISK_ERRNOS:
+            raise
+        where = exc.filename or "a file of the project"
+        typer.echo(f"error: {where}: {os.strerror(code)} ({errno.errorcode[code]}): nothing was recorded for "
+                   "it; free disk space (or make it writable) and run again", err=True)
+        raise SystemExit(2) from None
+
+
 def main() -> None:  # pragma: no cover - console entry point
-    app()
+    run_app()

@@ -191,6 +191,14 @@ def current() -> Dist:
     return _CURRENT if _CURRENT is not None else init()
 
 
+def is_main_process() -> bool:
+    """Whether this is the main process, without joining a process group: the set-up ``Dist`` if any, else
+    ``RANK`` from the launcher (a stage that fails before ``init`` must still be noted by one process only)."""
+    if _CURRENT is not None:
+        return _CURRENT.is_main
+    return os.environ.get("RANK", "0").strip() in ("", "0")
+
+
 def shutdown() -> None:
     """Tear the process group down (no-op for one process)."""
     global _CURRENT

@@ -54,7 +54,7 @@ ENV_PREFIXES = ("PYTHON", "OMP_", "MKL_", "OPENBLAS", "TORCH", "PYTORCH", "CUDA"
 PRELOAD = ("tpgrpo.cli", "torch", "numpy", "pandas", "pyarrow.parquet", "zarr", "safetensors.torch", "peft", "typer",
            "diffusers:SD3Transformer2DModel", "diffusers:FlowMatchEulerDiscreteScheduler",
            "diffusers.loaders:SD3LoraLoaderMixin", "transformers:CLIPTextModel",
-           "transformers:PreTrainedTokenizerFast", "tpgrpo.models.tiny", "tpgrpo.tasks.rewards",
+           "transformers:PreTrainedTokenizerFast", "tpgrpo.models.tiny", "tpgrpo.tasks.rewards", "dvc.utils.serialize",
            *(f"stages.{s}" for s in ("rollout", "probe", "credit", "update", "eval", "baseline", "summary")))
 MAX_MESSAGE = 1 << 20
 
@@ -262,7 +262,7 @@ def _run_child(request: dict, fds: list[int], set_by_imports: dict[str, str]) ->
         _fresh_global_generators()
         import importlib  # the CLI by name (PRELOAD imported it): tpgrpo.cli imports this module
 
-        importlib.import_module("tpgrpo.cli").app(args=sys.argv[1:], prog_name="tpgrpo")
+        importlib.import_module("tpgrpo.cli").run_app(args=sys.argv[1:], prog_name="tpgrpo")
         code = 0
     except SystemExit as exc:
         code = exc.code if isinstance(exc.code, int) else (0 if exc.code is None else 1)
@@ -332,7 +332,8 @@ def _end_children(children: dict[int, socket.socket | None]) -> None:
 def wanted(cfg) -> bool:
     """Whether ``tpgrpo run`` starts the server: ``launch.stage_server``, one process per stage (no
     accelerate), the CPU for the model and the reward models (a GPU stage's start-up is small next to its
-    work, and the server never touches CUDA, untested there), Linux (fork after importing torch is not safe on macOS)."""
+    work, and the server never touches CUDA, untested there), Linux (fork after importing torch is not safe
+    on macOS)."""
     return (cfg.launch.stage_server and cfg.launch.num_processes == 1 and not cfg.launch.config_file
             and cfg.model.device == "cpu" and cfg.reward_models.device == "cpu" and sys.platform.startswith("linux"))
 

@@ -7,6 +7,7 @@ Reads only small JSON files and directory sizes, so it stays fast at 1,000 itera
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import time
@@ -27,20 +28,29 @@ def record_stage(root: Path, stage: str, iteration: int | None, state: str, erro
                  enabled: bool = True) -> None:
     """Note the stage the CLI starts or ends (``state`` running | done | failed) for ``tpgrpo status``.
 
-    Best effort: a read-only project or a full disk must not fail the stage itself.
+    Best effort: a read-only project or a full disk must not fail the stage itself. But the note must not
+    lie: when the new one cannot be written beside the old (a full disk), the old one is rewritten in place
+    (truncating frees its block), and failing that left empty, which ``tpgrpo status`` reports as unknown
+    instead of naming the previous stage's state.
     """
     if not enabled:
         return
     payload = {"stage": stage, "iteration": iteration, "state": state, "pid": os.getpid(),
                "time": time.strftime("%Y-%m-%d %H:%M:%S"), "error": error}
+    text = json.dumps(payload) + "\n"
     path = root / LAST_STAGE
+    tmp = path.with_name(f".{path.name}.{os.getpid()}")
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
-        tmp = path.with_name(f".{path.name}.{os.getpid()}")
-        tmp.write_text(json.dumps(payload) + "\n")
+        tmp.write_text(text)
         tmp.replace(path)
+        return
     except OSError:
-        pass
+        with contextlib.suppress(OSError):
+            tmp.unlink()
+    if path.exists():
+        with contextlib.suppress(OSError), open(path, "w") as f:  # truncated first: empty if the write fails
+            f.write(text)
 
 
 def _alive(pid: int) -> bool:
@@ -96,6 +106,76 @@ def check_iteration(cfg, root: Path, iteration: int | None) -> None:
                         f"finished: {done})")
 
 
+def stage_params(params: Path, name: str, missing_ok: bool = False) -> dict | None:
+    """``{dotted key: value}`` of every leaf under the params dvc.yaml lists for stage ``name`` (all of
+    params.yaml for a stage it does not list), read as DVC reads YAML (1.2: ``1e-5`` is a number, for
+    PyYAML a string). ``missing_ok``: None when params.yaml is missing or unreadable."""
+    from dvc.utils.serialize import parse_yaml
+
+    from tpgrpo.pipeline.dvcfile import STAGE_PARAMS
+
+    try:
+        raw = parse_yaml(Path(params).read_text(), str(params))
+    except Exception:  # noqa: BLE001 - missing, not YAML: load_config says what is wrong
+        if missing_ok:
+            return None
+        raise
+    raw = raw if isinstance(raw, dict) else {}
+    flat: dict = {}
+
+    def leaves(key: str, value) -> None:
+        if isinstance(value, dict) and value:
+            for k, v in value.items():
+                leaves(f"{key}.{k}" if key else str(k), v)
+        else:
+            flat[key] = value
+
+    for key in STAGE_PARAMS.get(name, [""]):
+        value = raw
+        for part in key.split(".") if key else []:
+            value = value.get(part, "<absent>") if isinstance(value, dict) else "<absent>"
+        leaves(key, value)
+    return flat
+
+
+def check_params_unchanged(params: Path, name: str, label: str, read: dict) -> None:
+    """A stage reads params.yaml when it starts, DVC records it when the stage exits: fail (DVC then records
+    nothing) when a value the stage depends on changed in between."""
+    try:
+        now = stage_params(params, name)
+    except Exception:  # noqa: BLE001 - unreadable now (being edited): not what the stage read either
+        now = {"(params.yaml unreadable)": None}
+    changed = sorted(k for k in set(read) | set(now) if read.get(k, "<absent>") != now.get(k, "<absent>"))
+    if changed:
+        raise PipelineError(f"params.yaml changed while stage {label} ran ({', '.join(changed[:3])}"
+                            f"{', ...' if len(changed) > 3 else ''}): its outputs are not recorded; run again")
+
+
+def check_outputs_cached(root: Path, env: dict[str, str]) -> None:
+    """After ``dvc repro``: every output DVC recorded is in its cache and the workspace (``dvc status``).
+    DVC that cannot store an output (a full disk: it logs "failed to transfer") still records the stage and
+    goes on; this fails with one line naming the first such output instead. About one ``dvc status``."""
+    import subprocess
+    import sys
+
+    done = subprocess.run([sys.executable, "-m", "dvc", "status", "--json"], cwd=root, env=env,
+                          capture_output=True, text=True)
+    try:
+        report = json.loads(done.stdout or "{}") if done.returncode == 0 else None
+    except ValueError:
+        report = None
+    if not isinstance(report, dict):
+        last = (done.stderr.strip().splitlines() or [""])[-1]
+        raise PipelineError(f"dvc status after dvc repro failed (exit code {done.returncode}): {last}")
+    bad = [f"{stage}'s output {path} is {state}" for stage, entries in report.items() for entry in entries
+           if isinstance(entry, dict) for path, state in entry.get("changed outs", {}).items()
+           if state in ("not in cache", "deleted")]
+    if bad:
+        more = f" (and {len(bad) - 1} more)" if len(bad) > 1 else ""
+        raise PipelineError(f"dvc repro recorded stages it could not store: {bad[0]}{more} (DVC logs 'failed to "
+                            "transfer', e.g. on a full disk); free disk space and run `tpgrpo run` again")
+
+
 def _ranges(numbers: list[int]) -> str:
     """``[1, 2, 3, 7]`` -> ``"1-3, 7"``."""
     parts, start = [], None
@@ -116,7 +196,12 @@ def _last_stage_line(root: Path) -> str:
     path = root / LAST_STAGE
     if not path.is_file():
         return "last stage: none recorded yet"
-    last = json.loads(path.read_text())
+    try:
+        last = json.loads(path.read_text())
+        last["stage"], last["state"], last["time"]
+    except (OSError, ValueError, KeyError, TypeError):
+        return (f"last stage: unknown ({LAST_STAGE} is empty or unreadable: a stage could not record its "
+                "state, e.g. on a full disk; see the output of the run)")
     name = last["stage"] + ("" if last.get("iteration") is None else f" --iter {last['iteration']}")
     state = last["state"]
     if state == "running" and not _alive(int(last["pid"])):
