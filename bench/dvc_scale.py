@@ -37,8 +37,9 @@ sys.path.insert(0, str(REPO))
 
 from tpgrpo.config import load_config  # noqa: E402
 from tpgrpo.io.artifacts import DVC_CACHE_TYPE  # noqa: E402
+from tpgrpo.pipeline.blocks import full_blocks, read_lock, write_lock  # noqa: E402
+from tpgrpo.pipeline.dvcfile import write_dvc_yaml  # noqa: E402
 from tpgrpo.pipeline.sealing import dvc_env, seal_finished  # noqa: E402
-from tpgrpo.pipeline.blocks import read_lock, write_lock  # noqa: E402
 
 STEMS = ("rollout", "probe", "credit", "update", "eval")
 
@@ -60,19 +61,21 @@ def tpgrpo(cwd: Path, *args: str) -> tuple[float, str]:
     return sh(cwd, sys.executable, "-m", "tpgrpo", *args)
 
 
-def new_project(folder: Path, params: dict) -> Path:
-    """Code, model, prompts (copied) and params; DVC initialised as `tpgrpo run` does (no git: not timed)."""
+def new_project(folder: Path, params: dict, code_from: Path = REPO) -> Path:
+    """Code, model, prompts (copied from ``code_from``) and params; DVC initialised as `tpgrpo run` does (no
+    git: not timed)."""
     shutil.rmtree(folder, ignore_errors=True)
     (folder / "data").mkdir(parents=True)
     for code in ("stages", "tpgrpo"):
-        shutil.copytree(REPO / code, folder / code, ignore=shutil.ignore_patterns("__pycache__"))
+        shutil.copytree(code_from / code, folder / code, ignore=shutil.ignore_patterns("__pycache__"))
     for data in ("base", "prompts"):
-        shutil.copytree(REPO / "data" / data, folder / "data" / data)
+        shutil.copytree(code_from / "data" / data, folder / "data" / data)
     (folder / "params.yaml").write_text(yaml.safe_dump(params, sort_keys=False))
-    dvc(folder, "init", "-q", "--no-scm")
+    dvc(folder, "init", "-q", "--no-scm", "--force")
     for key, value in (("core.analytics", "false"), ("core.check_update", "false"),
                        ("cache.type", DVC_CACHE_TYPE)):
         dvc(folder, "config", key, value)
+    shutil.copy2(REPO / ".dvcignore", folder / ".dvcignore")  # dvc init wrote its own
     return folder
 
 
@@ -97,27 +100,43 @@ def renumbered(entry: dict, i: int, prev_policy: dict | None) -> dict:
 
 
 def build(source: Path, folder: Path, n: int, block_size: int) -> tuple[Path, float]:
-    """A project with n finished iterations copied from ``source``'s iteration 1; returns (root, seconds)."""
+    """A project with n finished iterations copied from ``source``'s iteration 1 (its code too, so that the
+    code manifests match); returns (root, seconds). Sealed as `tpgrpo run` seals: block by block, each once
+    DVC finds its stages up to date."""
     start = time.perf_counter()
     params = yaml.safe_load((source / "params.yaml").read_text())
     params["train"].update(iterations=n, block_size=block_size)
-    root = new_project(folder, params)
+    root = new_project(folder, params, code_from=source)
     src_lock = read_lock(source)["stages"]
     policy = next(o for o in src_lock["update-0001"]["outs"] if o["path"].endswith("/policy"))
-    stages = {"baseline": src_lock["baseline"], "summary": src_lock["summary"]}
     for name in ("data/iters/baseline_eval.parquet", "data/iters/baseline_eval.json", "data/metrics",
-                 "data/reports"):
+                 "data/reports", "data/code"):
         copy_any(source / name, root / name)
     for i in range(1, n + 1):
         shutil.copytree(source / "data/iters/0001", root / f"data/iters/{i:04d}")
-        for stem in STEMS:
-            if f"{stem}-0001" in src_lock:
-                stages[f"{stem}-{i:04d}"] = renumbered(src_lock[f"{stem}-0001"], i, policy if i > 1 else None)
     # The copies have the real iteration's content, so its cache objects are theirs (hard-linked in: instant).
     shutil.rmtree(root / ".dvc" / "cache", ignore_errors=True)
     sh(root, "cp", "-al", str(source / ".dvc" / "cache"), str(root / ".dvc" / "cache"))
+    cfg = load_config(root / "params.yaml")
+    stages = {name: src_lock[name] for name in ("code", "baseline", "summary")}
     write_lock(root, {"schema": "2.0", "stages": stages})
-    seal_finished(root, load_config(root / "params.yaml"))  # what `tpgrpo run` does after a repro
+    write_dvc_yaml(cfg, root, 0)
+    dvc(root, "commit", "--force", "--quiet", "code")  # its params.yaml dep differs from the source's
+    ends = [b.last for b in full_blocks(block_size, n)] + ([n] if not block_size or n % block_size else [])
+    done = 0
+    for end in ends:
+        lock = read_lock(root)
+        for i in range(done + 1, end + 1):
+            for stem in STEMS:
+                if f"{stem}-0001" in src_lock:
+                    lock["stages"][f"{stem}-{i:04d}"] = renumbered(src_lock[f"{stem}-0001"], i,
+                                                                   policy if i > 1 else None)
+        write_lock(root, lock)
+        write_dvc_yaml(cfg, root, end)
+        note = lambda line: sys.exit(f"{root}: {line}")  # noqa: E731 - the copies must be up to date
+        seal_finished(root, cfg, end, note=note)  # what `tpgrpo run` does after each block's repro
+        done = end
+    dvc(root, "commit", "--force", "--quiet", "summary")  # the source's summary, as this run's
     return root, time.perf_counter() - start
 
 
@@ -180,6 +199,7 @@ def main() -> None:
                                        "keep_adapter_every": args.keep_adapter_every}
                 (root / "params.yaml").write_text(yaml.safe_dump(params, sort_keys=False))
                 built, _ = tpgrpo(root, "retain")
+                dvc(root, "commit", "--force", "--quiet", "code")  # params.yaml changed: what `tpgrpo run` re-runs
             row = {"iterations": n, "layout": layout, "build/retain s": built, **measure(root, n)}
             rows.append(row)
             print(json.dumps({k: round(v, 2) if isinstance(v, float) else v for k, v in row.items()}), flush=True)
