@@ -270,7 +270,7 @@ def _kill_during(seq: Seq, plan: Plan) -> Plan:
     """Start ``tpgrpo run`` after ``plan``'s change, SIGKILL its process group at a random moment, wait
     for it to be reaped; nothing it started may run on."""
     marks = h.stage_marks(seq.root)
-    proc = subprocess.Popen([sys.executable, "-m", "tpgrpo", "run"], cwd=seq.root, env=h.env(),
+    proc = subprocess.Popen([sys.executable, "-m", "tpgrpo", "run"], cwd=seq.root, env=h.env(seq.root),
                             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
     delay = seq.rng.uniform(1.0, 25.0)
     try:
@@ -301,7 +301,7 @@ def edit_during_run(seq: Seq) -> Plan:
     after must still give the current params' artifacts."""
     plan = edit_upstream(seq)
     marks = h.stage_marks(seq.root)
-    proc = subprocess.Popen([sys.executable, "-m", "tpgrpo", "run"], cwd=seq.root, env=h.env(),
+    proc = subprocess.Popen([sys.executable, "-m", "tpgrpo", "run"], cwd=seq.root, env=h.env(seq.root),
                             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
     time.sleep(seq.rng.uniform(1.0, 20.0))
     second = _edit(seq, {**UPSTREAM, **LEAF}, "during the run:")

@@ -34,9 +34,11 @@ ARTIFACT_DIRS = ("data/iters", "data/metrics", "data/reports", "data/code")
 STAGE_LOGS = ("rollout", "probe", "credit", "update", "eval")
 
 
-def env() -> dict[str, str]:
-    """The environment of every command: 1 thread, no analytics, this interpreter's scripts first."""
-    e = dict(os.environ, DVC_NO_ANALYTICS="1", DVC_STUDIO_OFFLINE="true", OMP_NUM_THREADS=THREADS,
+def env(root: Path) -> dict[str, str]:
+    """The environment of every command in project ``root``: 1 thread, no analytics, this interpreter's
+    scripts first, and the project's own code first on the module path (the ``tpgrpo`` script DVC calls
+    would otherwise import the checkout's editable install, not the code the manifests hash)."""
+    e = dict(os.environ, PYTHONPATH=str(root.resolve()), DVC_NO_ANALYTICS="1", DVC_STUDIO_OFFLINE="true", OMP_NUM_THREADS=THREADS,
              MKL_NUM_THREADS=THREADS, OMP_WAIT_POLICY="PASSIVE")
     e["PATH"] = str(Path(sys.executable).parent) + os.pathsep + e.get("PATH", "")
     return e
@@ -44,7 +46,7 @@ def env() -> dict[str, str]:
 
 def sh(root: Path, *args: str, timeout: float = 900) -> subprocess.CompletedProcess:
     """Run a command in ``root`` in its own process group (a timeout kills the whole group)."""
-    proc = subprocess.Popen(list(args), cwd=root, env=env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+    proc = subprocess.Popen(list(args), cwd=root, env=env(root), stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                             text=True, start_new_session=True)
     try:
         out, err = proc.communicate(timeout=timeout)
