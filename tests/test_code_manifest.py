@@ -12,7 +12,7 @@ import pytest
 import yaml
 from conftest import REPO, make_tiny_project, tiny_params
 
-from tpgrpo.pipeline.code_manifest import (ALL_CODE, KIND_STAGES, STAGE_KIND, check_code, kind_code, manifest_path,
+from tpgrpo.pipeline.code_manifest import (ALL_CODE, KIND_STAGES, RENDER_PARAMS, STAGE_KIND, check_code, kind_code, manifest_path,
                                           uses_code_files, write_manifests)
 from tpgrpo.config import config_from_dict
 from tpgrpo.pipeline.dvcfile import render
@@ -29,7 +29,7 @@ def test_each_stage_depends_on_its_kinds_manifest_and_no_code_file(mode):
     cfg = config_from_dict(tiny_params(train={"iterations": 2}, credit={"mode": mode}))
     stages = render(cfg)["stages"]
     code = stages.pop("code")
-    assert code["cmd"] == "tpgrpo stage code" and code["deps"] == [*ALL_CODE, "params.yaml"]
+    assert code["cmd"] == "tpgrpo stage code" and code["deps"] == ALL_CODE and code["params"] == RENDER_PARAMS
     assert code["outs"] == [{manifest_path(kind): {"cache": False}} for kind in KIND_STAGES]
     assert all(path.startswith(tuple(ALL_CODE)) for kind in KIND_STAGES for path in kind_code(REPO, kind))
     for name, stage in stages.items():
@@ -123,3 +123,27 @@ def test_a_code_change_reruns_the_stages_of_its_kind_only(tmp_path, tiny_model_d
     status = subprocess.run([sys.executable, "-m", "dvc", "status"], cwd=root, env=env(), capture_output=True,
                             text=True)
     assert status.returncode == 0 and "up to date" in status.stdout, status.stdout
+
+
+def test_the_code_stage_lists_every_param_the_rendering_reads():
+    """The code stage checks dvc.yaml against params.yaml; it runs only when one of its params changes, so a
+    param outside RENDER_PARAMS must never change the rendering (each numeric or string leaf, altered)."""
+    import copy
+
+    from tpgrpo.config import ConfigError
+
+    base = tiny_params(train={"iterations": 3, "block_size": 0})
+    rendered = render(config_from_dict(base))
+    for section, values in base.items():
+        for key, value in values.items():
+            name = f"{section}.{key}"
+            if any(name == p or name.startswith(p + ".") for p in RENDER_PARAMS) or isinstance(value, (bool, dict)):
+                continue
+            raw = copy.deepcopy(base)
+            raw[section][key] = (value + 1) if isinstance(value, (int, float)) else (
+                "flow_grpo" if name == "credit.mode" else value)
+            try:
+                cfg = config_from_dict(raw)
+            except ConfigError:
+                continue  # out of bounds: no config to render
+            assert render(cfg) == rendered, name

@@ -39,6 +39,9 @@ STAGE_KIND = {"rollout": "rollout", "probe": "probe", "credit": "credit", "updat
               "baseline": "eval", "summary": "summary"}  # `tpgrpo stage NAME` -> the manifest it depends on
 # The code stage depends on all of the code, folders whole (a new module is seen; .dvcignore drops byte code).
 ALL_CODE = ["stages", "tpgrpo"]
+# The params dvc.yaml's rendering reads (tpgrpo.pipeline.dvcfile.render; a test checks the list): the stages,
+# their deps and commands. Other params change values DVC reads itself, never the stages.
+RENDER_PARAMS = ["train.iterations", "train.block_size", "model.path", "task", "reward_models", "launch"]
 # Libraries whose version is part of every manifest. No file of the project changes when one is upgraded:
 # `tpgrpo run` rewrites the manifests before each repro (DVC then re-runs the code stage, whose outputs are
 # not cached so its run cache cannot restore old ones, and the stages whose manifest changed), and under
@@ -148,8 +151,9 @@ def check_stage_code(root: Path, stage: str) -> None:
 
 def code_stage() -> dict:
     """The dvc.yaml stage that writes the manifests from all the code, and checks that dvc.yaml is what
-    params.yaml renders (so it depends on params.yaml too: it re-runs on every params edit, in a second)."""
-    return {"cmd": "tpgrpo stage code", "deps": [*ALL_CODE, "params.yaml"],  # params: it checks dvc.yaml
+    params.yaml renders (so it lists the params the rendering reads: it re-runs, in a second, when one
+    changes)."""
+    return {"cmd": "tpgrpo stage code", "deps": ALL_CODE, "params": RENDER_PARAMS,
             "outs": [{manifest_path(kind): {"cache": False}} for kind in KIND_STAGES]}
 
 
