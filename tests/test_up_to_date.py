@@ -18,10 +18,14 @@ import up_to_date_actions as ua
 import up_to_date_harness as h
 import up_to_date_runner as ur
 
-# Actions whose fixes have not landed stay out of CI (the bench still runs them, see bench/up_to_date.py):
-# (none yet: the list below is what CI runs)
-CI_ACTIONS = ["edit_upstream", "edit_leaf", "edit_code", "touch", "rerun_same", "rerun_other", "delete", "damage",
-              "retain", "iterations", "sigkill"]
+# What CI draws from. Left out (the bench still runs them, see bench/up_to_date.py):
+# - edit_code: open finding (issue 25, sealing): a code change re-runs a sealed block through `tpgrpo block`
+#   and reseals it with the per-stage lock entries of its FIRST sealing (old code manifests); a later params
+#   edit unseals those stale entries and stages the edit does not touch re-run (credit-0001/0002 after an eval
+#   edit). Results stay right, (c) fails. Put it back when the seal keeps the entries of the latest run.
+# - edit_during_run: timing-dependent by nature (an edit lands in a random stage); bench only.
+CI_ACTIONS = ["edit_upstream", "edit_leaf", "touch", "rerun_same", "rerun_other", "delete", "damage", "retain",
+              "iterations", "sigkill", "yaml12"]
 CHEAP_ACTIONS = ["touch", "edit_leaf", "rerun_same"]
 
 
