@@ -52,7 +52,7 @@ def test_block_stage_is_the_union_of_its_stages_minus_what_the_block_makes_itsel
     every = {p for st in inner for p in st["params"]}
     assert all(any(p == q or p.startswith(q + ".") for q in stage["params"]) for p in every)
     assert "credit" in stage["params"] and "train.seed" in stage["params"]
-    assert len(outs) == 3 * 10 + 1 and stage["cmd"] == "tpgrpo block --first 4 --last 6"
+    assert len(outs) == 3 * 11 + 1 and stage["cmd"] == "tpgrpo block --first 4 --last 6"
     assert outs[-1] == "data/iters/0006/block_logs.json"  # the digest of the logs the summary reads
     kept = [p for p in outs if not p.endswith("trajectories.zarr")]
     assert [o if isinstance(o, str) else next(iter(o)) for o in block_stage(cfg, block, kept)["outs"]] == kept

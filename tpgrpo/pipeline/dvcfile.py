@@ -111,9 +111,11 @@ def iteration_stages(cfg: Config, i: int, manifests: bool = True) -> dict[str, d
     cmd = lambda name: stage_command(cfg, name, i)  # noqa: E731
     code = lambda kind: code_deps(kind, manifests)  # noqa: E731
     model, scorers = [cfg.model.path], reward_folders(cfg, cfg.task.reward)
-    # A stage's JSON log is a (small, cached) output: DVC's run cache, which restores a stage it has seen
-    # with these deps and params instead of running it, then restores the log with the tables (it kept the
-    # log of the last real run before, which the summary read). Eval stages always run (uncached outputs).
+    # A stage's JSON log is an output (small; eval's uncached like its table): DVC's run cache, which restores
+    # a stage it has seen with these deps and params instead of running it, restores the log with the tables
+    # (it kept the last real run's log before, which the summary read), and a stage re-run by hand with other
+    # params is re-run by DVC (its log changed) even when its table came out the same. The price: a stage
+    # re-run by hand with the same params is re-run once more by DVC (its log's wall_seconds differ).
     # Every credit mode has the same stages, so that `dvc exp run -S credit.mode=...` runs what `tpgrpo run`
     # renders: Flow-GRPO's probe loads no model and writes Q_k = R_fin from the rollout (stages/probe.py).
     stages: dict[str, dict] = {
@@ -137,7 +139,7 @@ def iteration_stages(cfg: Config, i: int, manifests: bool = True) -> dict[str, d
             "cmd": cmd("eval"), "params": STAGE_PARAMS["eval"],
             "deps": [*code("eval"), *reward_folders(cfg, cfg.task.reward, cfg.task.eval_reward), *model,
                      cfg.task.eval_prompts, f"{d}/policy"],
-            "outs": [_uncached(f"{d}/eval.parquet")]},
+            "outs": [_uncached(f"{d}/eval.parquet"), _uncached(f"{d}/eval.json")]},
     }
     order = ("rollout", "probe", "credit", "update", "eval")  # dvc.yaml reads in pipeline order
     return {name: stages[name] for stem in order for name in stages if name.startswith(stem + "-")}
@@ -195,7 +197,7 @@ def render(cfg: Config, root: Path | None = None, upto: int | None = None) -> di
         "cmd": stage_command(cfg, "baseline"), "params": STAGE_PARAMS["baseline"],
         "deps": [*code_deps("eval", manifests), *reward_folders(cfg, cfg.task.reward, cfg.task.eval_reward),
                  cfg.model.path, cfg.task.eval_prompts],
-        "outs": [_uncached("data/iters/baseline_eval.parquet")]}
+        "outs": [_uncached("data/iters/baseline_eval.parquet"), _uncached("data/iters/baseline_eval.json")]}
     blocks = [b for b in full_blocks(cfg.train.block_size, cfg.train.iterations) if b.last <= last]
     if root:
         _refuse_misfit_seals(cfg, root, last)
@@ -216,8 +218,7 @@ def summary_stage(cfg: Config, open_iters: list[int], sealed: list[Block], manif
     as DVC deps it lists them for open iterations only and, per sealed block, the block's log digest (the md5
     of each of those files, rewritten whenever the block runs), so its dependency count does not grow with the
     run."""
-    # The stage JSONs: outputs of their stages (eval.json and baseline_eval.json come with uncached tables,
-    # so those stages never come from the run cache and their logs are always their last run's).
+    # The stage JSONs: outputs of their stages (see iteration_stages).
     per_iter = [f"{_iter_dir(i)}/{name}.json" for i in open_iters for name in STAGE_LOGS]
     evals = [f"{_iter_dir(i)}/eval.parquet" for i in open_iters]
     blocks = [digest_path(b) for b in sealed]  # every log and table of the block, through its digest
