@@ -23,13 +23,11 @@ import up_to_date_runner as ur
 #   and reseals it with the per-stage lock entries of its FIRST sealing (old code manifests); a later params
 #   edit unseals those stale entries and stages the edit does not touch re-run (credit-0001/0002 after an eval
 #   edit). Results stay right, (c) fails. Put it back when the seal keeps the entries of the latest run.
-# - rerun_same: open finding: stage logs are cached DVC outputs (33ae788), so a hand re-run with the same
-#   params rewrites its log's wall-clock fields and the next `tpgrpo run` runs that stage again ((c) fails).
-# - rerun_other: open finding: eval.json is not an output of the eval stage, so after a hand re-run of eval
-#   with other params (params then restored) the log keeps the other run's numbers while eval.parquet is
-#   back ((a) fails on eval.json; the summary reads it).
+# - rerun_same / rerun_other: fixed since (every stage log is a DVC output, eval.json too; a hand re-run with
+#   the same params may re-run that stage once more: its log's wall seconds changed); in CI again.
 # - edit_during_run: timing-dependent by nature (an edit lands in a random stage); bench only.
-CI_ACTIONS = ["edit_upstream", "edit_leaf", "touch", "delete", "damage", "retain", "iterations", "sigkill", "yaml12"]
+CI_ACTIONS = ["edit_upstream", "edit_leaf", "touch", "rerun_same", "rerun_other", "delete", "damage", "retain",
+              "iterations", "sigkill", "yaml12"]
 CHEAP_ACTIONS = ["touch", "edit_leaf", "yaml12"]
 
 

@@ -174,9 +174,15 @@ def _hand_run(seq: Seq, stage: str, i: int) -> str | None:
 
 
 def rerun_same(seq: Seq) -> Plan:
-    """Re-run a stage by hand with the current params: it rewrites the same artifact, nothing else runs."""
-    stage, i = _hand_stage(seq, h.read_params(seq.root))
-    return Plan(f"hand re-run {stage} --iter {i} (same params)", {"summary"}, failure=_hand_run(seq, stage, i))
+    """Re-run a stage by hand with the current params: it rewrites the same artifact; DVC may run that stage
+    (or the sealed block holding it) once more, since its log (an output) has new wall seconds, and the
+    summary; nothing else."""
+    raw = h.read_params(seq.root)
+    stage, i = _hand_stage(seq, raw)
+    size = int(raw["train"].get("block_size") or 0)
+    block = {f"iters-{(i - 1) // size * size + 1:04d}-{(i - 1) // size * size + size:04d}"} if size else set()
+    return Plan(f"hand re-run {stage} --iter {i} (same params)", {"summary", f"{stage}-{i:04d}", *block},
+                failure=_hand_run(seq, stage, i))
 
 
 OTHER = {"rollout": ("sampling.noise_level", [0.7, 0.5]), "probe": ("probe.completion", ["exact", "x0"]),
