@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import json
+
 import os
 import signal
 import subprocess
@@ -94,27 +96,28 @@ def test_repro_trains_then_reruns_only_what_changed(tiny_project):
     assert (root / "data" / "metrics" / "history.csv").is_file()
     assert ran(repro(root)) == set()  # nothing changed: nothing runs
     check_user_views(root)
-    # The by-hand credit re-run rewrote credit.parquet byte for byte: DVC redoes only the summary (whose input,
-    # the stage's JSON log, has a new wall time), neither that credit stage nor anything after it.
-    # (none at all when the re-run happened to log the same rounded wall time: then the JSON is byte-identical)
-    assert ran(repro(root)) <= {"summary"}
+    # The by-hand credit re-run rewrote credit.parquet byte for byte and its log (an output) with a new wall
+    # time: DVC redoes (or restores from its run cache) that credit stage and the summary, nothing after it.
+    assert ran(repro(root)) <= {"credit-0001", "summary"}
 
     set_param(root, "credit", "mode", "tp_unconstrained")
     rerun = ran(repro(root))
-    assert "credit-0001" in rerun and "update-0001" in rerun
-    assert not any(name.startswith(("rollout-0001", "probe-0001", "baseline")) for name in rerun)
+    assert "credit-0001" in rerun and "update-0001" in rerun  # and the probe: it lists credit.mode
+    assert not any(name.startswith(("rollout-0001", "baseline")) for name in rerun)
 
-    set_param(root, "credit", "mode", "flow_grpo")  # no probe stage: credit reads R_fin from the rollout
+    set_param(root, "credit", "mode", "flow_grpo")  # the same stages: the probe loads no model, Q_k = R_fin
     switched = tpgrpo_run(root)
     assert switched.returncode == 0, switched.stderr[-3000:]
     rerun = ran(switched.stdout)
-    assert "credit-0001" in rerun and "update-0001" in rerun and not any("probe" in name for name in rerun)
+    assert {"probe-0001", "credit-0001", "update-0001"} <= rerun
     assert not any(name.startswith(("rollout-0001", "baseline")) for name in rerun)
+    assert json.loads((root / "data" / "iters" / "0001" / "probe.json").read_text())["forward_passes"] == 0
 
     set_param(root, "train", "iterations", 3)
     more = tpgrpo_run(root)
     assert more.returncode == 0, more.stderr[-3000:]
-    assert ran(more.stdout) == {"rollout-0003", "credit-0003", "update-0003", "eval-0003", "summary"}
+    assert ran(more.stdout) == {"code", "rollout-0003", "probe-0003", "credit-0003", "update-0003", "eval-0003",
+                                "summary"}  # code: it checks dvc.yaml against train.iterations
 
 
 @pytest.fixture(scope="module")
