@@ -106,7 +106,7 @@ def test_a_caller_that_leaves_before_the_reply_does_not_end_the_server(tmp_path,
     assert len(forked) == 2, lines  # the second caller was served: the server outlived the first
     first = int(forked[0].split()[1][:-1])
     assert f"caller of {first} gone: terminating it" in lines
-    assert not any("Traceback" in line for line in lines)
+    assert not any("Traceback" in line for line in lines), lines
 
 
 def test_a_writer_keeps_the_temporary_of_a_live_writer_and_removes_a_dead_ones(tmp_path):

@@ -209,8 +209,15 @@ def _accept(listener: socket.socket, own: dict, code: CodeState, set_by_imports:
     sys.stdout.flush()
     sys.stderr.flush()
     server = os.getpid()
+    # Signals wait until the child has a stage's handlers: one landing in the fork hooks (zarr's) ran the
+    # server's handler in the child and printed a traceback.
+    mask = signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT, signal.SIGTERM, signal.SIGHUP})
     pid = os.fork()
     if pid == 0:
+        for signum in (signal.SIGTERM, signal.SIGHUP):
+            signal.signal(signum, signal.SIG_DFL)
+        signal.signal(signal.SIGINT, signal.default_int_handler)
+        signal.pthread_sigmask(signal.SIG_SETMASK, mask)
         die_with_parent(signal.SIGKILL)  # the server gone (the run killed): so is this stage, at once
         if os.getppid() != server:
             os._exit(1)  # it died before prctl
@@ -220,6 +227,7 @@ def _accept(listener: socket.socket, own: dict, code: CodeState, set_by_imports:
             if other is not None:
                 other.close()
         os._exit(_run_child(request, fds, set_by_imports))
+    signal.pthread_sigmask(signal.SIG_SETMASK, mask)
     for fd in fds:
         os.close(fd)
     print(f"forked {pid}: {' '.join(request['argv'][1:])}", flush=True)
