@@ -168,7 +168,9 @@ def _hand_stage(seq: Seq, raw: dict) -> tuple[str, int]:
 def _hand_run(seq: Seq, stage: str, i: int) -> str | None:
     """Run ``tpgrpo stage`` by hand; None, or why it failed (a one-line missing-input refusal is fine)."""
     done = h.tpgrpo(seq.root, "stage", stage, "--iter", str(i))
-    if done.returncode == 0 or (seq.retained and h.one_line_error(done)):
+    # a one-line refusal is fine: after retention (missing inputs), or a param the stored artifacts cannot
+    # serve (probe.completion x0 on a rollout that kept no x0 estimates): nothing was written
+    if done.returncode == 0 or h.one_line_error(done):
         return None
     return f"hand re-run of {stage} --iter {i} failed (rc {done.returncode}): {done.stderr.strip()[-600:]}"
 
