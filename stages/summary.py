@@ -68,7 +68,7 @@ def eval_curve(frame: pd.DataFrame) -> pd.DataFrame:
 def train_curve(frame: pd.DataFrame) -> pd.DataFrame:
     """Per iteration: the rollout's reward, turning-point rate, approx KL after the update, wall seconds."""
     rows = frame[frame["iteration"] > 0]
-    # reindex: a flow_grpo run has no probe columns at all (it runs no probe)
+    # reindex: a flow_grpo run made before its probe stage existed has no probe columns
     walls = rows.reindex(columns=[f"{s}_wall_seconds" for s in STAGES]).fillna(0.0).sum(axis=1)
     return pd.DataFrame({"iteration": rows["iteration"].astype(int), "train_reward": rows["rollout_mean_reward"],
                          "turning_point_rate": rows["credit_turning_point_rate"],

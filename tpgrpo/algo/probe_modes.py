@@ -7,7 +7,7 @@ Modes (spec section 4 and issue 11):
   remaining sigmas (DenseGRPO's 1- and 2-step variants); M >= the remaining steps is ``exact``;
 - ``x0``: score ``x0_hat = z_k - s_k v_k`` with the guided velocity the rollout already computed at ``z_k``
   (Stepwise-Flow-GRPO): no transformer pass at all.
-``credit.mode: flow_grpo`` runs no probe at all (dvc.yaml leaves the stage out; credit reads R_fin).
+``credit.mode: flow_grpo``'s probe scores nothing: it writes ``Q_k = R_fin`` from the rollout (stages/probe.py).
 
 No torch at import time: the config validates ``probe.completion`` with :func:`parse_completion`.
 """

@@ -39,7 +39,8 @@ from tpgrpo.config import ConfigError, config_from_dict
 from tpgrpo.errors import PipelineError
 
 CODE_DIRS = ("stages", "tpgrpo")
-# What makes an iteration finished (as tpgrpo.pipeline.status): no probe.json, credit.mode flow_grpo runs no probe.
+# What makes an iteration finished (as tpgrpo.pipeline.status): not probe.json, which flow_grpo runs made before
+# its model-free probe stage do not have.
 ITER_FILES = ("rollout.json", "credit.json", "update.json", "eval.json", "eval.parquet")
 TRAIN_STAGES = ("rollout", "probe", "credit", "update")  # the training cost; eval is measurement, not training
 SUMMARY = Path("data") / "metrics" / "summary.json"

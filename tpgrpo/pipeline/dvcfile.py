@@ -141,8 +141,7 @@ def iteration_stages(cfg: Config, i: int, manifests: bool = True) -> dict[str, d
                      cfg.task.eval_prompts, f"{d}/policy"],
             "outs": [_uncached(f"{d}/eval.parquet"), _uncached(f"{d}/eval.json")]},
     }
-    order = ("rollout", "probe", "credit", "update", "eval")  # dvc.yaml reads in pipeline order
-    return {name: stages[name] for stem in order for name in stages if name.startswith(stem + "-")}
+    return stages  # in pipeline order
 
 
 def _out_path(out) -> str:
