@@ -14,7 +14,7 @@ from tpgrpo.config import ConfigError, config_from_dict
 from tpgrpo.errors import PipelineError
 from tpgrpo.pipeline.dvcfile import STAGE_PARAMS, block_out_paths, block_stage, iteration_stages, render
 from tpgrpo.pipeline.sealing import kept_outs, repro_ends, retain, sealable, stage_names, unseal_changed
-from tpgrpo.pipeline.blocks import Block, full_blocks, param_values, read_lock, read_seal, write_lock, write_yaml
+from tpgrpo.pipeline.blocks import Block, current_entries, full_blocks, param_values, read_lock, read_seal, write_lock, write_yaml
 
 
 def _raw(**train) -> dict:
@@ -145,6 +145,31 @@ def test_changed_params_unseal_a_block_and_bring_its_per_stage_entries_back(tmp_
     assert unseal_changed(root, config_from_dict(raw), raw) == [Block(1, 2)]
     stages = read_lock(root)["stages"]
     assert set(stage_names(cfg, Block(1, 2))) <= set(stages) and "iters-0001-0002" not in stages
+
+
+def test_unsealing_restores_each_stage_as_the_blocks_last_run_recorded_it():
+    """A code change re-ran the sealed block: DVC rewrote the block's entry (new manifest, new outputs) but
+    not the per-stage entries saved at sealing. Restored, each stage must carry the block's newer record."""
+    def item(path, md5):
+        return {"path": path, "hash": "md5", "md5": md5, "size": 1}
+    sealed_then = {
+        "credit-0001": {"cmd": "tpgrpo stage credit --iter 1",
+                        "deps": [item("data/code/credit.json", "old-code"), item("data/iters/0001/probe.parquet", "p1"),
+                                 item("data/only/in/stage", "s")],
+                        "params": {"params.yaml": {"credit": {"mode": "tp"}, "probe.completion": "exact",
+                                                   "not.in_block": 1}},
+                        "outs": [item("data/iters/0001/credit.parquet", "c-old")]}}
+    block = {"deps": [item("data/code/credit.json", "new-code")],
+             "params": {"params.yaml": {"credit": {"mode": "incremental"}, "probe": {"completion": "ode:2"}}},
+             "outs": [item("data/iters/0001/probe.parquet", "p1-new"), item("data/iters/0001/credit.parquet", "c-new")]}
+    now = current_entries(sealed_then, block)["credit-0001"]
+    assert [d["md5"] for d in now["deps"]] == ["new-code", "p1-new", "s"]  # a path the block lacks: as recorded
+    assert [o["md5"] for o in now["outs"]] == ["c-new"]
+    assert now["params"]["params.yaml"] == {"credit": {"mode": "incremental"}, "probe.completion": "ode:2",
+                                            "not.in_block": 1}
+    assert now["cmd"] == sealed_then["credit-0001"]["cmd"]
+    assert sealed_then["credit-0001"]["outs"][0]["md5"] == "c-old"  # the input is not modified
+    assert current_entries(sealed_then, None) == sealed_then  # no block entry (interrupted sealing): as recorded
 
 
 def test_a_block_beyond_a_lowered_iteration_count_stays_sealed_for_later(tmp_path):

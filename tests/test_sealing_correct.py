@@ -154,6 +154,22 @@ def test_lowering_the_iteration_count_into_a_sealed_block_re_runs_nothing(run_co
     assert _dvc_status(root) == {}
 
 
+@pytest.mark.slow
+def test_a_params_edit_after_a_code_change_re_runs_only_the_stages_it_touches(run_copy):
+    root = run_copy
+    with open(root / "stages/credit.py", "a") as f:
+        f.write("\n# a code change only the credit stages import\n")
+    out = _tpgrpo(root, "run").stdout
+    assert BLOCK.name in _ran(out) and BLOCK.seal_path(root).is_file()  # the sealed block re-ran whole
+    _edit_params(root, "num_steps: 4\n  num_prompts", "num_steps: 3\n  num_prompts")  # eval.num_steps
+    out = _tpgrpo(root, "run").stdout
+    assert "unsealed iters-0001-0002" in out
+    ran = {name.rsplit("-", 1)[0] for name in _ran(out)}
+    # before the block's entries were refreshed on unsealing, every stage of the block re-ran here
+    assert ran <= {"code", "eval", "baseline", "summary"}, _ran(out)
+    assert {"eval-0001", "eval-0002"} <= set(_ran(out)) and _dvc_status(root) == {}
+
+
 def _dropped_dirs(root: Path) -> tuple[dict, dict]:
     """The block's lock outs (path -> entry) before retention, and its per-stage entries."""
     outs = {o["path"]: o for o in read_lock(root)["stages"][BLOCK.name]["outs"]}

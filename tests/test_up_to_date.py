@@ -18,16 +18,15 @@ import up_to_date_actions as ua
 import up_to_date_harness as h
 import up_to_date_runner as ur
 
-# What CI draws from. Left out (the bench still runs them, see bench/up_to_date.py):
-# - edit_code: open finding (issue 25, sealing): a code change re-runs a sealed block through `tpgrpo block`
-#   and reseals it with the per-stage lock entries of its FIRST sealing (old code manifests); a later params
-#   edit unseals those stale entries and stages the edit does not touch re-run (credit-0001/0002 after an eval
-#   edit). Results stay right, (c) fails. Put it back when the seal keeps the entries of the latest run.
+# What CI draws from: every action but edit_during_run (the bench runs all, see bench/up_to_date.py).
+# - edit_code: fixed since (a code change re-ran a sealed block and a later params edit unsealed the per-stage
+#   entries of its first sealing, so untouched stages re-ran; unsealing now restores what the block's last run
+#   recorded, blocks.current_entries); in CI again.
 # - rerun_same / rerun_other: fixed since (every stage log is a DVC output, eval.json too; a hand re-run with
 #   the same params may re-run that stage once more: its log's wall seconds changed); in CI again.
 # - edit_during_run: timing-dependent by nature (an edit lands in a random stage); bench only.
-CI_ACTIONS = ["edit_upstream", "edit_leaf", "touch", "rerun_same", "rerun_other", "delete", "damage", "retain",
-              "iterations", "sigkill", "yaml12"]
+CI_ACTIONS = ["edit_upstream", "edit_leaf", "edit_code", "touch", "rerun_same", "rerun_other", "delete", "damage",
+              "retain", "iterations", "sigkill", "yaml12"]
 CHEAP_ACTIONS = ["touch", "edit_leaf", "yaml12"]
 
 

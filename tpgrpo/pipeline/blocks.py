@@ -133,6 +133,39 @@ def param_values(raw: dict, keys: list[str]) -> dict:
     return values
 
 
+def current_entries(entries: dict, block_entry: dict | None) -> dict:
+    """A sealed block's per-stage dvc.lock ``entries`` (written at its sealing) brought up to its own lock entry
+    ``block_entry``: every dep, out and param the block's entry also records is taken from it.
+
+    Why: when a code change re-runs a sealed block (``tpgrpo block``), DVC rewrites the block's entry only.
+    Restored as recorded at sealing, every re-run output would look changed to DVC, and a later params edit
+    would re-run stages it does not touch. The block's entry is what DVC recorded after its last run, so each
+    stage's deps, outs and params taken from it are what that stage last ran with and wrote. A path or param
+    the block's entry lacks keeps its recorded value (DVC re-runs the stage if that is stale)."""
+    if not block_entry:
+        return entries
+    files = {i["path"]: i for i in [*(block_entry.get("deps") or []), *(block_entry.get("outs") or [])]}
+    params = (block_entry.get("params") or {}).get("params.yaml") or {}
+
+    def value(key: str, recorded):
+        section, _, name = key.partition(".")
+        if key in params:
+            return params[key]
+        return params[section].get(name, recorded) if name and isinstance(params.get(section), dict) else recorded
+
+    current = {}
+    for stage, entry in entries.items():
+        entry = dict(entry)
+        for part in ("deps", "outs"):
+            if entry.get(part):
+                entry[part] = [dict(files.get(item["path"], item)) for item in entry[part]]
+        if (entry.get("params") or {}).get("params.yaml"):
+            own = entry["params"]["params.yaml"]
+            entry["params"] = {**entry["params"], "params.yaml": {k: value(k, v) for k, v in own.items()}}
+        current[stage] = entry
+    return current
+
+
 # --- DVC's cache objects (retention frees those of the outputs it dropped) ---
 
 def object_path(cache: Path, oid: str, legacy: bool) -> Path:

@@ -17,7 +17,10 @@ The guarantees stay those of per-stage DVC:
   for a lowered iteration count);
 - a block ``tpgrpo retain`` thinned is never unsealed (its stages would miss outputs and DVC would re-run
   its rollouts): the change is refused with one line;
-- a code change re-runs a whole sealed block (``tpgrpo block``), stage by stage, one process per stage.
+- a code change re-runs a whole sealed block (``tpgrpo block``), stage by stage, one process per stage;
+  DVC then rewrites the block's lock entry only, and unsealing it later restores each stage's entry as that
+  run left it (:func:`tpgrpo.pipeline.blocks.current_entries`), so a params edit after a code change re-runs
+  only the stages the edit touches.
 """
 
 from __future__ import annotations
@@ -34,8 +37,8 @@ from typing import Callable
 from tpgrpo.config import Config
 from tpgrpo.errors import PipelineError
 from tpgrpo.pipeline.block_logs import write_digest
-from tpgrpo.pipeline.blocks import (Block, entry_oids, full_blocks, param_values, read_as_dvc, read_lock, read_seal,
-                                    seal_files, unreferenced, write_lock, write_yaml)
+from tpgrpo.pipeline.blocks import (Block, current_entries, entry_oids, full_blocks, param_values, read_as_dvc,
+                                    read_lock, read_seal, seal_files, unreferenced, write_lock, write_yaml)
 from tpgrpo.pipeline.dvcfile import block_out_paths, block_stage, iteration_stages, stage_command, write_dvc_yaml
 
 DROPPABLE = {"trajectories.zarr": "trajectories", "prompt_embeds.safetensors": "trajectories",
@@ -191,7 +194,7 @@ def dropped_outs(root: Path, block: Block, entries: dict | None = None) -> list[
 def unseal_changed(root: Path, cfg: Config, raw_params: dict | None = None) -> list[Block]:
     """Unseal the sealed blocks this config no longer matches (:func:`unseal_reason`; ``raw_params``:
     params.yaml's values, read from the file as DVC reads it when None). Restores their per-stage lock
-    entries; returns the blocks unsealed. Refuses (PipelineError, one line, nothing changed) when one of
+    entries, as the block's own entry last recorded them (:func:`current_entries`); returns the blocks unsealed. Refuses (PipelineError, one line, nothing changed) when one of
     them was thinned by ``tpgrpo retain``: its restored stages would miss outputs and DVC would re-run them."""
     files = seal_files(root)
     if not files:
@@ -200,7 +203,7 @@ def unseal_changed(root: Path, cfg: Config, raw_params: dict | None = None) -> l
     lock = read_lock(root)
     stages = lock.setdefault("stages", {})
     todo = {b: why for b in files if (why := unseal_reason(cfg, b, stages.get(b.name), params))}
-    entries = {b: read_seal(b.entries_path(root)) for b in todo}
+    entries = {b: current_entries(read_seal(b.entries_path(root)), stages.get(b.name)) for b in todo}
     for block, why in todo.items():
         gone = dropped_outs(root, block, entries[block])
         if gone:
