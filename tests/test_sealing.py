@@ -14,7 +14,8 @@ from tpgrpo.config import ConfigError, config_from_dict
 from tpgrpo.errors import PipelineError
 from tpgrpo.pipeline.dvcfile import STAGE_PARAMS, block_out_paths, block_stage, iteration_stages, render
 from tpgrpo.pipeline.sealing import kept_outs, repro_ends, retain, sealable, stage_names, unseal_changed
-from tpgrpo.pipeline.blocks import Block, current_entries, full_blocks, param_values, read_lock, read_seal, write_lock, write_yaml
+from tpgrpo.pipeline.blocks import (Block, current_entries, disagreements, full_blocks, param_values, read_lock,
+                                    read_seal, write_lock, write_yaml)
 
 
 def _raw(**train) -> dict:
@@ -170,6 +171,11 @@ def test_unsealing_restores_each_stage_as_the_blocks_last_run_recorded_it():
     assert now["cmd"] == sealed_then["credit-0001"]["cmd"]
     assert sealed_then["credit-0001"]["outs"][0]["md5"] == "c-old"  # the input is not modified
     assert current_entries(sealed_then, None) == sealed_then  # no block entry (interrupted sealing): as recorded
+    assert disagreements(sealed_then, block) == [
+        "credit-0001: data/code/credit.json", "credit-0001: data/iters/0001/probe.parquet",
+        "credit-0001: data/iters/0001/credit.parquet", "credit-0001: credit.mode", "credit-0001: probe.completion"]
+    assert disagreements(current_entries(sealed_then, block), block) == []
+    assert disagreements(sealed_then, None) == ["credit-0001: no block entry"]
 
 
 def test_a_block_beyond_a_lowered_iteration_count_stays_sealed_for_later(tmp_path):

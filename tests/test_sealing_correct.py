@@ -137,6 +137,33 @@ def test_a_block_whose_stage_is_stale_by_dvcs_measure_is_not_sealed(run_copy):
 
 
 @pytest.mark.slow
+def test_a_params_edit_between_status_and_commit_does_not_seal_the_block(run_copy, monkeypatch):
+    import tpgrpo.pipeline.sealing as sealing
+
+    root = run_copy
+    cfg = load_config(root / "params.yaml")
+    _unseal_by_hand(root)
+    real_dvc = sealing.dvc
+
+    def edit_then_dvc(where, *args):  # the user saves params.yaml just as the block is committed
+        if args[0] == "commit":
+            _edit_params(root, "adv_clip: 5.0", "adv_clip: 4.0")
+        real_dvc(where, *args)
+
+    monkeypatch.setattr(sealing, "dvc", edit_then_dvc)
+    notes: list[str] = []
+    assert seal_finished(root, cfg, note=notes.append) == []  # before: sealed, recording adv_clip 4.0 as run
+    assert not BLOCK.seal_path(root).exists() and BLOCK.name not in read_lock(root)["stages"]
+    assert len(notes) == 1 and "credit.adv_clip" in notes[0] and "while it was being sealed" in notes[0], notes
+    stale = _dvc_status(root)
+    assert {"credit-0001", "credit-0002"} <= set(stale), stale
+    monkeypatch.setattr(sealing, "dvc", real_dvc)
+    out = _tpgrpo(root, "run").stdout
+    assert {"credit-0001", "credit-0002"} <= set(_ran(out)) and "sealed iters-0001-0002" in out, out
+    assert _dvc_status(root) == {}
+
+
+@pytest.mark.slow
 def test_lowering_the_iteration_count_into_a_sealed_block_re_runs_nothing(run_copy):
     root = run_copy
     _edit_params(root, "iterations: 2", "iterations: 1")

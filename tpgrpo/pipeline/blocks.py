@@ -166,6 +166,27 @@ def current_entries(entries: dict, block_entry: dict | None) -> dict:
     return current
 
 
+def disagreements(entries: dict, block_entry: dict | None) -> list[str]:
+    """Where a sealed block's per-stage ``entries`` and its own lock entry ``block_entry`` disagree: ``stage:
+    path`` for a dep or out of another md5, ``stage: key`` for a param of another value; every stage when
+    there is no block entry. Empty when the block's entry records exactly what its stages ran with."""
+    if not block_entry:
+        return [f"{stage}: no block entry" for stage in entries]
+    now, found = current_entries(entries, block_entry), []
+    for stage, entry in entries.items():
+        for part in ("deps", "outs"):
+            found += [f"{stage}: {a['path']}" for a, b in zip(entry.get(part) or [], now[stage].get(part) or [])
+                      if a.get("md5") != b.get("md5")]
+        recorded = (entry.get("params") or {}).get("params.yaml") or {}
+        for key, was in recorded.items():
+            is_ = now[stage]["params"]["params.yaml"][key]
+            if is_ != was and isinstance(is_, dict) and isinstance(was, dict):
+                found += [f"{stage}: {key}.{k}" for k in sorted(set(was) | set(is_)) if was.get(k) != is_.get(k)]
+            elif is_ != was:
+                found.append(f"{stage}: {key}")
+    return found
+
+
 # --- DVC's cache objects (retention frees those of the outputs it dropped) ---
 
 def object_path(cache: Path, oid: str, legacy: bool) -> Path:

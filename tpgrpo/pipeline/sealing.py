@@ -37,8 +37,8 @@ from typing import Callable
 from tpgrpo.config import Config
 from tpgrpo.errors import PipelineError
 from tpgrpo.pipeline.block_logs import write_digest
-from tpgrpo.pipeline.blocks import (Block, current_entries, entry_oids, full_blocks, param_values, read_as_dvc,
-                                    read_lock, read_seal, seal_files, unreferenced, write_lock, write_yaml)
+from tpgrpo.pipeline.blocks import (Block, current_entries, disagreements, entry_oids, full_blocks, param_values,
+                                    read_as_dvc, read_lock, read_seal, seal_files, unreferenced, write_lock, write_yaml)
 from tpgrpo.pipeline.dvcfile import block_out_paths, block_stage, iteration_stages, stage_command, write_dvc_yaml
 
 DROPPABLE = {"trajectories.zarr": "trajectories", "prompt_embeds.safetensors": "trajectories",
@@ -149,7 +149,31 @@ def seal_finished(root: Path, cfg: Config, upto: int | None = None,
         # the last block's repro dvc.yaml has no summary
         summary = ["summary"] if upto in (None, cfg.train.iterations) else []
         dvc(root, "commit", "--force", "--quiet", *[b.name for b in new], *summary)
+        new = _undo_changed_while_sealing(root, cfg, new, upto, note)
     return new
+
+
+def _undo_changed_while_sealing(root: Path, cfg: Config, blocks: list[Block], upto: int | None,
+                                note: Callable[[str], None] | None) -> list[Block]:
+    """``dvc commit`` records params.yaml and the files as they are when it runs, seconds after ``dvc status``
+    found the stages up to date: a params edit in between would be recorded as what the block ran with. Any
+    block whose new entry disagrees with its stages' own entries is unsealed again (its stages' entries back,
+    named in one ``note`` line), so the next repro re-runs what changed. Returns the blocks that stay sealed."""
+    lock = read_lock(root)
+    stages = lock["stages"]
+    bad = {b: d for b in blocks if (d := disagreements(read_seal(b.entries_path(root)), stages.get(b.name)))}
+    for block, found in bad.items():
+        stages.pop(block.name, None)
+        stages.update(read_seal(block.entries_path(root)))
+        block.seal_path(root).unlink()
+        block.entries_path(root).unlink()
+        if note is not None:
+            note(f"not sealed: {block.name}: {found[0]} changed while it was being sealed; the next `tpgrpo run` "
+                 "re-runs what changed")
+    if bad:
+        write_lock(root, lock)
+        write_dvc_yaml(cfg, root, upto)
+    return [b for b in blocks if b not in bad]
 
 
 def changed_keys(recorded: dict, now: dict) -> list[str]:
