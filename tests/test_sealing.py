@@ -372,3 +372,43 @@ def test_sealed_run_keeps_dvc_guarantees_retention_and_sharing_through_a_remote(
         assert (clone / credit).read_bytes() == before
     exported = _tpgrpo(clone, "export", "--iter", "2", "--out", str(tmp_path / "adapter"))
     assert "exported" in exported and (tmp_path / "adapter" / "pytorch_lora_weights.safetensors").is_file()
+
+
+def _git(root: Path, *args: str) -> str:
+    return subprocess.run(["git", "-c", "user.email=t@t", "-c", "user.name=t", *args], cwd=root, check=True,
+                          capture_output=True, text=True).stdout.strip()
+
+
+def test_retain_never_frees_an_object_a_commit_or_an_experiment_records(tmp_path):
+    """Objects of dropped outs are freed only when no dvc.lock or block entries in git (any commit, any
+    ``refs/exps`` experiment) record them: ``git checkout`` + ``dvc checkout`` / ``dvc exp apply`` need them."""
+    from types import SimpleNamespace
+
+    from tpgrpo.pipeline.blocks import committed_oids, object_path
+    from tpgrpo.pipeline.sealing import free_cache
+
+    root, cache = tmp_path / "project", tmp_path / "project" / ".dvc" / "cache"
+    (root / "data" / "seals").mkdir(parents=True)
+    md5 = {name: f"{i:032x}" for i, name in enumerate(["branch", "sealed", "experiment", "nobody"], start=1)}
+    out = lambda name: {"path": f"data/{name}", "hash": "md5", "md5": md5[name]}  # noqa: E731
+    for name in md5:
+        path = object_path(cache, md5[name], legacy=False)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(name)
+    _git(root, "init", "-q")
+    write_lock(root, {"schema": "2.0", "stages": {"a": {"cmd": "x", "outs": [out("branch")]}}})
+    write_yaml(root / "data/seals/0001-0002.stages", {"b": {"cmd": "y", "outs": [out("sealed")]}})
+    _git(root, "add", "dvc.lock", "data/seals")
+    _git(root, "commit", "-q", "-m", "a run")
+    write_lock(root, {"schema": "2.0", "stages": {"a": {"cmd": "x", "outs": [out("experiment")]}}})
+    _git(root, "commit", "-q", "-am", "an experiment")
+    _git(root, "update-ref", "refs/exps/ab/cdef/exp-1", "HEAD")  # where `dvc exp run` keeps its commits
+    _git(root, "reset", "-q", "--hard", "HEAD~1")
+    (root / "data/seals/0001-0002.stages").unlink()
+    assert committed_oids(root) == {(False, md5[n]) for n in ("branch", "sealed", "experiment")}
+    repo = SimpleNamespace(config={}, cache=SimpleNamespace(local=SimpleNamespace(path=str(cache / "files" / "md5"))))
+    gone = [out(name) for name in md5]
+    assert free_cache(root, repo, {"stages": {}}, gone)[0] == 1  # only the object nothing records
+    assert [n for n in md5 if object_path(cache, md5[n], legacy=False).exists()] == ["branch", "sealed", "experiment"]
+    (tmp_path / "plain").mkdir()
+    assert committed_oids(tmp_path / "plain") == set()  # not in git: nothing

@@ -224,3 +224,29 @@ def unreferenced(cache: Path, dropped: set[tuple[bool, str]], kept: set[tuple[bo
         inner = sorted(dir_files(cache, legacy, oid) - kept_all)
         paths += [object_path(cache, o, lg) for lg, o in inner] + [object_path(cache, oid, legacy)]
     return [p for p in dict.fromkeys(paths) if p.is_file()]
+
+
+def committed_oids(root: Path) -> set[tuple[bool, str]]:
+    """Every cache object that a ``dvc.lock`` or a sealed block's ``.stages`` file records in any commit git
+    can reach from a ref of ``root``'s repository (branches, tags, DVC experiments under ``refs/exps``): what
+    ``git checkout`` + ``dvc checkout`` or ``dvc exp apply`` would need. Empty where ``root`` is not in git."""
+    import subprocess
+
+    def git(*args: str, data: str | None = None) -> str:
+        done = subprocess.run(["git", *args], cwd=root, input=data, capture_output=True, text=True)
+        return done.stdout if done.returncode == 0 else ""
+
+    commits = git("rev-list", "--all").split()
+    blobs = set()
+    for commit in commits:
+        for line in git("ls-tree", "-r", commit, "--", "dvc.lock", str(SEALS)).splitlines():
+            meta, _, path = line.partition("\t")
+            if path == "dvc.lock" or path.endswith(".stages"):
+                blobs.add((meta.split()[2], path == "dvc.lock"))
+    from dvc.utils.serialize import parse_yaml
+
+    found: set[tuple[bool, str]] = set()
+    for blob, is_lock in sorted(blobs):
+        data = parse_yaml(git("cat-file", "blob", blob), blob) or {}
+        found |= entry_oids((data.get("stages") or {}).values() if is_lock else data.values())
+    return found

@@ -37,8 +37,9 @@ from typing import Callable
 from tpgrpo.config import Config
 from tpgrpo.errors import PipelineError
 from tpgrpo.pipeline.block_logs import write_digest
-from tpgrpo.pipeline.blocks import (Block, current_entries, disagreements, entry_oids, full_blocks, param_values,
-                                    read_as_dvc, read_lock, read_seal, seal_files, unreferenced, write_lock, write_yaml)
+from tpgrpo.pipeline.blocks import (Block, committed_oids, current_entries, disagreements, entry_oids, full_blocks,
+                                    param_values, read_as_dvc, read_lock, read_seal, seal_files, unreferenced,
+                                    write_lock, write_yaml)
 from tpgrpo.pipeline.dvcfile import block_out_paths, block_stage, iteration_stages, stage_command, write_dvc_yaml
 
 DROPPABLE = {"trajectories.zarr": "trajectories", "prompt_embeds.safetensors": "trajectories",
@@ -218,8 +219,9 @@ def dropped_outs(root: Path, block: Block, entries: dict | None = None) -> list[
 def unseal_changed(root: Path, cfg: Config, raw_params: dict | None = None) -> list[Block]:
     """Unseal the sealed blocks this config no longer matches (:func:`unseal_reason`; ``raw_params``:
     params.yaml's values, read from the file as DVC reads it when None). Restores their per-stage lock
-    entries, as the block's own entry last recorded them (:func:`current_entries`); returns the blocks unsealed. Refuses (PipelineError, one line, nothing changed) when one of
-    them was thinned by ``tpgrpo retain``: its restored stages would miss outputs and DVC would re-run them."""
+    entries, as the block's own entry last recorded them (:func:`current_entries`); returns the blocks
+    unsealed. Refuses (PipelineError, one line, nothing changed) when one of them was thinned by ``tpgrpo
+    retain``: its restored stages would miss outputs and DVC would re-run them."""
     files = seal_files(root)
     if not files:
         return []
@@ -335,14 +337,17 @@ def dvc_lock_held(root: Path):
 
 def free_cache(root: Path, repo, lock: dict, gone: list[dict]) -> tuple[int, int] | None:
     """Remove the cache objects of the dropped outs ``gone`` (their dvc.lock out entries) that nothing else
-    references: this dvc.lock (``lock``, already without them) and the per-stage entries of every sealed block
-    (but the outputs retention dropped from it). Returns (objects, bytes) removed; None, removing nothing,
-    where ``cache.dir`` is set (a cache other projects may share: this project cannot see their needs).
-    Unlike ``dvc gc --workspace`` it leaves what experiments, other commits and other projects stored."""
+    references: this dvc.lock (``lock``, already without them), the per-stage entries of every sealed block
+    (but the outputs retention dropped from it), and every dvc.lock and block entries git holds in any commit
+    or DVC experiment (:func:`tpgrpo.pipeline.blocks.committed_oids`). Returns (objects, bytes) removed;
+    None, removing nothing, where ``cache.dir`` is set (a cache other projects may share: this project cannot
+    see their needs).
+    Unlike ``dvc gc --workspace`` it leaves what experiments, other commits and other projects stored (an
+    experiment's files that were never committed to git, e.g. a queued one's, are not seen)."""
     if repo is None or repo.config.get("cache", {}).get("dir"):
         return None
     cache = Path(repo.cache.local.path).parents[1]  # <cache>/files/md5 -> <cache>
-    kept = entry_oids(lock.get("stages", {}).values())
+    kept = entry_oids(lock.get("stages", {}).values()) | committed_oids(root)
     for block in seal_files(root):
         if block.entries_path(root).is_file():
             entries = read_seal(block.entries_path(root))
