@@ -158,7 +158,7 @@ def local_device(device: str, dist: Dist) -> str:
 
 
 def init(device: str = "cpu", timeout_s: float = DEFAULT_TIMEOUT_S, label: str = "stage") -> Dist:
-    """Set up this process's ``Dist`` from the environment ``accelerate launch`` provides.
+    """Set up this process's ``Dist`` from the environment the launcher provides (accelerate, torchrun).
 
     ``device`` is the model device (``cpu`` -> gloo, ``cuda`` -> NCCL); ``timeout_s`` bounds every
     barrier and all-reduce (accelerate's ``InitProcessGroupKwargs(timeout=...)``). When one process dies,
