@@ -30,9 +30,9 @@ def eval_images(cfg: Config, root: Path, backend, label: str, artifact: Path):
     ``EVAL_TABLE_COLUMNS`` (one row per prompt and eval seed, prompt order then sample order).
 
     The images (each prompt with its ``samples_per_prompt`` seeds) are cut into chunks of at most
-    ``rollout.batch_size`` images (whole prompts when one fits), spread over the processes; per-image rewards are merged on the main
-    process (part files next to ``artifact``), which returns the table; other processes return None.
-    Non-finite rewards are a one-line error.
+    ``rollout.batch_size`` images (whole prompts when one fits), spread over the processes; per-image rewards
+    are merged on the main process (part files next to ``artifact``), which returns the table; other processes
+    return None. Non-finite rewards are a one-line error.
     """
     import pandas as pd
 

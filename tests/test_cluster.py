@@ -76,7 +76,8 @@ def same_tables(a: Path, b: Path) -> None:
     """Iteration 1's rollout, probe and credit artifacts, byte for byte (Zarr chunks and attributes too)."""
     for name in ("trajectories.zarr", "prompt_embeds.safetensors", "probe.parquet", "credit.parquet"):
         left, right = iteration_dir(a) / name, iteration_dir(b) / name
-        assert (tree_bytes(left) == tree_bytes(right)) if left.is_dir() else left.read_bytes() == right.read_bytes(), name
+        same = tree_bytes(left) == tree_bytes(right) if left.is_dir() else left.read_bytes() == right.read_bytes()
+        assert same, name
     base = Path("data/iters/baseline_eval.parquet")
     assert (a / base).read_bytes() == (b / base).read_bytes()
 

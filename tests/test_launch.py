@@ -132,3 +132,27 @@ def test_bad_launcher_values_are_one_line():
     raw["launch"].update(launcher="torchrun", config_file="a.yaml")
     with pytest.raises(ConfigError, match="expected launch.launcher accelerate"):
         config_from_dict(raw)
+
+
+def test_a_missing_launcher_package_is_one_line():
+    from tpgrpo.pipeline.launch import _module
+
+    with pytest.raises(PipelineError, match="launch.launcher needs no_such_launcher, which is not installed"):
+        _module("no_such_launcher", "no_such_launcher.run")
+
+
+def test_the_main_process_waits_for_a_part_another_node_renames_late(tmp_path):
+    """A shared filesystem's client may see another node's renamed part a moment after the barrier."""
+    import threading
+    import time
+
+    from tpgrpo.pipeline.distributed import _wait_for
+
+    late = tmp_path / "chunk-00001.npz"
+    threading.Timer(0.3, late.write_bytes, args=(b"part",)).start()
+    start = time.monotonic()
+    _wait_for([late], timeout_s=30)
+    assert late.is_file() and time.monotonic() - start < 10  # returned once it appeared, not at the timeout
+    start = time.monotonic()
+    _wait_for([tmp_path / "never"], timeout_s=1.0)  # a part that never comes: merge_parts then names it
+    assert 0.9 <= time.monotonic() - start < 5

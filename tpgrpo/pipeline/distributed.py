@@ -10,20 +10,20 @@ How the work is split (pure functions below, none depends on the process count):
   with the same tensor shapes on 1 or N processes, so its numbers are bit-identical (at the same number of
   threads per process).
 - ``round_robin``: chunk ``c`` runs on process ``c % P``.
-- ``run_chunks``: each process writes the arrays of its chunks as part files in a hidden temp folder
-  next to the artifact (on a filesystem every node shares); after a barrier the main process reads every part, checks that none is
-  missing, and merges them in chunk order (``merge_parts``): the canonical order of a 1-process run.
-  The stage then writes the artifact atomically; a failed process leaves only the temp folder, which the
-  next run removes.
+- ``run_chunks``: each process writes the arrays of its chunks as part files in a hidden temp folder next to
+  the artifact (on a filesystem every node shares); after a barrier the main process reads every part, checks
+  that none is missing, and merges them in chunk order (``merge_parts``): the canonical order of a 1-process
+  run. The stage then writes the artifact atomically; a failed process leaves only the temp folder, which the
+  next run empties.
 - ``even_slice`` / ``sum_gradients``: the update splits each optimizer step's transitions into P
   contiguous near-equal slices; every process weights its losses by ``1 / (transitions of the step)``
   and the gradients are summed over processes, so each step's gradient is the mean over the same global
   set of transitions on any process count.
 
 One process (no ``WORLD_SIZE`` > 1 in the environment) needs neither accelerate nor torch.distributed:
-``current()`` is then a plain single-process ``Dist``. Once launched, ``init`` builds the
-process group with accelerate from the launcher's environment (gloo on the CPU, NCCL on GPUs) and a timeout, so a process whose peer
-died fails at its next barrier or all-reduce within ``timeout_s`` instead of waiting forever.
+``current()`` is then a plain single-process ``Dist``. Once launched, ``init`` builds the process group with
+accelerate from the launcher's environment (gloo on the CPU, NCCL on GPUs) and a timeout, so a process whose
+peer died fails at its next barrier or all-reduce within ``timeout_s`` instead of waiting forever.
 """
 
 from __future__ import annotations
