@@ -17,7 +17,7 @@ import numpy as np
 from tpgrpo.io.artifacts import IterationPaths, require, write_json, write_parquet
 from tpgrpo.comparison.stats import EVAL_TABLE_COLUMNS
 from tpgrpo.config import Config
-from tpgrpo.pipeline.distributed import chunk_bar, current, group_chunks, run_chunks, warn_if_idle
+from tpgrpo.pipeline.distributed import chunk_bar, current, row_chunks, run_chunks, warn_if_idle
 from tpgrpo.errors import PipelineError
 from tpgrpo.stage_common import check_finite, load_policy, provenance, resolve, stopwatch
 
@@ -29,10 +29,10 @@ def eval_images(cfg: Config, root: Path, backend, label: str, artifact: Path):
     """Per-image results of ``backend`` on the held-out prompts (ODE, eval.num_steps), a DataFrame with
     ``EVAL_TABLE_COLUMNS`` (one row per prompt and eval seed, prompt order then sample order).
 
-    Prompts (each with its ``samples_per_prompt`` seeds) are cut into chunks of at most
-    ``rollout.batch_size`` images, spread over the processes; per-image rewards are merged on the main
-    process (part files next to ``artifact``), which returns the table; other processes return None.
-    Non-finite rewards are a one-line error.
+    The images (each prompt with its ``samples_per_prompt`` seeds) are cut into chunks of at most
+    ``rollout.batch_size`` images (whole prompts when one fits), spread over the processes; per-image rewards
+    are merged on the main process (part files next to ``artifact``), which returns the table; other processes
+    return None. Non-finite rewards are a one-line error.
     """
     import pandas as pd
 
@@ -47,11 +47,11 @@ def eval_images(cfg: Config, root: Path, backend, label: str, artifact: Path):
     seeds = evaluation_seeds(cfg.eval.seed, metas, S)
     rewards = (("eval", cfg.task.eval_reward), ("train", cfg.task.reward))
     built = {key: build_reward(spec, cfg, root) for key, spec in rewards}  # before sampling: folders checked
-    dist, chunks = current(), group_chunks(len(metas), S, cfg.rollout.batch_size)
+    dist, chunks = current(), row_chunks(len(batch_metas), S, cfg.rollout.batch_size)
     warn_if_idle(dist, len(chunks), "rollout.batch_size")
 
-    def compute(c: int) -> dict:  # chunk c: whole prompts, the same images on any process count
-        a, b = chunks[c][0] * S, chunks[c][1] * S
+    def compute(c: int) -> dict:  # chunk c: fixed images, the same on any process count
+        a, b = chunks[c]
         images = sample_ode(backend, [m["prompt"] for m in batch_metas[a:b]], seeds[a:b],
                             num_steps=cfg.eval.num_steps, guidance_scale=cfg.sampling.guidance_scale,
                             shift=cfg.sampling.shift, batch_size=cfg.rollout.batch_size)

@@ -18,7 +18,7 @@ import pandas as pd
 
 from tpgrpo.io.artifacts import IterationPaths, read_trajectories, write_json, write_table
 from tpgrpo.config import Config
-from tpgrpo.pipeline.distributed import chunk_bar, current, group_chunks, local_device, run_chunks, warn_if_idle
+from tpgrpo.pipeline.distributed import chunk_bar, current, row_chunks, local_device, run_chunks, warn_if_idle
 from tpgrpo.errors import PipelineError
 from tpgrpo.models import load_backend  # light: the backends import torch and diffusers when one loads
 from tpgrpo.stage_common import check_finite, load_policy, prompt_embeddings, provenance, resolve, stopwatch
@@ -103,11 +103,11 @@ def _score_states(cfg: Config, iteration: int, root: Path, arrays: dict, attrs: 
     K, G = K1 - 1, int(attrs["group_size"])
     rows = torch.from_numpy(arrays["prompt_index"]).long()
     sigmas = torch.tensor(attrs["schedule_sigmas"], dtype=torch.float32)
-    chunks = group_chunks(N // G, G * K, cfg.probe.batch_size)  # at most probe.batch_size states a chunk
+    chunks = row_chunks(N, G, max(1, cfg.probe.batch_size // K))  # at most probe.batch_size states a chunk (K each)
     warn_if_idle(dist, len(chunks), "probe.batch_size")
 
-    def compute(c: int) -> dict:  # chunk c: whole groups, the same shapes on any process count
-        a, b = chunks[c][0] * G, chunks[c][1] * G
+    def compute(c: int) -> dict:  # chunk c: fixed trajectories, the same shapes on any process count
+        a, b = chunks[c]
         if completion.kind == "x0":  # the rollout's z_k - s_k v_k: decode and score, no transformer pass
             x0 = np.asarray(arrays["x0_estimates"][a:b])
             final, passes = torch.from_numpy(x0.reshape(-1, *x0.shape[2:])).to(backend.device), 0

@@ -15,7 +15,7 @@ import torch
 
 from tpgrpo.io.artifacts import IterationPaths, write_json, write_zarr
 from tpgrpo.config import Config
-from tpgrpo.pipeline.distributed import chunk_bar, current, group_chunks, run_chunks, warn_if_idle
+from tpgrpo.pipeline.distributed import chunk_bar, current, row_chunks, run_chunks, warn_if_idle
 from tpgrpo.stage_common import (check_finite, load_policy, prompt_embeddings, provenance, sampler_spec, select_prompts,
                              stopwatch)
 from tpgrpo.algo.seeds import sample_seed
@@ -37,12 +37,12 @@ def run(cfg: Config, iteration: int, root: Path) -> dict:
         seeds = [sample_seed(cfg.train.seed, iteration, metas[p]["id"], int(g))
                  for p, g in zip(prompt_index, sample)]
         embeds = prompt_embeddings(cfg, root, iteration, backend, [m["prompt"] for m in metas], write=True)
-        chunks = group_chunks(len(metas), G, cfg.rollout.batch_size)
+        chunks = row_chunks(len(seeds), G, cfg.rollout.batch_size)
         warn_if_idle(dist, len(chunks), "rollout.batch_size")
         keep_x0 = cfg.probe.completion == "x0"  # the probe then scores these instead of running the model
 
-        def compute(c: int) -> dict:  # chunk c: whole groups, the same shapes on any process count
-            rows = np.arange(chunks[c][0] * G, chunks[c][1] * G)
+        def compute(c: int) -> dict:  # chunk c: fixed rows, the same shapes on any process count
+            rows = np.arange(*chunks[c])
             parts = [rollout(backend, embeds.select(torch.as_tensor(prompt_index[b])), [seeds[i] for i in b], spec,
                              keep_x0=keep_x0)
                      for b in np.array_split(rows, -(-len(rows) // cfg.rollout.batch_size))]

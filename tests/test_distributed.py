@@ -6,7 +6,6 @@ The multi-process runs themselves (accelerate launch, gloo) are in test_distribu
 from __future__ import annotations
 
 import copy
-import shlex
 
 import numpy as np
 import pytest
@@ -14,27 +13,32 @@ import torch
 import yaml
 
 from tpgrpo.config import ConfigError, config_from_dict, load_config
-from tpgrpo.pipeline.distributed import (Dist, even_slice, group_chunks, merge_parts, parts_folder, round_robin,
+from tpgrpo.pipeline.distributed import (Dist, even_slice, merge_parts, parts_folder, round_robin, row_chunks,
                                 run_chunks, sum_gradients)
 from tpgrpo.errors import PipelineError
 
 
 @pytest.mark.parametrize("num_groups,group_size,max_items", [(8, 8, 64), (8, 8, 32), (3, 4, 4), (5, 4, 8),
-                                                             (3, 4, 3), (7, 1, 3), (0, 4, 8), (1, 24, 8)])
-def test_group_chunks_cover_whole_groups_in_order(num_groups, group_size, max_items):
-    chunks = group_chunks(num_groups, group_size, max_items)
-    groups = [g for a, b in chunks for g in range(a, b)]
-    assert groups == list(range(num_groups))  # every group once, in order
-    for a, b in chunks:
-        assert b > a
-        assert (b - a) * group_size <= max_items or b - a == 1  # a group larger than max_items stays whole
-    per = max(1, max_items // group_size)
-    assert all(b - a == per for a, b in chunks[:-1])  # fixed size: the layout has no process count in it
+                                                             (3, 4, 3), (7, 1, 3), (0, 4, 8), (1, 24, 8),
+                                                             (2, 4, 3), (2, 4, 1)])
+def test_row_chunks_cover_every_row_in_order_within_the_batch_size(num_groups, group_size, max_items):
+    n = num_groups * group_size
+    chunks = row_chunks(n, group_size, max_items)
+    assert [r for a, b in chunks for r in range(a, b)] == list(range(n))  # every row once, in order
+    assert all(0 < b - a <= max_items for a, b in chunks)  # a group larger than max_items is cut
+    if group_size <= max_items:  # whole groups, as many as fit (the layout before groups could be cut)
+        per = max_items // group_size
+        assert [(a, b) for a, b in chunks] == [(g * group_size, min(g + per, num_groups) * group_size)
+                                             for g in range(0, num_groups, per)]
+    else:  # pieces of max_items rows across groups: up to one chunk per row
+        assert all(b - a == max_items for a, b in chunks[:-1])
+    # fixed layout: nothing of the process count in it; 2 groups of 4 in chunks of 3 give 3 processes work
+    assert row_chunks(8, 4, 3) == [(0, 3), (3, 6), (6, 8)]
 
 
-def test_group_chunks_rejects_bad_sizes():
-    with pytest.raises(ValueError, match="group_size >= 1"):
-        group_chunks(3, 0, 8)
+def test_row_chunks_rejects_bad_sizes():
+    with pytest.raises(ValueError, match="group_rows >= 1"):
+        row_chunks(3, 0, 8)
 
 
 @pytest.mark.parametrize("num_chunks", [0, 1, 2, 5, 8])
@@ -142,10 +146,13 @@ def _raw() -> dict:
 
 
 @pytest.mark.parametrize("launch, expected", [
-    ({"num_processes": 0}, "launch.num_processes = 0: expected a value > 0"),
+    ({"num_processes": -1}, "launch.num_processes = -1: expected a value >= 0"),
     ({"num_processes": 2, "config_file": "acc.yaml"}, "launch.num_processes = 2 with launch.config_file set"),
     ({"timeout_s": -1}, "launch.timeout_s = -1.0: expected a value > 0"),
     ({"procs": 2}, "unknown key launch.procs"),
+    ({"num_processes": 0, "launcher": "torchrun"}, "launch.num_processes = 0 with launch.launcher = torchrun"),
+    ({"launcher": "ray"}, "launch.launcher = 'ray': expected one of accelerate, torchrun, slurm"),
+    ({"launcher": "slurm", "config_file": "a.yaml"}, "launch.config_file = 'a.yaml' with launch.launcher = slurm"),
 ])
 def test_bad_launch_params_give_one_line_errors(tmp_path, launch, expected):
     raw = copy.deepcopy(_raw())
@@ -155,30 +162,22 @@ def test_bad_launch_params_give_one_line_errors(tmp_path, launch, expected):
     assert expected in str(info.value) and "\n" not in str(info.value)
 
 
-def test_stage_commands_launch_model_stages_only(tmp_path):
-    from tpgrpo.pipeline.dvcfile import render, stage_command, write_dvc_yaml
+def test_stage_commands_carry_no_launch_params():
+    """dvc.yaml is the same whatever the launch params: a model stage starts its processes itself."""
+    from tpgrpo.pipeline.dvcfile import render, stage_command
 
     raw = _raw()
     one = config_from_dict(raw)
-    assert stage_command(one, "rollout", 3) == "tpgrpo stage rollout --iter 3"  # 1 process: no accelerate
-    raw["launch"]["num_processes"] = 4
-    four = config_from_dict(raw)
-    for name in ("rollout", "probe", "update", "eval"):
-        cmd = shlex.split(stage_command(four, name, 3))
-        assert cmd[:2] == ["accelerate", "launch"] and cmd[-6:] == ["-m", "tpgrpo", "stage", name, "--iter", "3"]
-        assert cmd[cmd.index("--num_processes") + 1] == "4" and "--main_process_port" in cmd
-    assert stage_command(four, "baseline").endswith("-m tpgrpo stage baseline")
-    assert stage_command(four, "credit", 3) == "tpgrpo stage credit --iter 3"  # credit stays single-process
-    assert render(four)["stages"]["summary"]["cmd"] == "tpgrpo stage summary"
-    assert render(four)["stages"]["probe-0001"]["cmd"] == stage_command(four, "probe", 1)
-
-    raw["launch"].update(num_processes=1, config_file="configs/my accelerate.yaml")
-    with_file = config_from_dict(raw)
-    cmd = shlex.split(stage_command(with_file, "update", 0))
-    assert cmd[:4] == ["accelerate", "launch", "--config_file", "configs/my accelerate.yaml"]
-    assert "--num_processes" not in cmd  # the file sets it
-    with pytest.raises(ConfigError, match="launch.config_file = 'configs/my accelerate.yaml': file not found"):
-        write_dvc_yaml(with_file, tmp_path)
+    assert stage_command(one, "rollout", 3) == "tpgrpo stage rollout --iter 3"
+    for launch in ({"num_processes": 4}, {"launcher": "torchrun", "num_processes": 3},
+                   {"launcher": "slurm", "num_processes": 0, "num_nodes": 2},
+                   {"config_file": "configs/my accelerate.yaml"}, {"timeout_s": 60, "stage_server": False}):
+        raw = _raw()
+        raw["launch"].update(launch)
+        other = config_from_dict(raw)
+        assert render(other) == render(one), launch
+        assert stage_command(other, "probe", 3) == "tpgrpo stage probe --iter 3"
+        assert stage_command(other, "baseline") == "tpgrpo stage baseline"
 
 
 def test_launch_params_change_no_artifact_hash(tmp_path):
@@ -188,6 +187,6 @@ def test_launch_params_change_no_artifact_hash(tmp_path):
     path = tmp_path / "params.yaml"
     path.write_text(yaml.safe_dump(_raw()))
     a = load_config(path)
-    b = load_config(path, overrides={"launch.num_processes": 8, "launch.timeout_s": 60})
+    b = load_config(path, overrides={"launch.num_processes": 8, "launch.timeout_s": 60, "launch.launcher": "torchrun"})
     for stage, keys in STAGE_PARAMS.items():
         assert a.params_hash(keys) == b.params_hash(keys), stage

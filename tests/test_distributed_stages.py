@@ -1,4 +1,5 @@
-"""The model stages under `accelerate launch` with 2 CPU processes (gloo) against 1 process.
+"""The model stages under `accelerate launch` (started by `tpgrpo stage` itself) with 2 CPU processes (gloo)
+against 1 process.
 
 Both sides run with one torch thread per process (OMP_NUM_THREADS=1): a chunk is then computed with the same
 shapes and the same thread count on either side, so rollout, probe, credit and eval artifacts are bitwise equal;
@@ -27,8 +28,8 @@ from tpgrpo.pipeline.dvcfile import stage_command
 pytestmark = pytest.mark.slow
 
 # 3 prompt groups of 4 samples, 3 window steps. Rollout: 3 chunks of one group (rank 0: chunks 0 and 2,
-# rank 1: chunk 1); probe: 12 states per group > 8, so 3 chunks; eval: 3 prompts x 2 samples in chunks of
-# at most 4 images, so 2 chunks.
+# rank 1: chunk 1); probe: 12 states per group > 8, so chunks of 2 trajectories (6 states) cut the groups,
+# 6 chunks; eval: 3 prompts x 2 samples in chunks of at most 4 images (2 whole prompts), so 2 chunks.
 OVERRIDES = {"rollout": {"batch_size": 4}, "probe": {"batch_size": 8}, "eval": {"num_prompts": 3}}
 STAGES = ("baseline", "rollout", "probe", "credit", "update", "eval")
 
@@ -50,7 +51,8 @@ def make_project(root: Path, model_dir: Path, processes: int) -> Path:
 
 
 def run_stage(root: Path, name: str, **extra_env: str) -> subprocess.CompletedProcess:
-    """The stage's dvc.yaml command (plain `tpgrpo stage` or `accelerate launch ... -m tpgrpo stage`)."""
+    """The stage's dvc.yaml command, `tpgrpo stage ...`: with launch.num_processes 2 it starts itself under
+    `accelerate launch`."""
     cmd = stage_command(load_config(root / "params.yaml"), name, None if name == "baseline" else 1)
     return subprocess.run(shlex.split(cmd), cwd=root, env=env(**extra_env), capture_output=True, text=True,
                           timeout=600)
@@ -70,7 +72,7 @@ def runs(tmp_path_factory, tiny_model_dir) -> tuple[Path, Path]:
     base = tmp_path_factory.mktemp("processes")
     one = make_project(base / "one", tiny_model_dir, 1)
     two = make_project(base / "two", tiny_model_dir, 2)
-    assert stage_command(load_config(two / "params.yaml"), "rollout", 1).startswith("accelerate launch")
+    assert stage_command(load_config(two / "params.yaml"), "rollout", 1) == "tpgrpo stage rollout --iter 1"
     for name in STAGES:
         for root in (one, two):
             out = run_stage(root, name)
@@ -86,7 +88,7 @@ def test_two_processes_write_byte_identical_artifacts(runs):
         assert (iteration_dir(one) / name).read_bytes() == (iteration_dir(two) / name).read_bytes(), name
     rollout = json.loads((iteration_dir(two) / "rollout.json").read_text())
     assert rollout["processes"] == 2 and rollout["chunks"] == 3
-    assert json.loads((iteration_dir(two) / "probe.json").read_text())["chunks"] == 3
+    assert json.loads((iteration_dir(two) / "probe.json").read_text())["chunks"] == 6
     base_one, base_two = (json.loads((r / "data" / "iters" / "baseline_eval.json").read_text()) for r in runs)
     assert base_two["processes"] == 2 and base_two["images"] == 6
     for key in ("eval_reward", "eval_strict_accuracy", "train_reward", "forward_passes"):

@@ -49,10 +49,16 @@ def _run_stage(name: str, iteration: int | None, params: Path) -> None:
         cfg = load_config(params)  # names what is wrong with params.yaml, if anything
         read = read if read is not None else stage_params(params, name)
         check_iteration(cfg, root, iteration)
+        if name in MULTI_PROCESS_STAGES:  # the launch params may ask for more processes: start them
+            from tpgrpo.pipeline.launch import exec_launcher, launch_argv
+
+            argv = launch_argv(cfg, root, _stage_args(name, iteration, params))
+            if argv is not None:
+                exec_launcher(argv)  # does not return: each launched process runs this same command
         import importlib
 
         module = importlib.import_module(f"stages.{name}")
-        if name in MULTI_PROCESS_STAGES:  # under `accelerate launch`: join the process group (gloo on CPU)
+        if name in MULTI_PROCESS_STAGES:  # launched: join the process group (gloo on CPU); else one process
             distributed.init(cfg.model.device, cfg.launch.timeout_s, f"stage {label}")
         main = distributed.current().is_main  # one process notes the stage for `tpgrpo status`
         record_stage(root, name, iteration, "running", enabled=main)
@@ -73,6 +79,11 @@ def _run_stage(name: str, iteration: int | None, params: Path) -> None:
         raise
     finally:
         distributed.shutdown()
+
+
+def _stage_args(name: str, iteration: int | None, params: Path) -> list[str]:
+    """The arguments of ``tpgrpo`` that run this stage again (in each launched process)."""
+    return ["stage", name, *([] if iteration is None else ["--iter", str(iteration)]), "--params", str(params)]
 
 
 def _make_stage_command(name: str):

@@ -236,14 +236,22 @@ class RetentionConfig:
 
 @dataclass(frozen=True)
 class LaunchConfig:
-    """How the model stages (rollout, probe, update, eval, baseline) are launched. Never changes an
-    artifact: no stage declares these params; dvc.yaml's commands carry the process count."""
+    """How the model stages (rollout, probe, update, eval, baseline) start their processes: dvc.yaml runs
+    `tpgrpo stage NAME`, which starts them (tpgrpo.pipeline.launch). Never changes an artifact or dvc.yaml:
+    no stage declares these params, so changing them re-runs nothing (docs/cluster.md)."""
 
-    num_processes: int = param(1, "processes on this machine (one per GPU); 1 = plain `tpgrpo stage`, > 1 = "
-                               "`accelerate launch` in dvc.yaml", "processes", "> 0",
-                               rule="1 when launch.config_file is set")
-    config_file: str = param("", "accelerate config file (multi-node, DeepSpeed); it sets the process count",
-                             "path")
+    launcher: str = param("accelerate", "how several processes start: accelerate (`accelerate launch`, one "
+                          "machine or launch.config_file), torchrun (one machine, c10d rendezvous) or slurm "
+                          "(`srun` + torchrun on every node of the SLURM allocation `tpgrpo run` runs in)",
+                          bounds=("accelerate", "torchrun", "slurm"))
+    num_processes: int = param(1, "processes per machine (one per GPU); 1 with accelerate or torchrun = plain "
+                               "`tpgrpo stage`, no launcher; 0 = slurm's GPUs per node (SLURM_GPUS_ON_NODE)",
+                               "processes", ">= 0",
+                               rule="> 0 unless launch.launcher is slurm; 1 when launch.config_file is set")
+    num_nodes: int = param(0, "nodes of the SLURM allocation a stage runs on (slurm only); 0 = all of them",
+                           "nodes", ">= 0")
+    config_file: str = param("", "accelerate config file (DeepSpeed, a hand-started multi-node run); it sets the "
+                             "process count (accelerate only)", "path")
     timeout_s: float = param(1800.0, "time a process waits at a barrier or all-reduce before the stage fails "
                              "(a dead peer)", "seconds", "> 0")
     stage_server: bool = param(True, "on the CPU with one process per stage (Linux), stages fork from a server "
@@ -362,6 +370,12 @@ def _reward_spec(key: str, value: Any) -> str | dict[str, float]:
 
 
 def _check_consistency(cfg: Config) -> None:
+    if cfg.launch.num_processes == 0 and cfg.launch.launcher != "slurm":
+        raise ConfigError(f"params: launch.num_processes = 0 with launch.launcher = {cfg.launch.launcher}: expected "
+                          "a value > 0 (0 = SLURM's GPUs per node, launch.launcher slurm only)")
+    if cfg.launch.config_file and cfg.launch.launcher != "accelerate":
+        raise ConfigError(f"params: launch.config_file = {cfg.launch.config_file!r} with launch.launcher = "
+                          f"{cfg.launch.launcher}: expected launch.launcher accelerate (an accelerate config file)")
     if cfg.launch.config_file and cfg.launch.num_processes != 1:
         raise ConfigError(
             f"params: launch.num_processes = {cfg.launch.num_processes} with launch.config_file set: "

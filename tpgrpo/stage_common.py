@@ -76,7 +76,7 @@ def load_policy(cfg: Config, root: Path, iteration: int, trainable: bool = False
     from tpgrpo.models import load_backend
     from tpgrpo.policy.lora import attach_lora
 
-    device = local_device(cfg.model.device, current())  # one GPU per process under accelerate launch
+    device = local_device(cfg.model.device, current())  # one GPU per process when launched
     backend = load_backend(cfg.model.kind, resolve(root, cfg.model.path), device, cfg.model.dtype,
                            resolution=cfg.model.resolution)
     previous = IterationPaths(root, iteration).previous()

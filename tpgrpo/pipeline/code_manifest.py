@@ -41,7 +41,7 @@ STAGE_KIND = {"rollout": "rollout", "probe": "probe", "credit": "credit", "updat
 ALL_CODE = ["stages", "tpgrpo"]
 # The params dvc.yaml's rendering reads (tpgrpo.pipeline.dvcfile.render; a test checks the list): the stages,
 # their deps and commands. Other params change values DVC reads itself, never the stages.
-RENDER_PARAMS = ["train.iterations", "train.block_size", "model.path", "task", "reward_models", "launch"]
+RENDER_PARAMS = ["train.iterations", "train.block_size", "model.path", "task", "reward_models"]
 # Libraries whose version is part of every manifest. No file of the project changes when one is upgraded:
 # `tpgrpo run` rewrites the manifests before each repro (DVC then re-runs the code stage, whose outputs are
 # not cached so its run cache cannot restore old ones, and the stages whose manifest changed), and under

@@ -1,27 +1,29 @@
-"""Running the model stages on several processes (``accelerate launch``), with artifacts that do not
-depend on the process count.
+"""Running the model stages on several processes (started by :mod:`tpgrpo.pipeline.launch`: accelerate,
+torchrun, or srun + torchrun over SLURM nodes), with artifacts that do not depend on the process count.
 
 How the work is split (pure functions below, none depends on the process count):
 
-- ``group_chunks``: the prompt groups of a stage are cut into fixed chunks of consecutive whole groups
-  (a group's samples stay together), at most ``max_items`` items (images, states) per chunk, at least
-  one group. A chunk is computed with the same tensor shapes on 1 or N processes, so its numbers are
-  bit-identical (at the same number of threads per process).
+- ``row_chunks``: the rows of a stage (trajectories, images) are cut into fixed chunks of consecutive
+  rows, at most ``max_rows`` per chunk: whole prompt groups when a group fits, else pieces that cut across
+  groups (no stage computes group statistics from a chunk: credit sees the whole table). So any process
+  count up to the number of rows finds work once the batch sizes are small enough. A chunk is computed
+  with the same tensor shapes on 1 or N processes, so its numbers are bit-identical (at the same number of
+  threads per process).
 - ``round_robin``: chunk ``c`` runs on process ``c % P``.
-- ``run_chunks``: each process writes the arrays of its chunks as part files in a hidden temp folder
-  next to the artifact; after a barrier the main process reads every part, checks that none is
-  missing, and merges them in chunk order (``merge_parts``): the canonical order of a 1-process run.
-  The stage then writes the artifact atomically; a failed process leaves only the temp folder, which the
-  next run removes.
+- ``run_chunks``: each process writes the arrays of its chunks as part files in a hidden temp folder next to
+  the artifact (on a filesystem every node shares); after a barrier the main process reads every part, checks
+  that none is missing, and merges them in chunk order (``merge_parts``): the canonical order of a 1-process
+  run. The stage then writes the artifact atomically; a failed process leaves only the temp folder, which the
+  next run empties.
 - ``even_slice`` / ``sum_gradients``: the update splits each optimizer step's transitions into P
   contiguous near-equal slices; every process weights its losses by ``1 / (transitions of the step)``
   and the gradients are summed over processes, so each step's gradient is the mean over the same global
   set of transitions on any process count.
 
 One process (no ``WORLD_SIZE`` > 1 in the environment) needs neither accelerate nor torch.distributed:
-``current()`` is then a plain single-process ``Dist``. Under ``accelerate launch``, ``init`` builds the
-process group with accelerate (gloo on the CPU, NCCL on GPUs) and a timeout, so a process whose peer
-died fails at its next barrier or all-reduce within ``timeout_s`` instead of waiting forever.
+``current()`` is then a plain single-process ``Dist``. Once launched, ``init`` builds the process group with
+accelerate from the launcher's environment (gloo on the CPU, NCCL on GPUs) and a timeout, so a process whose
+peer died fails at its next barrier or all-reduce within ``timeout_s`` instead of waiting forever.
 """
 
 from __future__ import annotations
@@ -43,22 +45,26 @@ from tpgrpo.io.artifacts import atomic_path
 from tpgrpo.errors import PipelineError
 
 DEFAULT_TIMEOUT_S = 1800.0
+PARTS_WAIT_S = 90.0  # how long the main process waits for a part file a process of another node wrote
 # Test hook, set only by tests/test_distributed_stages.py: "RANK:N" makes process RANK SIGKILL itself right
 # after writing its N-th chunk part (a crash); "RANK:N:stall" makes it sleep instead (a hung process).
 FAIL_HOOK_ENV = "TPGRPO_TEST_FAIL_AFTER_CHUNKS"
 
 
-def group_chunks(num_groups: int, group_size: int, max_items: int) -> list[tuple[int, int]]:
-    """Chunks ``[(first_group, end_group), ...]`` of consecutive whole groups covering ``num_groups``.
+def row_chunks(num_rows: int, group_rows: int, max_rows: int) -> list[tuple[int, int]]:
+    """Chunks ``[(first_row, end_row), ...]`` of consecutive rows covering ``num_rows`` rows that come in
+    groups of ``group_rows`` (a prompt group's samples).
 
-    Each chunk holds ``max(1, max_items // group_size)`` groups (the last one may hold fewer), i.e. at
-    most ``max_items`` items unless a single group is larger. Independent of the process count.
+    When a group fits in ``max_rows``, each chunk holds ``max_rows // group_rows`` whole groups (the last may
+    hold fewer); otherwise chunks of ``max_rows`` rows cut across groups (a group's statistics are computed by
+    credit, which sees the whole table). Never more than ``max_rows`` rows, and a function of the params only,
+    never of the process count: each chunk is the same computation on 1 or N processes.
     """
-    if num_groups < 0 or group_size < 1 or max_items < 1:
-        raise ValueError(f"group_chunks: need num_groups >= 0, group_size >= 1, max_items >= 1; got "
-                         f"{num_groups}, {group_size}, {max_items}")
-    per = max(1, max_items // group_size)
-    return [(g, min(g + per, num_groups)) for g in range(0, num_groups, per)]
+    if num_rows < 0 or group_rows < 1 or max_rows < 1:
+        raise ValueError(f"row_chunks: need num_rows >= 0, group_rows >= 1, max_rows >= 1; got "
+                         f"{num_rows}, {group_rows}, {max_rows}")
+    per = (max_rows // group_rows) * group_rows or max_rows
+    return [(a, min(a + per, num_rows)) for a in range(0, num_rows, per)]
 
 
 def round_robin(num_chunks: int, world: int, rank: int) -> list[int]:
@@ -152,7 +158,7 @@ def local_device(device: str, dist: Dist) -> str:
 
 
 def init(device: str = "cpu", timeout_s: float = DEFAULT_TIMEOUT_S, label: str = "stage") -> Dist:
-    """Set up this process's ``Dist`` from the environment ``accelerate launch`` provides.
+    """Set up this process's ``Dist`` from the environment the launcher provides (accelerate, torchrun).
 
     ``device`` is the model device (``cpu`` -> gloo, ``cuda`` -> NCCL); ``timeout_s`` bounds every
     barrier and all-reduce (accelerate's ``InitProcessGroupKwargs(timeout=...)``). When one process dies,
@@ -253,6 +259,17 @@ def _fail_hook(rank: int, done: int) -> None:
         os.kill(os.getpid(), signal.SIGKILL)
 
 
+def _wait_for(paths, timeout_s: float) -> None:
+    """Wait up to ``timeout_s`` for files another node renamed into place: every process has passed the
+    barrier after its rename, but an NFS client may still answer a lookup from its cache (attribute caching,
+    ``acdirmax``, 60 s by default) for a while."""
+    deadline = time.monotonic() + timeout_s
+    missing = [p for p in paths if not p.is_file()]
+    while missing and time.monotonic() < deadline:
+        time.sleep(0.5)
+        missing = [p for p in missing if not p.is_file()]
+
+
 def run_chunks(dist: Dist, artifact: Path, num_chunks: int, compute: Callable[[int], Mapping[str, np.ndarray]],
                what: str, progress: Callable[[int, int], None] | None = None) -> dict[str, np.ndarray] | None:
     """Compute ``compute(c)`` for every chunk ``c`` round-robin over processes; merge on the main process.
@@ -263,10 +280,12 @@ def run_chunks(dist: Dist, artifact: Path, num_chunks: int, compute: Callable[[i
     ``progress(done, total)`` is called on the main process after each of its chunks.
     """
     folder = parts_folder(artifact)
-    if dist.is_main:
-        shutil.rmtree(folder, ignore_errors=True)  # parts of an earlier, failed run
-        folder.mkdir(parents=True)
+    if dist.is_main:  # parts of an earlier, failed run go; the folder stays (other nodes may cache its handle)
+        folder.mkdir(parents=True, exist_ok=True)
+        for stale in folder.iterdir():
+            shutil.rmtree(stale) if stale.is_dir() else stale.unlink()
     dist.barrier(f"{what}: start")
+    folder.mkdir(parents=True, exist_ok=True)  # the main process made it; another node may not see it yet
     mine = round_robin(num_chunks, dist.world, dist.rank)
     for done, c in enumerate(mine, 1):
         _write_part(folder / f"chunk-{c:05d}.npz", compute(c))
@@ -276,8 +295,9 @@ def run_chunks(dist: Dist, artifact: Path, num_chunks: int, compute: Callable[[i
     dist.barrier(f"{what}: parts written")
     if not dist.is_main:
         return None
-    parts = {c: _read_part(folder / f"chunk-{c:05d}.npz") for c in range(num_chunks)
-             if (folder / f"chunk-{c:05d}.npz").is_file()}
+    paths = {c: folder / f"chunk-{c:05d}.npz" for c in range(num_chunks)}
+    _wait_for(paths.values(), PARTS_WAIT_S if dist.world > 1 else 0.0)
+    parts = {c: _read_part(path) for c, path in paths.items() if path.is_file()}
     merged = merge_parts(parts, num_chunks, what)
     shutil.rmtree(folder, ignore_errors=True)
     return merged

@@ -9,7 +9,6 @@ reads (a test checks this against the code) and its code, through its kind's man
 
 from __future__ import annotations
 
-import shlex
 from pathlib import Path
 
 import yaml
@@ -22,9 +21,9 @@ from tpgrpo.pipeline.blocks import Block, full_blocks, read_lock, seal_files, se
 
 REWARD_PARAMS = ["reward_models", "remote_reward"]  # read by every stage that scores images
 
-# The params each stage reads (DVC re-runs a stage when one of these changes). No stage reads `launch`:
-# the process count never changes an artifact (nor the config hash artifacts carry); the CLI reads
-# launch.timeout_s and the commands below carry launch.num_processes / launch.config_file.
+# The params each stage reads (DVC re-runs a stage when one of these changes). No stage lists `launch`, and
+# dvc.yaml's commands do not carry it: the process count never changes an artifact (nor the config hash
+# artifacts carry); `tpgrpo stage` reads it when it starts (tpgrpo.pipeline.launch).
 STAGE_PARAMS = {
     "rollout": ["model", "task.train_prompts", "task.reward", "sampling", "rollout", "probe.completion",
                 "update.lora_rank", "update.lora_alpha", "train.seed", *REWARD_PARAMS],
@@ -40,7 +39,7 @@ STAGE_PARAMS = {
                 "update.lora_alpha", "credit.mode", "train.iterations"],
 }
 STAGE_LOGS = ("rollout", "probe", "credit", "update", "eval")  # each writes data/iters/NNNN/<stage>.json
-# Stages that run on launch.num_processes processes (`accelerate launch`); credit and summary stay single.
+# Stages that run on the processes the launch params ask for; credit and summary stay single.
 MULTI_PROCESS_STAGES = ("rollout", "probe", "update", "eval", "baseline")
 HEADER = ("# Generated from params.yaml by `tpgrpo dvc-yaml` (`tpgrpo run` does it before `dvc repro`).\n"
           "# Edit params.yaml, not this file.\n")
@@ -89,19 +88,11 @@ PLOTS = [
 ]
 
 
-def stage_command(cfg: Config, name: str, iteration: int | None = None) -> str:
-    """The shell command of one stage: ``tpgrpo stage NAME --iter I``, or for a model stage with
-    ``launch.num_processes`` > 1 or ``launch.config_file`` set the same under ``accelerate launch``."""
-    args = f"stage {name}" + ("" if iteration is None else f" --iter {iteration}")
-    launch = cfg.launch
-    if name not in MULTI_PROCESS_STAGES or (launch.num_processes == 1 and not launch.config_file):
-        return f"tpgrpo {args}"
-    if launch.config_file:
-        how = f"--config_file {shlex.quote(launch.config_file)}"
-    else:  # one machine: torchrun via --multi_gpu (gloo on the CPU), a free port so runs can share a machine
-        how = (f"--multi_gpu --num_machines 1 --num_processes {launch.num_processes} --mixed_precision no "
-               "--dynamo_backend no --main_process_port 0")
-    return f"accelerate launch {how} -m tpgrpo {args}"
+def stage_command(cfg: Config, name: str, iteration: int | None = None) -> str:  # noqa: ARG001 - cfg: the API
+    """The shell command of one stage: ``tpgrpo stage NAME --iter I``, whatever the ``launch`` params: a model
+    stage starts the processes they ask for itself (:mod:`tpgrpo.pipeline.launch`), so changing the process
+    count or the launcher changes no stage."""
+    return "tpgrpo stage " + name + ("" if iteration is None else f" --iter {iteration}")
 
 
 def iteration_stages(cfg: Config, i: int, manifests: bool = True) -> dict[str, dict]:
@@ -251,10 +242,6 @@ def dvc_yaml_text(cfg: Config, root: Path, upto: int | None = None) -> str:
 def write_dvc_yaml(cfg: Config, root: Path, upto: int | None = None) -> bool:
     """Write ``dvc.yaml`` (through iteration ``upto``: see :func:`render`) if its content changed; returns
     whether it did."""
-    config_file = cfg.launch.config_file
-    if config_file and not (root / config_file).is_file():
-        raise ConfigError(f"params: launch.config_file = {config_file!r}: file not found "
-                          "(expected an accelerate config file, path relative to the project root)")
     text = dvc_yaml_text(cfg, root, upto)
     path = root / "dvc.yaml"
     if path.exists() and path.read_text() == text:
@@ -275,5 +262,5 @@ def check_rendered(cfg: Config, root: Path) -> None:
     path = root / "dvc.yaml"
     if path.is_file() and path.read_text() != dvc_yaml_text(cfg, root, int(upto) if upto else None):
         raise ConfigError("dvc.yaml was rendered from other params than params.yaml's (train.iterations, "
-                          "eval.every, train.block_size, paths or launch): run `tpgrpo run`, or `tpgrpo dvc-yaml` "
+                          "eval.every, train.block_size or paths): run `tpgrpo run`, or `tpgrpo dvc-yaml` "
                           "before `dvc repro` / `dvc exp run`")

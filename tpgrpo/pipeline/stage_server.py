@@ -342,7 +342,9 @@ def wanted(cfg) -> bool:
     accelerate), the CPU for the model and the reward models (a GPU stage's start-up is small next to its
     work, and the server never touches CUDA, untested there), Linux (fork after importing torch is not safe
     on macOS)."""
-    return (cfg.launch.stage_server and cfg.launch.num_processes == 1 and not cfg.launch.config_file
+    from tpgrpo.pipeline.launch import single
+
+    return (cfg.launch.stage_server and single(cfg.launch)
             and cfg.model.device == "cpu" and cfg.reward_models.device == "cpu" and sys.platform.startswith("linux"))
 
 
