@@ -112,3 +112,12 @@ def test_cheap_actions_keep_up_to_date_correct(tmp_path, template, references):
 @pytest.mark.parametrize("seed", [1, 2])
 def test_random_user_actions_keep_up_to_date_correct(tmp_path, template, references, seed):
     _sequence(tmp_path, template, references, seed=seed, length=5, actions=CI_ACTIONS)
+
+
+def test_a_sealed_block_allowed_to_run_allows_exactly_its_own_stages():
+    """A hand re-run inside a sealed block may re-run the block (``tpgrpo block`` rewrites every log of its
+    iterations): check (c) must count those stages as the block's, and nothing of another iteration."""
+    allowed = ur.with_block_stages({"summary", "iters-0001-0002"})
+    assert {"rollout-0001", "update-0002", "eval-0002", "summary"} <= allowed
+    assert not {"rollout-0003", "eval-0003", "baseline"} & allowed
+    assert ur.with_block_stages({"eval-0003"}) == {"eval-0003"}
