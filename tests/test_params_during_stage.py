@@ -5,6 +5,8 @@ records params.yaml when the stage exits. A change to a value the stage depends 
 from __future__ import annotations
 
 import json
+import shutil
+import sys
 
 import pytest
 import yaml
@@ -74,3 +76,76 @@ def test_a_float_in_yaml_1_2_notation_compares_as_a_number(project, monkeypatch)
     code, lines, ran = run_stage_that_edits(project, monkeypatch, "update",
                                             lambda text: text.replace("lr: 1e-2", "lr: 2e-2"))
     assert ran and code == 2 and "(update.lr)" in lines[0]
+
+
+# --- after the stage's own check: DVC reads params.yaml only once the stage has exited (tpgrpo run checks) ---
+
+def _lock_with(stages: dict) -> dict:
+    return {"schema": "2.0", "stages": stages}
+
+
+def test_a_lock_entry_that_disagrees_with_what_its_stage_read_is_dropped(tmp_path, monkeypatch):
+    from tpgrpo.pipeline.blocks import read_lock, write_lock
+    from tpgrpo.pipeline.params_read import NOTES, drop_disagreeing, note_params_read
+
+    (tmp_path / ".dvc").mkdir()
+    monkeypatch.setenv("DVC_STAGE", "update-0001")
+    write_lock(tmp_path, _lock_with({
+        "update-0001": {"cmd": "u", "params": {"params.yaml": {"update": {"lr": 0.005, "ema": False}}}},
+        "credit-0001": {"cmd": "c", "params": {"params.yaml": {"credit.mode": "tp"}}},
+        "iters-0003-0004": {"cmd": "b", "params": {"params.yaml": {"update": {"lr": 0.005}}}}}))
+    note_params_read(tmp_path, "update-0001", {"update.lr": 0.01, "update.ema": False})  # read before an edit
+    note_params_read(tmp_path, "credit-0001", {"credit.mode": "tp", "absent.key": "<absent>"})
+    note_params_read(tmp_path, "update-0004", {"update.lr": 0.01})  # a stage of a sealed block's re-run
+    assert sorted(drop_disagreeing(tmp_path)) == ["iters-0003-0004 (update-0004: update.lr)",
+                                                  "update-0001 (update-0001: update.lr)"]
+    assert list(read_lock(tmp_path)["stages"]) == ["credit-0001"] and not (tmp_path / NOTES).exists()
+    assert drop_disagreeing(tmp_path) == []  # notes are cleared: nothing is checked twice
+    monkeypatch.delenv("DVC_STAGE")
+    note_params_read(tmp_path, "credit-0001", {"credit.mode": "incremental"})  # a hand run: DVC records nothing
+    assert not (tmp_path / NOTES).exists()
+
+
+@pytest.mark.slow
+def test_an_edit_dvc_records_after_the_stage_checked_is_re_run(tiny_project, monkeypatch):
+    """Inject the window: right after the first ``dvc repro``, params.yaml holds another update.lr and
+    dvc.lock records it for update-0001 (what DVC writes when the edit lands after the stage's own check).
+    ``tpgrpo run`` must drop that entry and train update-0001 again with the recorded value."""
+    import subprocess
+
+    import tpgrpo.pipeline.repro as repro
+    from tpgrpo.pipeline.blocks import read_lock, write_lock
+
+    root = tiny_project
+    raw = yaml.safe_load((root / "params.yaml").read_text())
+    raw["train"].update(iterations=1, block_size=0)
+    (root / "params.yaml").write_text(yaml.safe_dump(raw, sort_keys=False))
+    real_run, repros = subprocess.run, []
+
+    def run_then_edit(args, *a, **k):
+        done = real_run(args, *a, **k)
+        if list(args[1:3]) == ["-m", "dvc"] and args[3] == "repro" and not repros:
+            repros.append(True)
+            (root / "params.yaml").write_text((root / "params.yaml").read_text().replace(f"lr: {LR}", "lr: 0.005"))
+            lock = read_lock(root)
+            lock["stages"]["update-0001"]["params"]["params.yaml"]["update"]["lr"] = 0.005
+            write_lock(root, lock)
+        return done
+
+    monkeypatch.setattr(repro.subprocess, "run", run_then_edit)
+    policy = root / "data/iters/0001/policy"
+    result = CliRunner().invoke(app, ["run", "--params", str(root / "params.yaml")])
+    assert result.exit_code == 0, result.output
+    assert "re-running update-0001 (update-0001: update.lr): params.yaml changed as DVC recorded it" in result.output
+    first = json.loads((root / "data/iters/0001/update.json").read_text())
+    monkeypatch.setattr(repro.subprocess, "run", real_run)
+    status = real_run([sys.executable, "-m", "dvc", "status", "--json"], cwd=root, capture_output=True, text=True)
+    assert json.loads(status.stdout or "{}") == {}
+    # what is recorded is what ran: a fresh run with lr 0.005 from scratch trains the same adapter
+    fresh = root.parent / "fresh"
+    shutil.copytree(root, fresh, ignore=shutil.ignore_patterns(".dvc", "dvc.lock", "iters", "metrics", "reports"))
+    assert CliRunner().invoke(app, ["run", "--params", str(fresh / "params.yaml")]).exit_code == 0
+    again = json.loads((fresh / "data/iters/0001/update.json").read_text())
+    assert {k: v for k, v in first.items() if "seconds" not in k} == {k: v for k, v in again.items()
+                                                                      if "seconds" not in k}
+    assert policy.is_dir()

@@ -5,6 +5,8 @@ from __future__ import annotations
 import errno
 import os
 import re
+import subprocess
+import sys
 from pathlib import Path
 from typing import Annotated, Optional
 
@@ -39,6 +41,7 @@ def _run_stage(name: str, iteration: int | None, params: Path) -> None:
     from tpgrpo.pipeline.dvcfile import MULTI_PROCESS_STAGES
     from tpgrpo.errors import PipelineError
     from tpgrpo.pipeline.code_manifest import check_stage_code
+    from tpgrpo.pipeline.params_read import note_params_read
     from tpgrpo.pipeline.status import (check_iteration, check_params_unchanged, describe_done, record_stage,
                                         stage_params)
 
@@ -66,6 +69,8 @@ def _run_stage(name: str, iteration: int | None, params: Path) -> None:
         module.run(cfg, iteration, root=root)
         check_stage_code(root, name)
         check_params_unchanged(params, name, label, read)  # DVC records params.yaml as it is when we exit
+        if main:  # ... after it has hashed our outputs: `tpgrpo run` compares this note with what it recorded
+            note_params_read(root, name if iteration is None else f"{name}-{iteration:04d}", read)
         record_stage(root, name, iteration, "done", enabled=main)
     except (ConfigError, PipelineError, FileNotFoundError) as exc:
         message = str(exc)
@@ -173,18 +178,14 @@ def dvc_yaml_command(params: ParamsOpt = Path("params.yaml")) -> None:
 def run_command(params: ParamsOpt = Path("params.yaml")) -> None:
     """The main job: render dvc.yaml and `dvc repro` (trains train.iterations iterations) block by block,
     sealing each finished block of train.block_size iterations into one DVC stage before the next."""
-    import subprocess
-    import sys
-
     from tpgrpo.pipeline import stage_server
     from tpgrpo.config import ConfigError, load_config
-    from tpgrpo.pipeline.code_manifest import refresh_manifests
-    from tpgrpo.pipeline.dvcfile import RENDER_UPTO_ENV, write_dvc_yaml
+    from tpgrpo.pipeline.dvcfile import RENDER_UPTO_ENV
     from tpgrpo.pipeline.dvclock import clear_stale_lock
     from tpgrpo.errors import PipelineError
     from tpgrpo.pipeline.sealing import dvc_env, repro_ends, seal_finished, unseal_changed
     from tpgrpo.pipeline.blocks import read_as_dvc
-    from tpgrpo.pipeline.status import check_outputs_cached
+    from tpgrpo.pipeline.repro import repro_checked
 
     root = Path(params).resolve().parent
     try:
@@ -208,24 +209,16 @@ def run_command(params: ParamsOpt = Path("params.yaml")) -> None:
         for key, value in (("core.analytics", "false"), ("core.check_update", "false"),
                            ("cache.type", DVC_CACHE_TYPE)):
             subprocess.run([sys.executable, "-m", "dvc", "config", key, value], cwd=root, env=env, check=True)
-    lock = root / "dvc.lock"
     with stage_server.running(root, stage_server.wanted(cfg)) as server_env:
         for upto in repro_ends(root, cfg):  # block by block: dvc.lock stays about one block long
-            write_dvc_yaml(cfg, root, upto)
-            refresh_manifests(root)  # a library upgraded since the code stage ran: it re-runs (see LIBRARIES)
-            before = lock.stat().st_mtime_ns if lock.exists() else None
-            code = subprocess.run([sys.executable, "-m", "dvc", "repro"], cwd=root,
-                                  env={**env, **server_env, RENDER_UPTO_ENV: str(upto)}).returncode
-            if code != 0:
-                _fail(f"dvc repro failed with exit code {code}")
-            try:  # (no relinking: with cache.type copy a workspace file is never the cache's object)
-                if lock.exists() and lock.stat().st_mtime_ns != before:  # something ran: was it all stored?
-                    check_outputs_cached(root, env)
+            try:
+                repro_checked(root, cfg, upto, {**env, **server_env, RENDER_UPTO_ENV: str(upto)}, typer.echo)
                 sealed = seal_finished(root, cfg, upto, note=typer.echo)
             except PipelineError as exc:
                 _fail(str(exc))
             if sealed:
                 typer.echo(f"sealed {', '.join(b.name for b in sealed)} (one DVC stage per block from now on)")
+
 
 
 @app.command("block")

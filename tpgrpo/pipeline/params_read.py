@@ -1,0 +1,92 @@
+"""What each stage read from params.yaml, checked against what DVC recorded for it.
+
+A stage checks at its end that params.yaml still holds what it read at its start
+(:func:`tpgrpo.pipeline.status.check_params_unchanged`), but DVC reads params.yaml for dvc.lock only after
+the stage has exited and its outputs are hashed. An edit in that window, or between two stages of a sealed
+block's re-run (``tpgrpo block``: DVC records the block once, after its last stage), would be recorded as what
+the stage ran with. So each stage DVC runs also notes what it read (under ``.dvc/tmp``, no artifact), and
+after each ``dvc repro`` ``tpgrpo run`` compares every note with the lock entry DVC wrote (the stage's own, or
+its sealed block's): an entry that disagrees is dropped, and DVC runs that stage (or block) again.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import shutil
+from pathlib import Path
+
+from tpgrpo.pipeline.blocks import read_lock, write_lock
+
+NOTES = Path(".dvc") / "tmp" / "tpgrpo_params_read"
+_BLOCK = re.compile(r"iters-(\d{4})-(\d{4})")
+
+
+def note_params_read(root: Path, stage: str, read: dict) -> None:
+    """Note ``read`` (``{dotted key: value}``, as :func:`tpgrpo.pipeline.status.stage_params` gives it) for
+    the dvc.yaml stage ``stage`` (``eval-0003``), when DVC runs it (``DVC_STAGE`` set); a temp file, renamed."""
+    if not os.environ.get("DVC_STAGE") or not (root / ".dvc").is_dir():
+        return
+    folder = root / NOTES
+    folder.mkdir(parents=True, exist_ok=True)
+    tmp = folder / f".{stage}.{os.getpid()}.tmp"
+    tmp.write_text(json.dumps(read, sort_keys=True, default=str))
+    tmp.replace(folder / f"{stage}.json")
+
+
+def clear_notes(root: Path) -> None:
+    """Forget every note (before a ``dvc repro``: only what that repro's stages read is checked after it)."""
+    shutil.rmtree(root / NOTES, ignore_errors=True)
+
+
+def flat_params(recorded: dict) -> dict:
+    """A dvc.lock entry's ``params.yaml`` values (``{"eval": {...}, "task.reward": ...}``) as dotted leaves."""
+    flat: dict = {}
+
+    def leaves(key: str, value) -> None:
+        if isinstance(value, dict) and value:
+            for k, v in value.items():
+                leaves(f"{key}.{k}", v)
+        else:
+            flat[key] = value
+
+    for key, value in recorded.items():
+        leaves(key, value)
+    return flat
+
+
+def entry_name(stages: dict, stage: str) -> str | None:
+    """The dvc.lock entry that records ``stage``: its own, or that of the sealed block holding its iteration."""
+    if stage in stages:
+        return stage
+    iteration = stage.rsplit("-", 1)[-1]
+    if not iteration.isdigit():
+        return None
+    blocks = [n for n in stages if (m := _BLOCK.fullmatch(n)) and int(m[1]) <= int(iteration) <= int(m[2])]
+    return blocks[0] if blocks else None
+
+
+def drop_disagreeing(root: Path) -> list[str]:
+    """Drop each dvc.lock entry whose params differ from what a stage it records noted it read (DVC then
+    re-runs that stage or block); clears the notes. Returns ``entry (stage: key)`` for each entry dropped."""
+    folder = root / NOTES
+    notes = sorted(folder.glob("*.json")) if folder.is_dir() else []
+    lock = read_lock(root)
+    stages = lock.get("stages", {})
+    dropped: dict[str, str] = {}
+    for note in notes:
+        name = entry_name(stages, note.stem)
+        if name is None or name in dropped:
+            continue
+        recorded = flat_params((stages[name].get("params") or {}).get("params.yaml") or {})
+        recorded = json.loads(json.dumps(recorded, default=str))  # compared as the note stored them
+        changed = [k for k, v in sorted(json.loads(note.read_text()).items()) if k in recorded and recorded[k] != v]
+        if changed:
+            dropped[name] = f"{note.stem}: {changed[0]}"
+    for name in dropped:
+        del stages[name]
+    if dropped:
+        write_lock(root, lock)
+    clear_notes(root)
+    return [f"{name} ({why})" for name, why in dropped.items()]

@@ -1,0 +1,47 @@
+"""One ``dvc repro`` as ``tpgrpo run`` makes it, and the checks of what DVC recorded."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+from typing import Callable
+
+from tpgrpo.config import Config
+from tpgrpo.errors import PipelineError
+
+TRIES = 3  # repros of one rendering whose records disagree with what the stages read, before giving up
+
+
+def repro_checked(root: Path, cfg: Config, upto: int, env: dict[str, str], note: Callable[[str], None]) -> None:
+    """``dvc repro`` of dvc.yaml rendered through ``upto``, again while DVC recorded params other than a stage
+    read (:func:`tpgrpo.pipeline.params_read.drop_disagreeing` drops those entries, so DVC re-runs them; each
+    retry is one ``note`` line). PipelineError (one line) when DVC fails, an output was not stored
+    (:func:`tpgrpo.pipeline.status.check_outputs_cached`), or params.yaml kept changing for ``TRIES`` repros."""
+    for _ in range(TRIES):
+        redo = _repro(root, cfg, upto, env)
+        if not redo:
+            return
+        note(f"re-running {', '.join(redo)}: params.yaml changed as DVC recorded it")
+    raise PipelineError(f"params.yaml kept changing while stages ran ({TRIES} tries); run again once it is saved")
+
+
+def _repro(root: Path, cfg: Config, upto: int, env: dict[str, str]) -> list[str]:
+    """One repro and its checks; returns the dvc.lock entries dropped (DVC re-runs them)."""
+    from tpgrpo.pipeline.code_manifest import refresh_manifests
+    from tpgrpo.pipeline.dvcfile import write_dvc_yaml
+    from tpgrpo.pipeline.params_read import clear_notes, drop_disagreeing
+    from tpgrpo.pipeline.status import check_outputs_cached
+
+    write_dvc_yaml(cfg, root, upto)
+    refresh_manifests(root)  # a library upgraded since the code stage ran: it re-runs (see LIBRARIES)
+    lock = root / "dvc.lock"
+    before = lock.stat().st_mtime_ns if lock.exists() else None
+    clear_notes(root)  # only what this repro's stages read is checked after it
+    code = subprocess.run([sys.executable, "-m", "dvc", "repro"], cwd=root, env=env).returncode
+    if code != 0:
+        raise PipelineError(f"dvc repro failed with exit code {code}")
+    # (no relinking: with cache.type copy a workspace file is never the cache's object)
+    if lock.exists() and lock.stat().st_mtime_ns != before:  # something ran: was it all stored?
+        check_outputs_cached(root, env)
+    return drop_disagreeing(root)
