@@ -126,6 +126,10 @@ def test_more_seeds_join_an_archive_and_pool_with_its_runs(tmp_path):
     fake_run(other, "tp", "tp", 3, {0: base, 4: noisy(0.7, 44)}, 4, overrides={"update.lr": 0.1})
     with pytest.raises(PipelineError, match="update.lr differ"):
         add_to_archive(other, dest)
+    unfinished = tmp_path / "unfinished"
+    fake_run(unfinished, "tp", "tp", 4, {0: base, 2: noisy(0.5, 45)}, 4, planned=4)
+    with pytest.raises(PipelineError, match="tp/seed4: 2 of 4 iterations"):
+        add_to_archive(unfinished, dest)
 
 
 def test_load_cost_times_the_model_load_in_a_run_folder(tmp_path, tiny_model_dir):
@@ -136,3 +140,11 @@ def test_load_cost_times_the_model_load_in_a_run_folder(tmp_path, tiny_model_dir
     assert record["loads_timed"] == 4 and 0 < record["min"] <= record["load_seconds"] <= record["max"]
     with pytest.raises(PipelineError, match="no policy adapter for iterations \\[3\\]"):
         measure(folder, [3], repeats=1, threads=1)
+
+
+def test_no_headline_where_flow_grpo_never_rises_above_the_base_model(tmp_path):
+    n = PROMPTS * SAMPLES
+    for s in (0, 1):
+        fake_run(tmp_path, "flow_grpo", "flow_grpo", s, {0: np.full(n, 0.4), 2: np.full(n, 0.35), 4: np.full(n, 0.38)}, 4)
+        fake_run(tmp_path, "tp", "tp", s, {0: np.full(n, 0.4), 2: np.full(n, 0.45), 4: np.full(n, 0.5)}, 4)
+    assert collect(tmp_path, n_boot=50)["headline"].empty

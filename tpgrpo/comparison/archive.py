@@ -103,7 +103,7 @@ def _params_mismatch(run: dict, existing: list[dict]) -> str:
 def add_to_archive(root: Path, dest: Path) -> dict:
     """Add the runs of ``root`` to the archive ``dest`` (replaced through a temporary copy): more training seeds
     of the archived comparison, trained later. Refused with one line where ``dest`` is no archive, already has
-    one of the runs, or a run's params differ from its variant's archived runs in more than the seed and the
+    one of the runs, a run is unfinished, or a run's params differ from its variant's archived runs in more than the seed and the
     iteration count. ``root``'s command lines are appended to commands.txt and its code snapshot kept as
     ``code/SNAPSHOT-<k>.json`` (k = 2, 3, ...); ``ARCHIVE.json`` lists the addition under ``added``."""
     from tpgrpo.io.artifacts import atomic_path
@@ -116,8 +116,10 @@ def add_to_archive(root: Path, dest: Path) -> dict:
         raise PipelineError(f"{root}: no run folders (*/seed*/run.json): nothing to add")
     have = {(r["variant"], r["seed"]) for r in existing}
     for run in runs:
+        done, planned = archived_iterations(Path(run["folder"])), int(run["params"]["train"]["iterations"])
         why = f"{run['variant']}/seed{run['seed']} is already in {dest}" if (run["variant"], run["seed"]) in have \
-            else _params_mismatch(run, existing)
+            else f"{run['variant']}/seed{run['seed']}: {done} of {planned} iterations (finish it or leave it out)" \
+            if done < planned else _params_mismatch(run, existing)
         if why:
             raise PipelineError(f"{why}: nothing added")
     record = json.loads((dest / MARKER).read_text())

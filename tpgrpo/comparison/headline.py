@@ -79,15 +79,17 @@ def headline_row(curves: pd.DataFrame, variant: str, budget: int, target: float,
 
 def headline_table(curves: pd.DataFrame, runs: dict) -> pd.DataFrame:
     """Per main variant (``runs``: ``{variant: {seed: run}}``) how soon it reaches Flow-GRPO's best held-out
-    reward within the budget: see the module docstring. Empty without main flow_grpo runs."""
+    reward within the budget: see the module docstring. Empty without main flow_grpo runs, or where
+    flow_grpo's mean never rose above the base model's (there is then no reward to reach)."""
     main = [v for v, seeds in runs.items() if next(iter(seeds.values()))["family"] == "main"]
     if BASELINE_MODE not in main:
         return pd.DataFrame(columns=COLUMNS)
     budget = min(int(r["budget"]) for v in main for r in runs[v].values())
     flow = _curve(curves, BASELINE_MODE, budget).groupby("iteration")["eval_reward"].mean()
-    if flow.empty:
+    trained = flow[flow.index > 0]
+    if trained.empty or trained.max() <= flow.get(0, -np.inf):  # no target: it never rose above the base model
         return pd.DataFrame(columns=COLUMNS)
-    target, target_iteration = float(flow.max()), int(flow.idxmax())
+    target, target_iteration = float(trained.max()), int(trained.idxmax())
     order = [BASELINE_MODE, *sorted(set(main) - {BASELINE_MODE})]
     rows = [headline_row(curves, v, budget, target, target_iteration) for v in order]
     return pd.DataFrame(rows, columns=COLUMNS)
