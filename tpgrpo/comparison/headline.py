@@ -4,8 +4,9 @@ The paper reports that TP-GRPO reaches Flow-GRPO's final reward in about a third
 target is Flow-GRPO's best held-out reward within the iteration budget (the mean over its training seeds,
 at the evaluated iterations every seed has); for each main mode, the iteration at which its own mean curve
 first reaches it (linear between evaluated iterations: with ``eval.every`` = 6 the curve is known at 0, 6,
-12 only, so this is a coarse estimate) and the training seconds there, with and without model loading. The
-same crossing per training seed gives the interval over seeds (a t interval, where every seed reaches it).
+12 only, so this is a coarse estimate) and the training seconds there, with and without model loading (mean
+over the seeds every mode has: seeds added later ran under other machine load). The same crossing per
+training seed gives the interval over seeds (a t interval, where every seed reaches it).
 """
 
 from __future__ import annotations
@@ -18,7 +19,7 @@ import pandas as pd
 from tpgrpo.comparison.runs import BASELINE_MODE
 from tpgrpo.comparison.stats import t_quantile
 
-COLUMNS = ["variant", "seeds", "target", "target_iteration", "iteration", "first_evaluated", "seconds",
+COLUMNS = ["variant", "seeds", "time_seeds", "target", "target_iteration", "iteration", "first_evaluated", "seconds",
            "net_seconds", "seeds_reaching", "per_seed_iteration", "iteration_lo", "iteration_hi", "seconds_lo",
            "seconds_hi", "fraction_of_flow_iterations"]
 
@@ -54,21 +55,25 @@ def _interval(values: Sequence[float]) -> tuple[float, float]:
     return float(v.mean() - half), float(v.mean() + half)
 
 
-def headline_row(curves: pd.DataFrame, variant: str, budget: int, target: float, target_iteration: int) -> dict:
-    """One mode's row of :func:`headline_table`."""
+def headline_row(curves: pd.DataFrame, variant: str, budget: int, target: float, target_iteration: int,
+                 time_seeds: Sequence[int]) -> dict:
+    """One mode's row of :func:`headline_table`; seconds from the runs of ``time_seeds`` only."""
     c = _curve(curves, variant, budget)
-    mean = c.groupby("iteration")[["eval_reward", "cum_seconds", "net_cum_seconds"]].mean()
+    mean = c.groupby("iteration")[["eval_reward"]].mean()
+    clock = c[c["seed"].isin(time_seeds)].groupby("iteration")[["cum_seconds", "net_cum_seconds"]].mean()
     it = crossing(mean.index, mean["eval_reward"], target)
     reached = mean.index[mean["eval_reward"].to_numpy() >= target]
-    at = (lambda col: float(np.interp(it, mean.index, mean[col])) if np.isfinite(it) else float("nan"))  # noqa: E731
+    at = (lambda col: float(np.interp(it, clock.index, clock[col])) if np.isfinite(it) else float("nan"))  # noqa: E731
     per_seed, per_seed_s = [], []
-    for _, g in c.groupby("seed"):
+    for seed, g in c.groupby("seed"):
         x = crossing(g["iteration"], g["eval_reward"], target)
         per_seed.append(x)
-        per_seed_s.append(float(np.interp(x, g["iteration"], g["cum_seconds"])) if np.isfinite(x) else float("nan"))
+        if seed in time_seeds:
+            per_seed_s.append(float(np.interp(x, g["iteration"], g["cum_seconds"])) if np.isfinite(x) else np.nan)
     lo, hi = _interval(per_seed)
     s_lo, s_hi = _interval(per_seed_s)
-    return {"variant": variant, "seeds": ",".join(str(s) for s in sorted(c["seed"].unique())), "target": target,
+    return {"variant": variant, "seeds": ",".join(str(s) for s in sorted(c["seed"].unique())),
+            "time_seeds": ",".join(map(str, time_seeds)), "target": target,
             "target_iteration": target_iteration, "iteration": it,
             "first_evaluated": int(reached[0]) if len(reached) else np.nan, "seconds": at("cum_seconds"),
             "net_seconds": at("net_cum_seconds"), "seeds_reaching": int(np.isfinite(per_seed).sum()),
@@ -91,5 +96,7 @@ def headline_table(curves: pd.DataFrame, runs: dict) -> pd.DataFrame:
         return pd.DataFrame(columns=COLUMNS)
     target, target_iteration = float(trained.max()), int(trained.idxmax())
     order = [BASELINE_MODE, *sorted(set(main) - {BASELINE_MODE})]
-    rows = [headline_row(curves, v, budget, target, target_iteration) for v in order]
+    # seconds from the seeds every mode has: runs trained side by side; seeds added later ran under other load
+    time_seeds = sorted(set.intersection(*(set(runs[v]) for v in order)))
+    rows = [headline_row(curves, v, budget, target, target_iteration, time_seeds) for v in order]
     return pd.DataFrame(rows, columns=COLUMNS)

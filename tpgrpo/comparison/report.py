@@ -205,7 +205,8 @@ def headline_lines(headline: pd.DataFrame) -> list[str]:
              f"{_num(r['seconds_lo'], '{:.0f}')} - {_num(r['seconds_hi'], '{:.0f}')}", _num(r["net_seconds"], "{:.0f}"))
             for _, r in headline.iterrows()]
     return [f"Target: flow_grpo's best held-out reward within the budget, {first['target']:.4f} (mean over its seeds, "
-            f"at iteration {int(first['target_iteration'])}). \"-\": not reached within the budget.", "",
+            f"at iteration {int(first['target_iteration'])}). \"-\": not reached within the budget. Seconds: mean over "
+            f"seeds {first['time_seeds']} (every mode's).", "",
             *_table(("variant", "seeds", "iteration reaching it", "first evaluated", "95% CI over seeds",
                      "seeds reaching it (their iterations)", "x flow_grpo's iterations", "train seconds",
                      "95% CI over seeds", "train seconds, loading out"), rows)]
