@@ -20,8 +20,8 @@ from conftest import tiny_params
 from tpgrpo.comparison import runs as cmp
 from tpgrpo.comparison import variants
 from tpgrpo.comparison.stats import EVAL_TABLE_COLUMNS
-from tpgrpo.comparison.results import (Pair, collect, collect_curves, compare_pair, by_variant, paired_difference,
-                                       verdict)
+from tpgrpo.comparison.claims import collect
+from tpgrpo.comparison.results import Pair, collect_curves, compare_pair, by_variant, paired_difference, verdict
 from tpgrpo.config import ConfigError
 from tpgrpo.errors import PipelineError
 
@@ -122,8 +122,10 @@ def test_seeds_are_pooled_per_image_before_the_bootstrap(tmp_path):
     # per image: mean over seeds 0.7 - 0.5 = 0.2 everywhere, so the interval has no width
     assert d["reward_diff"] == pytest.approx(0.2) and d["reward_lo"] == pytest.approx(0.2) == d["reward_hi"]
     assert d["per_seed_reward_diff"] == pytest.approx([0.1, 0.3])
-    # over seeds and prompts: a draw of seed 0 twice gives 0.1, of seed 1 twice 0.3 (each 1 in 4 draws)
-    assert d["reward_seed_lo"] == pytest.approx(0.1) and d["reward_seed_hi"] == pytest.approx(0.3)
+    # the percentile bootstrap over seeds and prompts: a draw of seed 0 twice gives 0.1, of seed 1 twice 0.3
+    assert d["reward_boot_lo"] == pytest.approx(0.1) and d["reward_boot_hi"] == pytest.approx(0.3)
+    # the t interval over seeds (the prompts agree exactly): 0.2 +- t_1 x sd(0.1, 0.3) / sqrt(2) = 12.706 x 0.1
+    assert (d["reward_seed_lo"], d["reward_seed_hi"]) == pytest.approx((0.2 - 1.27062, 0.2 + 1.27062), abs=1e-4)
     assert d["strict_diff"] == pytest.approx(1.0)  # both seeds strict (> 0.5) vs neither
 
 
@@ -244,9 +246,12 @@ def test_collect_writes_tables_and_marks_claims(tmp_path):
         (-ablation["reward_diff"], -ablation["reward_hi"], -ablation["reward_lo"]))
     claims = tables["claims"].set_index("claim")["verdict"]
     assert claims["TP-GRPO beats Flow-GRPO at the same iteration"] == "confirmed"
-    assert claims["TP-GRPO beats Flow-GRPO at equal wall-clock time"] == "confirmed"
+    # at equal wall two seeds (+0.07, +0.10) give t_1 = 12.7: no verdict, where the percentile bootstrap
+    # over the same two seeds confirmed it
+    wall = tables["claims"].set_index("claim").loc["TP-GRPO beats Flow-GRPO at equal wall-clock time"]
+    assert (wall["verdict"], wall["verdict_bootstrap"]) == ("not detectable", "confirmed")
     assert claims["TP-GRPO w/o constraint beats Flow-GRPO at the same iteration"] == "not run"
-    assert claims["noise level 0.7 beats 0.4"] == "confirmed"  # tp seed 0 at 0.7 vs 0.5
+    assert claims["noise level 0.7 beats 0.4"] == "one seed: a hint for"  # tp seed 0 at 0.7 vs 0.5: one seed only
     assert claims["cps steps beat sde steps"] == "not run"
     notes = tables["claims"].set_index("claim")["note"]
     assert notes["TP-GRPO beats Flow-GRPO at the same iteration"].startswith(f"only {PROMPTS} held-out prompts")

@@ -9,7 +9,7 @@ import pytest
 from test_comparison import make_comparison
 
 from tpgrpo.comparison.archive import MARKER, archived_files, refuse_archive, write_archive
-from tpgrpo.comparison.results import collect
+from tpgrpo.comparison.claims import collect
 from tpgrpo.errors import PipelineError
 
 

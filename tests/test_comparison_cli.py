@@ -19,10 +19,10 @@ def compare(*args: str):
     return CliRunner().invoke(app, ["compare", *args])
 
 
-def test_compare_lists_its_five_commands_and_the_main_help_lists_compare():
+def test_compare_lists_its_six_commands_and_the_main_help_lists_compare():
     res = compare("--help")
     assert res.exit_code == 0
-    for name in ("run", "equal-wall", "status", "report", "archive"):
+    for name in ("run", "equal-wall", "status", "report", "archive", "load-cost"):
         assert name in res.stdout
     top = CliRunner().invoke(app, ["--help"])
     assert top.exit_code == 0 and "compare" in top.stdout

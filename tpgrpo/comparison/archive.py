@@ -6,12 +6,14 @@ each run's ``run.json`` and ``params.yaml``, and the root's ``commands.txt``, ``
 ``SNAPSHOT.json``. An archive is a copy of the root pruned to exactly those files, in the same layout, so
 ``report --results ARCHIVE`` recomputes the same tables and figures as ``report --results ROOT`` did, long
 after the run folders are gone (they are machine-local and git-ignored). An archive cannot be trained further:
-``ARCHIVE.json`` at its top marks it, and ``run`` / ``equal-wall`` refuse it.
+``ARCHIVE.json`` at its top marks it, and ``run`` / ``equal-wall`` refuse it. More seeds of the same comparison,
+trained later in another root, join it with :func:`add_to_archive` (their params must match, but for the seed).
 """
 
 from __future__ import annotations
 
 import json
+import os
 import shutil
 import time
 from pathlib import Path
@@ -20,7 +22,8 @@ from tpgrpo.comparison.runs import ITER_FILES, SUMMARY, discover
 from tpgrpo.errors import PipelineError
 
 MARKER = "ARCHIVE.json"
-ROOT_FILES = ("commands.txt", "equal_wall.json", "code/SNAPSHOT.json")
+ROOT_FILES = ("commands.txt", "equal_wall.json", "load_cost.json", "code/SNAPSHOT.json")
+POOLED_KEYS = {"train.seed", "train.iterations"}  # runs that differ in nothing else pool as seeds of one variant
 RUN_FILES = ("run.json", "params.yaml", str(SUMMARY), "data/iters/baseline_eval.json",
              "data/iters/baseline_eval.parquet")
 ITERATION_FILES = (*ITER_FILES, "probe.json")  # what finishes an iteration, and the probe log where there is one
@@ -50,6 +53,15 @@ def archived_files(root: Path) -> list[Path]:
     return files
 
 
+def copy_snapshot(root: Path, dest: Path) -> None:
+    """Copy ``root``'s code/SNAPSHOT.json to ``dest``, its source an absolute path (older snapshots) made
+    relative to ``root``: an archive records no machine's paths."""
+    record = json.loads((Path(root) / "code" / "SNAPSHOT.json").read_text())
+    if os.path.isabs(record.get("source", "")):
+        record["source"] = os.path.relpath(record["source"], Path(root).resolve())
+    dest.write_text(json.dumps(record, indent=2) + "\n")
+
+
 def write_archive(root: Path, dest: Path) -> dict:
     """Copy ``root``'s result files to ``dest`` (replaced whole, through a temporary sibling, so a failed copy
     leaves no half archive); returns the ``ARCHIVE.json`` record (source, time, runs, files, bytes)."""
@@ -68,10 +80,71 @@ def write_archive(root: Path, dest: Path) -> dict:
         for rel in files:
             (tmp / rel).parent.mkdir(parents=True, exist_ok=True)
             shutil.copy2(root / rel, tmp / rel)
+        if (root / "code" / "SNAPSHOT.json").is_file():
+            copy_snapshot(root, tmp / "code" / "SNAPSHOT.json")
         record = {"source": str(root), "time": time.strftime("%Y-%m-%d %H:%M:%S"), "runs": len(runs),
                   "files": len(files), "bytes": sum((tmp / rel).stat().st_size for rel in files)}
         (tmp / MARKER).write_text(json.dumps(record, indent=2, sort_keys=True) + "\n")
     return record
+
+
+def _params_mismatch(run: dict, existing: list[dict]) -> str:
+    """Why ``run`` would not pool with the archive's runs of its variant ("" if it does)."""
+    from tpgrpo.comparison.runs import NEUTRAL_KEYS, flatten
+
+    same = [r for r in existing if r["variant"] == run["variant"]]
+    if not same:
+        return f"variant {run['variant']} is not in the archive"
+    new, old = flatten(run["params"]), flatten(same[0]["params"])
+    differ = sorted(k for k in set(new) | set(old) if k not in POOLED_KEYS | NEUTRAL_KEYS and new.get(k) != old.get(k))
+    return f"{run['variant']}/seed{run['seed']}: {', '.join(differ)} differ from the archived runs" if differ else ""
+
+
+def add_to_archive(root: Path, dest: Path) -> dict:
+    """Add the runs of ``root`` to the archive ``dest`` (replaced through a temporary copy): more training seeds
+    of the archived comparison, trained later. Refused with one line where ``dest`` is no archive, already has
+    one of the runs, a run is unfinished, or a run's params differ from its variant's archived runs in more than the seed and the
+    iteration count. ``root``'s command lines are appended to commands.txt and its code snapshot kept as
+    ``code/SNAPSHOT-<k>.json`` (k = 2, 3, ...); ``ARCHIVE.json`` lists the addition under ``added``."""
+    from tpgrpo.io.artifacts import atomic_path
+
+    root, dest = Path(root), Path(dest)
+    if not is_archive(dest):
+        raise PipelineError(f"--to {dest}: not an archive ({MARKER} missing): archive a root there first")
+    runs, existing = discover(root), discover(dest)
+    if not runs:
+        raise PipelineError(f"{root}: no run folders (*/seed*/run.json): nothing to add")
+    have = {(r["variant"], r["seed"]) for r in existing}
+    for run in runs:
+        done, planned = archived_iterations(Path(run["folder"])), int(run["params"]["train"]["iterations"])
+        why = f"{run['variant']}/seed{run['seed']} is already in {dest}" if (run["variant"], run["seed"]) in have \
+            else f"{run['variant']}/seed{run['seed']}: {done} of {planned} iterations (finish it or leave it out)" \
+            if done < planned else _params_mismatch(run, existing)
+        if why:
+            raise PipelineError(f"{why}: nothing added")
+    record = json.loads((dest / MARKER).read_text())
+    with atomic_path(dest) as tmp:
+        shutil.copytree(dest, tmp)
+        files = [f for f in archived_files(root) if str(f) not in ROOT_FILES]
+        for rel in files:
+            (tmp / rel).parent.mkdir(parents=True, exist_ok=True)
+            shutil.copy2(root / rel, tmp / rel)
+        lines = (tmp / "commands.txt").read_text().splitlines() if (tmp / "commands.txt").is_file() else []
+        lines += [x for x in (root / "commands.txt").read_text().splitlines() if x not in lines] \
+            if (root / "commands.txt").is_file() else []
+        (tmp / "commands.txt").write_text("\n".join(lines) + "\n")
+        snapshot = tmp / "code" / f"SNAPSHOT-{len(record.get('added', [])) + 2}.json"
+        if (root / "code" / "SNAPSHOT.json").is_file():
+            copy_snapshot(root, snapshot)
+        for rel in ("load_cost.json",):  # measured on the added root where the archive has none
+            if (root / rel).is_file() and not (tmp / rel).is_file():
+                shutil.copy2(root / rel, tmp / rel)
+        added = {"source": str(root), "time": time.strftime("%Y-%m-%d %H:%M:%S"), "runs": len(runs),
+                 "files": len(files), "bytes": sum((tmp / rel).stat().st_size for rel in files),
+                 "snapshot": str(snapshot.relative_to(tmp))}
+        record["added"] = [*record.get("added", []), added]
+        (tmp / MARKER).write_text(json.dumps(record, indent=2, sort_keys=True) + "\n")
+    return added
 
 
 def archived_iterations(folder: Path) -> int:

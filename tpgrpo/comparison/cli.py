@@ -3,6 +3,7 @@
     run         create the run folders and train them (resumable: re-run the same command)
     equal-wall  give flow_grpo the iterations its cheaper iteration buys in tp's time, and train them
     status      where each run stands
+    load-cost   time one model load in a trained run folder (the equal-wall pair without loading uses it)
     report      collect the stored results and write the Markdown report with its figures
     archive     copy a root's result files (no artifacts) to a folder small enough to commit; report reads it
 """
@@ -169,6 +170,36 @@ def equal_wall_command(
     _report_results(results)
 
 
+@app.command("load-cost")
+def load_cost_command(
+    out: OutOpt = Path("runs/compare"),
+    run: Annotated[str, typer.Option(help="run folder under OUT to measure in, VARIANT/seedK")] = "tp/seed0",
+    iterations: Annotated[str, typer.Option(help="iterations whose policy is loaded, comma-separated")] = "2,6,12",
+    repeats: Annotated[int, typer.Option(help="timed loads per iteration and kind")] = 3,
+    threads: ThreadsOpt = 1,
+) -> None:
+    """Time one model load (load_policy) in a trained run folder; write OUT/load_cost.json (the report then
+    gives the equal-wall pair with the loading taken out of both sides' seconds)."""
+    import json
+
+    from tpgrpo.comparison.archive import refuse_archive
+    from tpgrpo.comparison.loadcost import LOAD_FILE, measure
+    from tpgrpo.errors import PipelineError
+    from tpgrpo.io.artifacts import atomic_path
+
+    try:
+        refuse_archive(out)
+        folder = out / run
+        if not (folder / "params.yaml").is_file():
+            raise PipelineError(f"--run {run}: no run folder {folder} (expected VARIANT/seedK under --out)")
+        record = measure(folder, _list(iterations, int, "--iterations"), repeats, threads)
+        with atomic_path(out / LOAD_FILE) as tmp:
+            tmp.write_text(json.dumps(record, indent=2, sort_keys=True) + "\n")
+    except PipelineError as exc:
+        _fail(str(exc))
+    typer.echo(f"{out / LOAD_FILE}: {record['load_seconds']} s per load (median of {record['loads_timed']})")
+
+
 @app.command("status")
 def status_command(out: OutOpt = Path("runs/compare")) -> None:
     """One line per run: done / partial / new and its iterations."""
@@ -211,15 +242,17 @@ def report_command(
 def archive_command(
     results: Annotated[Path, typer.Option("--results", help="comparison root to archive")],
     to: Annotated[Path, typer.Option("--to", help="archive folder (replaced whole), e.g. docs/replication/runs/NAME")],
+    add: Annotated[bool, typer.Option("--add", help="add the root's runs (more seeds, same params) to the existing "
+                                      "archive TO instead of replacing it")] = False,
 ) -> None:
     """Copy the root's result files (stage logs, per-image eval tables, run.json, params.yaml, commands.txt,
-    equal_wall.json, the code snapshot's record) to TO, in the same layout: `report --results TO` gives the
-    same report without the run folders."""
-    from tpgrpo.comparison.archive import write_archive
+    equal_wall.json, load_cost.json, the code snapshot's record) to TO, in the same layout: `report --results
+    TO` gives the same report without the run folders."""
+    from tpgrpo.comparison.archive import add_to_archive, write_archive
     from tpgrpo.errors import PipelineError
 
     try:
-        record = write_archive(results, to)
+        record = add_to_archive(results, to) if add else write_archive(results, to)
     except PipelineError as exc:
         _fail(str(exc))
     typer.echo(f"{to}: {record['runs']} runs, {record['files']} files, {record['bytes'] / 1e6:.2f} MB")

@@ -17,7 +17,9 @@ import pandas as pd
 from tpgrpo.io.artifacts import atomic_path
 from tpgrpo.comparison.runs import discover, equal_wall_records
 from tpgrpo.comparison.archive import MARKER as ARCHIVE_MARKER
-from tpgrpo.comparison.results import LEVEL, N_BOOT, collect
+from tpgrpo.comparison.claims import collect
+from tpgrpo.comparison.loadcost import load_record
+from tpgrpo.comparison.results import LEVEL, N_BOOT
 from tpgrpo.reports.plots import _new_figure, _save
 
 FIGURES = ("reward_vs_iteration.png", "reward_vs_wall.png", "paired_differences.png", "tp_rate_per_step.png")
@@ -65,8 +67,11 @@ def reward_figure(curves: pd.DataFrame, variants: Sequence[str], path: Path, x: 
     return fig
 
 
+KIND_LABELS = {"equal_wall": "equal wall", "equal_wall_net": "equal wall, loading out"}
+
+
 def pair_label(row) -> str:
-    where = "equal wall" if row["kind"] == "equal_wall" else f"iter {row['iteration_a']}"
+    where = KIND_LABELS.get(row["kind"], f"iter {row['iteration_a']}")
     return f"{row['a']} - {row['b']} ({where})"
 
 
@@ -82,7 +87,7 @@ def differences_figure(pairs: pd.DataFrame, path: Path, dpi: int = 100):
     diff, lo, hi = (rows[c].to_numpy(dtype=float) for c in ("reward_diff", "reward_lo", "reward_hi"))
     seed_lo, seed_hi = (rows[c].to_numpy(dtype=float) for c in ("reward_seed_lo", "reward_seed_hi"))
     ax.errorbar(diff, ys, xerr=[diff - seed_lo, seed_hi - diff], fmt="none", color="tab:orange", capsize=5,
-                linewidth=1.0, label="over seeds and prompts")
+                linewidth=1.0, label="over seeds and prompts (t)")
     ax.errorbar(diff, ys, xerr=[diff - lo, hi - diff], fmt="o", color="tab:blue", capsize=3, linewidth=2.0,
                 label="over prompts")
     ax.legend(fontsize=8, loc="best")
@@ -177,7 +182,8 @@ def final_table(runs: list[dict], curves: pd.DataFrame) -> list[str]:
 
 
 def pairs_table(pairs: pd.DataFrame) -> list[str]:
-    rows = [(r["set"], f"{r['a']} - {r['b']}", r["kind"], f"{r['iteration_a']} vs {r['iteration_b']}",
+    rows = [(r["set"], f"{r['a']} - {r['b']}", KIND_LABELS.get(r["kind"], r["kind"]),
+             f"{r['iteration_a']} vs {r['iteration_b']}",
              f"{r['seconds_a']:.0f} vs {r['seconds_b']:.0f}", r["seeds"], _ci(r), _seed_ci(r),
              r["per_seed_reward_diff"], _ci(r, "strict"))
             for _, r in pairs.iterrows() if np.isfinite(float(r["reward_diff"]))]
@@ -186,15 +192,37 @@ def pairs_table(pairs: pd.DataFrame) -> list[str]:
                    "strict accuracy diff [CI over prompts]"), rows)
 
 
+def _num(value, fmt: str = "{:.1f}") -> str:
+    return "-" if value is None or not np.isfinite(float(value)) else fmt.format(float(value))
+
+
+def headline_lines(headline: pd.DataFrame) -> list[str]:
+    """The iterations-to-reward table and a sentence naming the target."""
+    first = headline.iloc[0]
+    rows = [(r["variant"], r["seeds"], _num(r["iteration"]), _num(r["first_evaluated"], "{:.0f}"),
+             f"{_num(r['iteration_lo'])} - {_num(r['iteration_hi'])}", f"{r['seeds_reaching']} ({r['per_seed_iteration']})",
+             _num(r["fraction_of_flow_iterations"], "{:.2f}"), _num(r["seconds"], "{:.0f}"),
+             f"{_num(r['seconds_lo'], '{:.0f}')} - {_num(r['seconds_hi'], '{:.0f}')}", _num(r["net_seconds"], "{:.0f}"))
+            for _, r in headline.iterrows()]
+    return [f"Target: flow_grpo's best held-out reward within the budget, {first['target']:.4f} (mean over its seeds, "
+            f"at iteration {int(first['target_iteration'])}). \"-\": not reached within the budget. Seconds: mean over "
+            f"seeds {first['time_seeds']} (every mode's).", "",
+            *_table(("variant", "seeds", "iteration reaching it", "first evaluated", "95% CI over seeds",
+                     "seeds reaching it (their iterations)", "x flow_grpo's iterations", "train seconds",
+                     "95% CI over seeds", "train seconds, loading out"), rows)]
+
+
 def _seed_ci(row) -> str:
     lo, hi = row.get("reward_seed_lo"), row.get("reward_seed_hi")
     return "-" if lo is None or not np.isfinite(float(lo)) else f"[{float(lo):+.4f}, {float(hi):+.4f}]"
 
 
 def _claim_note(row) -> str:
-    only = row.get("verdict_prompts_only")
+    only, boot = row.get("verdict_prompts_only"), row.get("verdict_bootstrap")
     parts = [f"per seed: {row['per_seed_reward_diff']}" if isinstance(row.get("per_seed_reward_diff"), str) else "",
              f"over prompts only: {only}" if isinstance(only, str) and only != row["verdict"] else "",
+             f"the percentile bootstrap over seeds said: {boot}" if isinstance(boot, str) and boot != row["verdict"]
+             else "",
              row.get("note") if isinstance(row.get("note"), str) else ""]
     return "; ".join(p for p in parts if p)
 
@@ -214,24 +242,41 @@ def method_text(n_boot: int = N_BOOT) -> str:
   x eval seed; every run uses the same eval seeds) at the compared iteration; per image the mean over the
   training seeds of A minus that of B; the mean over images, and a {LEVEL:.0%} percentile interval from
   {n_boot:,} bootstrap resamples of whole prompts (each with all its eval seeds), `tpgrpo.comparison.stats.paired_bootstrap`.
-  That interval covers prompt and eval-noise sampling for these training seeds only. A second interval,
-  **over seeds and prompts** (`tpgrpo.comparison.stats.seed_prompt_bootstrap`), resamples the training seeds too (seed
-  s of A paired with seed s of B) in each of the same prompt draws; the per-seed mean differences are shown
-  beside both. With 3 seeds the seed draw sees at most 3 values, so even this interval understates the
-  spread between training seeds; it does not overstate it.
+  That interval covers prompt and eval-noise sampling for these training seeds only.
+- **Over seeds and prompts** (the verdicts' interval, `tpgrpo.comparison.stats.seed_prompt_t_interval`): seed s
+  of A paired with seed s of B; the mean difference +- sqrt(t_(S-1)^2 var_s / S + t_(P-1)^2 var_p / P), var_s
+  the variance of the S per-seed mean differences and var_p that of the P per-prompt ones (Banerjee's
+  interval for a sum of two variance estimates: t quantiles for few seeds, 4.30 at S = 3, and no degrees of
+  freedom to estimate). Simulated under no true difference (seed effect sd 0.02, 20 prompts x 4 images,
+  image noise sd 0.05, 4,000 draws) it excludes 0 in 4.4% of draws at 3 seeds and 3.9% at 5
+  (tests/test_comparison_intervals.py), where the percentile bootstrap over seeds and prompts that it
+  replaced (`seed_prompt_bootstrap`, still in the pairs CSV as `reward_boot_lo/hi`) excluded it in 18.8% at
+  3 seeds and 12.5% at 5 (bench/compare_intervals.py, 1,000 draws): a claim's note says where that
+  bootstrap's verdict differed.
 - **Iteration**: both at the last iteration evaluated in every run of both within the iteration budget.
   **Equal wall**: A at that iteration i, B (flow_grpo, given extra iterations by the equal-wall pass) at its
-  evaluated iteration nearest i x (A's / B's mean training seconds per iteration over the budget, all seeds):
-  the rate the pass planned with, not the seconds B's extra iterations recorded (those depend on what else
-  shared the machine then).
+  evaluated iteration nearest i x (A's / B's mean training seconds per iteration over the budget): the rate
+  the pass planned with, not the seconds B's extra iterations recorded (those depend on what else shared
+  the machine then). Only the seeds whose B runs the pass extended take part (the pairs table lists them).
+  An equal-wall pair is never read reversed (B - A would give A the extra iterations).
+  **Equal wall, loading out**: the same with each side's seconds less its model loads (rollout, update, and
+  a probe that ran the model: 3 per tp iteration, 2 per flow_grpo iteration) x the measured seconds of one
+  load (`tpgrpo compare load-cost`, stated in each section).
 - **Training seconds**: the sum of the rollout, probe, credit and update stages' own `wall_seconds` (eval and
   process start-up left out), cumulated over iterations; measured while the runs shared the machine as the
   recorded command lines say (jobs x threads).
+- **How soon each mode reaches Flow-GRPO's best** (the paper: TP-GRPO reaches Flow-GRPO's final reward in
+  about a third of the steps): the target is flow_grpo's best held-out reward within the budget (mean over
+  its seeds, at evaluated iterations); per mode the iteration at which its mean-over-seeds curve first
+  reaches it, linear between evaluated iterations (with eval every 6 iterations a coarse estimate; "first
+  evaluated" is the evaluated iteration itself), the training seconds there (mean over seeds; with and
+  without loading), and a 95% t interval over seeds of each seed's own crossing where every seed reaches it.
 - **Bands** in the curves: the line is the mean over training seeds, the band their minimum to maximum.
 - **Verdict** of a claim "A beats B" from the interval of A - B over seeds and prompts (the prompt-only
   interval's verdict is in the note where it differs): *confirmed* if it excludes 0 on A's side,
-  *refuted* if it excludes 0 on B's side, else *not detectable*; *not run* where the runs are missing or the
-  reference does not have the paper's setting.
+  *refuted* if it excludes 0 on B's side, else *not detectable*; from one training seed an excluded 0 is
+  only *one seed: a hint* (for or against: that interval has no seed variance in it); *not run* where the
+  runs are missing or the reference does not have the paper's setting.
 - **Best learning rate** (with a sweep): per mode the rate with the highest training reward (rollout mean
   over its last 3 iterations, mean over seeds), so the held-out set is not used to pick it. With a sweep
   the claims table repeats the TP-vs-Flow-GRPO claims with each mode at its best rate (at equal wall clock
@@ -280,27 +325,42 @@ def section(out: Path, fig_dir: Path, md_dir: Path, n_boot: int = N_BOOT) -> lis
         lines += [f"No held-out image of any run is strictly right under `{task['eval_reward']}` (it may define "
                   "no strict result): the strict-accuracy columns below say nothing.", ""]
     commands = (out / "commands.txt").read_text().splitlines() if (out / "commands.txt").is_file() else []
-    snap = out / "code" / "SNAPSHOT.json"
-    snapshot = json.loads(snap.read_text()) if snap.is_file() else {}
-    if (out / ARCHIVE_MARKER).is_file():
-        a = json.loads((out / ARCHIVE_MARKER).read_text())
+    a = json.loads((out / ARCHIVE_MARKER).read_text()) if (out / ARCHIVE_MARKER).is_file() else None
+    if a:
         lines += [f"Read from an archive of `{a['source']}` made {a['time']} (`tpgrpo compare archive`: the "
-                  f"runs' result files only, {a['runs']} runs, {a['bytes'] / 1e6:.2f} MB).", ""]
+                  f"runs' result files only, {a['runs']} runs, {a['bytes'] / 1e6:.2f} MB)."]
+        lines += [f"Added to it: {x['runs']} runs of `{x['source']}` made {x['time']} (`tpgrpo compare archive --add`, "
+                  f"{x['bytes'] / 1e6:.2f} MB)." for x in a.get("added", [])]
+        lines += [""]
     if commands:
         lines += ["Built by:", "", "```", *commands, "```", ""]
-    if snapshot:
-        changed = len(snapshot.get("changed_files", []))
-        lines += [f"Code: commit `{snapshot.get('commit', '?')[:12]}`"
-                  + (f" with {changed} changed files" if changed else "")
-                  + f", snapshot taken {snapshot.get('time', '?')}.", ""]
+    snapshots = [("code/SNAPSHOT.json", "")] + [(x["snapshot"], f" (the runs of `{x['source']}`)")
+                                                for x in (a or {}).get("added", [])]
+    for rel, whose in snapshots:
+        snapshot = json.loads((out / rel).read_text()) if (out / rel).is_file() else {}
+        if snapshot:
+            changed = len(snapshot.get("changed_files", []))
+            lines += [f"Code{whose}: commit `{snapshot.get('commit', '?')[:12]}`"
+                      + (f" with {changed} changed files" if changed else "")
+                      + f", snapshot taken {snapshot.get('time', '?')}.", ""]
     for w in equal_wall_records(out):
         lines += [f"Equal wall clock: {w['reference']} took {w['reference_s_per_iter']} s per iteration, {w['target']} "
                   f"{w['target_s_per_iter']} s (ratio {w['ratio']}), so {w['target']} ran {w['iterations']} iterations "
                   f"instead of {w['budget']}." + (f" {w['note']}" if w.get("note") else ""), ""]
+    load = load_record(out)
+    if load:
+        lines += [f"Model loading: {load['load_seconds']} s per load (median of {load['loads_timed']} timed loads of "
+                  f"`load_policy` in `{load['folder']}`, {load['min']}-{load['max']} s, {load['threads']} thread, "
+                  f"1-minute load average {load['load_average_1min']}, {load['time']}; `tpgrpo compare load-cost`).", ""]
     lines += ["### Runs", "", *setup_table(runs, tables["curves"]), "", "### Held-out reward at the last evaluated "
               "iteration", "", *final_table(runs, tables["curves"]), "", "### Figures", ""]
     for path in draw_figures(tables, runs, fig_dir, label):
         lines += [f"![{path.stem}]({os.path.relpath(path, md_dir)})", ""]
+    if len(tables["headline"]):
+        lines += ["### How soon each mode reaches Flow-GRPO's best", "", *headline_lines(tables["headline"]), ""]
+    elif any(r["variant"] == "flow_grpo" for r in runs):
+        lines += ["### How soon each mode reaches Flow-GRPO's best", "", "No target: flow_grpo's held-out reward "
+                  "(mean over its seeds) never rose above the base model's within the budget.", ""]
     lines += ["### Paired differences", "", *pairs_table(tables["pairs"]), "", "### The paper's claims", "",
               *claims_table(tables["claims"]), ""]
     return lines

@@ -3,7 +3,8 @@
 Layout under the output root ``OUT``::
 
     OUT/code/                 stages/ and tpgrpo/ as they were when the comparison started (SNAPSHOT.json:
-                              git commit and the files that differed from it); every run executes this copy
+                              the repository's path relative to OUT, its git commit and the files that
+                              differed from it); every run executes this copy
                               (PYTHONPATH), so code edited mid-comparison cannot split the runs
     OUT/<variant>/seed<k>/    a project `tpgrpo run` accepts: params.yaml (the base project's params, the
                               variant's overrides, credit.mode, train.seed), run.json (variant, mode, seed,
@@ -114,8 +115,8 @@ def snapshot_code(out: Path, repo: Path, refresh: bool = False) -> Path:
     for name in CODE_DIRS:
         shutil.copytree(repo / name, tmp / name, ignore=shutil.ignore_patterns("__pycache__"))
     git = lambda *a: subprocess.run(["git", *a], cwd=repo, capture_output=True, text=True).stdout.strip()  # noqa: E731
-    (tmp / "SNAPSHOT.json").write_text(json.dumps({
-        "source": str(repo), "commit": git("rev-parse", "HEAD"), "time": time.strftime("%Y-%m-%d %H:%M:%S"),
+    (tmp / "SNAPSHOT.json").write_text(json.dumps({  # source: the repository relative to OUT (no machine path)
+        "source": os.path.relpath(repo.resolve(), out.resolve()), "commit": git("rev-parse", "HEAD"), "time": time.strftime("%Y-%m-%d %H:%M:%S"),
         "changed_files": git("status", "--porcelain", "--", *CODE_DIRS).splitlines()}, indent=2) + "\n")
     shutil.rmtree(code, ignore_errors=True)
     tmp.replace(code)
