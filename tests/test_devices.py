@@ -294,6 +294,26 @@ def test_update_recomputes_log_probs_on_the_backend_device(kl_beta):
         assert got[key] == pytest.approx(ref[key], rel=1e-6, abs=1e-9), key
 
 
+def test_ema_resumed_from_disk_updates_beside_gpu_weights(tmp_path, monkeypatch):
+    """A resumed EMA (its state read to the CPU) must update beside LoRA weights that live on cuda:
+    ``update.ema`` iteration 2 on a GPU. The fake backend's weights stay on the CPU, so the LoRA state
+    dict is tagged as cuda here, as a real GPU model's would be."""
+    from tpgrpo.policy import lora
+    from tpgrpo.policy.update import load_training_state, make_optimizer, save_training_state
+
+    backend = _tiny()
+    lora.attach_lora(backend, 4, 8)
+    update_cfg = dataclasses.replace(Config().update, lora_rank=4, lora_alpha=8)
+    save_training_state(tmp_path, make_optimizer(backend, update_cfg), lora.LoraEMA(backend, every=1), step=1)
+    on_cpu = lora.lora_state_dict
+    monkeypatch.setattr(lora, "lora_state_dict", lambda b: {k: v.to("cuda") for k, v in on_cpu(b).items()})
+    with fake_cuda():
+        ema = lora.LoraEMA(backend, every=1)
+        load_training_state(tmp_path, make_optimizer(backend, update_cfg), ema)
+        assert ema.step(backend)  # the first EMA update after the resume
+        _assert_cuda(**{k.replace(".", "_"): v for k, v in ema.shadow.items()})
+
+
 def test_pretraining_step_runs_on_the_backend_device(tmp_path):
     from tpgrpo.models.pretrain import _Run
 
