@@ -257,15 +257,21 @@ def _after_stats(run: _Pass, n_idx, k_idx) -> dict:
     return {**stats.means(suffix="_after"), "ratio_max_dev_after": max_dev}
 
 
-def select_transitions(advantages: torch.Tensor, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
+def select_transitions(advantages: torch.Tensor, seed: int,
+                       stochastic: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """``(n_idx, k_idx)`` of every transition of the kept samples, shuffled by ``seed``, ``(M,)`` each.
 
     ``advantages`` is ``(N, K)``. Only a sample whose advantage is 0 at every window step is dropped
     (spec section 6); a kept sample keeps all K transitions, ``A == 0`` ones included: they add no
     policy gradient but their KL term counts and they are in the loss's mean (the denominator M).
+    ``stochastic`` ``(N, K)`` bool (None: all True) marks the transitions that have a policy: a ``cps``
+    step to ``s = 0`` (a window reaching the last step) is deterministic, its rollout log-prob exactly 0,
+    so it is left out of the PPO term (and of the test for a sample's being kept).
     """
-    keep = informative_samples(advantages)
-    n_idx, k_idx = keep[:, None].expand_as(advantages).nonzero(as_tuple=True)
+    if stochastic is not None:
+        advantages = torch.where(stochastic, advantages, torch.zeros((), dtype=advantages.dtype))
+    keep = informative_samples(advantages)[:, None].expand_as(advantages)
+    n_idx, k_idx = (keep if stochastic is None else keep & stochastic).nonzero(as_tuple=True)
     perm = torch.randperm(n_idx.numel(), generator=torch.Generator().manual_seed(int(seed)))
     return n_idx[perm], k_idx[perm]
 
@@ -277,8 +283,8 @@ def update_policy(backend, embeds, batch: TransitionBatch, advantages: torch.Ten
                   ratio_tolerance: float | None = FIRST_PASS_RATIO_TOLERANCE) -> dict:
     """One iteration's policy step on ``batch``; returns a dict of metrics (floats, ints, one list).
 
-    Every transition of the samples with a nonzero advantage at some step (``advantages`` ``(N, K)``,
-    ``select_transitions``), shuffled with ``seed`` (None: drawn
+    Every stochastic transition (to a sigma > 0) of the samples with a nonzero advantage at some such step
+    (``advantages`` ``(N, K)``, ``select_transitions``), shuffled with ``seed`` (None: drawn
     from torch's global generator, so ``torch.manual_seed`` before the call fixes it too; pass it when
     several processes run), are split into ``optimizer_steps_per_iter`` near-equal chunks; each chunk's
     gradient is the mean of the PPO loss (+ ``kl_beta`` KL to the adapter-disabled reference) over its
@@ -303,7 +309,7 @@ def update_policy(backend, embeds, batch: TransitionBatch, advantages: torch.Ten
     if seed is None:
         seed = int(torch.randint(0, 2**62, (1,)))
     dist = dist if dist is not None else Dist()
-    n_idx, k_idx = select_transitions(advantages.detach().cpu(), seed)
+    n_idx, k_idx = select_transitions(advantages.detach().cpu(), seed, stochastic=batch.sigmas[:, 1:] > 0)
     steps = update_cfg.optimizer_steps_per_iter
     chunks = [c for c in zip(torch.tensor_split(n_idx, steps), torch.tensor_split(k_idx, steps)) if c[0].numel()]
     run = _Pass(backend, embeds, batch, advantages.detach().float().cpu(), sampling_cfg, update_cfg, dist, progress)
