@@ -195,6 +195,17 @@ def _optimizer_step(run: _Pass, optimizer, ema, ctx: str) -> float:
     return norm
 
 
+def _to_host(lo) -> tuple[float, dict[str, float], torch.Tensor]:
+    """A micro-batch's loss, its ``LOSS_KEYS`` diagnostics and ``|rho - 1|`` ``(B,)`` on the CPU, in ONE
+    device-to-host copy: on a GPU each copy waits for the device (six did, per micro-batch)."""
+    scalars = [lo.loss, *(getattr(lo, key) for key in LOSS_KEYS)]
+    ratio = lo.ratio.detach().float()
+    flat = torch.cat([torch.stack([torch.as_tensor(v, dtype=torch.float32, device=ratio.device).detach().reshape(())
+                                   for v in scalars]), (ratio - 1.0).abs()]).cpu()
+    head = flat[:len(scalars)].tolist()
+    return head[0], dict(zip(LOSS_KEYS, head[1:])), flat[len(scalars):]
+
+
 def _run_chunk(run: _Pass, chunk, ctx: str, stats: _Stats, ratio_dev: torch.Tensor) -> float:
     """Accumulate this process's share of one chunk's gradient in micro-batches.
 
@@ -219,16 +230,15 @@ def _run_chunk(run: _Pass, chunk, ctx: str, stats: _Stats, ratio_dev: torch.Tens
                          run.adv[n_idx, k_idx].to(out.log_prob.device), update_cfg.clip_range,
                          mean_theta=out.mean if mean_ref is not None else None, mean_ref=mean_ref,
                          std=kl_std, kl_beta=update_cfg.kl_beta)
-        if not bool(torch.isfinite(lo.loss)):
-            raise PipelineError(f"update{ctx}: non-finite loss ({float(lo.loss)}) in micro-batch "
+        loss, values, dev = _to_host(lo)
+        if not math.isfinite(loss):
+            raise PipelineError(f"update{ctx}: non-finite loss ({loss}) in micro-batch "
                                 f"{start // mb + 1} (window steps "
                                 f"{sorted(set(k_idx.tolist()))}); weights left unchanged by it")
         (lo.loss * (n_idx.numel() / total)).backward()
-        dev = (lo.ratio.detach() - 1.0).abs().cpu()
         ratio_dev.scatter_reduce_(0, k_idx, dev, reduce="amax")
         max_dev = max(max_dev, float(dev.max()))
-        stats.add(n_idx.numel(), policy_loss=lo.policy_loss, kl=lo.kl, approx_kl=lo.approx_kl,
-                  clip_fraction=lo.clip_fraction)
+        stats.add(n_idx.numel(), **values)
         counters["forward_passes"] += n_idx.numel() * (2 if mean_ref is not None else 1)
         counters["micro_batches"] += 1
         if run.progress is not None:
