@@ -22,10 +22,10 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 def scored_table(cfg, root: Path, iteration: int):
     """Per-image eval table of policy ``iteration`` (0: the base model) under ``cfg``'s eval params."""
-    from stages.eval import eval_images, policy_to_score
-    from tpgrpo.stage_common import load_policy
+    from stages.eval import eval_images
+    from tpgrpo.stage_common import policy_to_score
 
-    backend = load_policy(cfg, root, 1) if iteration == 0 else policy_to_score(cfg, root, iteration)[0]
+    backend = policy_to_score(cfg, root, iteration)[0]
     with tempfile.TemporaryDirectory() as tmp:  # chunk part files: never inside the run folder
         return eval_images(cfg, root, backend, f"iteration {iteration}", Path(tmp) / "eval.json")
 

@@ -1,13 +1,19 @@
-"""GPU check: one CLI iteration of the embedded model on a GPU, then the SD3.5-M cost at full size.
+"""GPU check: two CLI iterations of the embedded model on a GPU (EMA, a kill and a resume, 2 processes where
+there are 2 GPUs), then the SD3.5-M cost at full size.
 
-    python bench/gpu_check.py                        # a machine with one CUDA GPU; under 8 minutes
+    python bench/gpu_check.py                        # a machine with CUDA GPUs; under 8 minutes (not yet run)
     python bench/gpu_check.py --device cpu --smoke   # the plumbing only, at tiny size, on a CPU
 
 1. Pipeline: copies ``params.yaml``, ``data/base`` (the embedded model) and ``data/prompts`` into a temporary
-   project with ``model.device`` and ``reward_models.device`` set to ``--device`` and ``eval.every: 1`` (so
-   the iteration is evaluated), then runs ``tpgrpo stage rollout|probe|credit|update|eval --iter 1`` through
-   the CLI, one process per stage as ``dvc repro`` would, and a 2-step ``tpgrpo pretrain --device``. Each
-   must exit 0 and write its artifacts. ``--smoke`` also shrinks the iteration (2 prompts x 4 samples, T = 4).
+   project with ``model.device`` and ``reward_models.device`` set to ``--device``, ``eval.every: 1``,
+   ``update.ema: true``, 2 iterations and ``launch.num_processes`` = ``--processes`` (default: 2 where
+   there are 2 GPUs, else 1), then runs each stage's own command (``tpgrpo stage NAME --iter I``, under
+   ``accelerate launch`` with 2 processes, as ``dvc.yaml`` renders it) in its own process, timed by
+   ``bench/stage_timer.py`` (import / load / compute seconds). Iteration 2's rollout is killed first
+   (as soon as it has loaded its model: the run dies after the first update) and must leave no trajectories;
+   the resumed iteration 2 then loads the EMA and optimizer state of iteration 1 on the device. Then a 2-step
+   ``tpgrpo pretrain --device``. Each must exit 0 and write its artifacts. ``--smoke`` also shrinks the
+   iterations (2 prompts x 4 samples, T = 4).
 2. Cost: ``bench/bench_sd3.py --full`` (SD3.5-M config, random weights, 512 px, bf16, T = 10, window 9;
    ``--smoke``: 1 block at 64 px) for seconds per trajectory and peak memory of rollout, probe and update.
 
@@ -20,7 +26,9 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import shlex
 import shutil
+import signal
 import subprocess
 import sys
 import tempfile
@@ -39,7 +47,7 @@ SMOKE_PARAMS = {"sampling": {"num_steps": 4, "window_size": 3},
                 "rollout": {"prompts_per_iter": 2, "group_size": 4, "batch_size": 8},
                 "probe": {"batch_size": 16}, "update": {"micro_batch": 8},
                 "eval": {"num_steps": 4, "num_prompts": 2, "samples_per_prompt": 1}}
-BUDGET_S = {"stage": 150, "pretrain": 90, "bench": 330}  # ceilings per step (seconds)
+BUDGET_S = {"stage": 100, "pretrain": 60, "bench": 200}  # ceilings per step (seconds)
 TOTAL_S = 470.0  # and for the whole check: it must end within 8 minutes
 _DEADLINE = [time.monotonic() + TOTAL_S]
 
@@ -54,10 +62,19 @@ def check_device(device: str) -> str | None:
     return None
 
 
-def make_project(root: Path, device: str, smoke: bool) -> Path:
-    """A temporary project: params (device, eval every iteration, smoke sizes), the model and the prompts."""
+def default_processes(device: str) -> int:
+    """2 where there are 2 GPUs (the multi-process path), else 1."""
+    import torch
+
+    return 2 if device.startswith("cuda") and torch.cuda.device_count() >= 2 else 1
+
+
+def make_project(root: Path, device: str, smoke: bool, processes: int = 1) -> Path:
+    """A temporary project: params (device, eval every iteration, EMA, 2 iterations, processes, smoke sizes),
+    the model and the prompts."""
     params = yaml.safe_load((REPO / "params.yaml").read_text())
-    overrides = {"model": {"device": device}, "reward_models": {"device": device}, "eval": {"every": 1}}
+    overrides = {"model": {"device": device}, "reward_models": {"device": device}, "eval": {"every": 1},
+                 "update": {"ema": True}, "train": {"iterations": 2}, "launch": {"num_processes": processes}}
     for section_values in ((SMOKE_PARAMS if smoke else {}), overrides):
         for section, values in section_values.items():
             params[section].update(values)
@@ -67,9 +84,32 @@ def make_project(root: Path, device: str, smoke: bool) -> Path:
     return root / "params.yaml"
 
 
+def _env() -> dict:
+    return dict(os.environ, DVC_NO_ANALYTICS="1", DVC_STUDIO_OFFLINE="true", PYTHONPATH=str(REPO),
+                PYTHONUNBUFFERED="1")
+
+
+def kill_step(label: str, command: list[str], marker: Path, timeout: float) -> dict:
+    """Start ``command`` and SIGKILL its whole process group as soon as ``marker`` exists (the stage has
+    loaded its model: a run that dies mid-stage); ``ok`` when it was still running then."""
+    start = time.perf_counter()
+    proc = subprocess.Popen(command, cwd=REPO, env=_env(), stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+                            start_new_session=True)
+    while proc.poll() is None and not marker.exists() and time.perf_counter() - start < timeout:
+        time.sleep(0.02)
+    if proc.poll() is None:
+        os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait()
+        seconds = round(time.perf_counter() - start, 1)
+        return {"label": label, "ok": True, "seconds": seconds, "error": None,
+                "note": f"killed {'after its model load' if marker.exists() else 'at the timeout'}"}
+    return {"label": label, "ok": False, "seconds": round(time.perf_counter() - start, 1),
+            "error": f"exited ({proc.returncode}) before the kill: nothing was interrupted"}
+
+
 def run_step(label: str, command: list[str], timeout: float) -> dict:
     """Run one command from the repo root; ``{label, ok, seconds, error}`` (error: its last output line)."""
-    env = dict(os.environ, DVC_NO_ANALYTICS="1", DVC_STUDIO_OFFLINE="true", PYTHONPATH=str(REPO), PYTHONUNBUFFERED="1")
+    env = _env()
     timeout = min(timeout, _DEADLINE[0] - time.monotonic())
     if timeout < 5:
         return {"label": label, "ok": False, "seconds": 0.0, "error": f"not run: the check's {TOTAL_S:.0f} s are spent"}
@@ -100,21 +140,53 @@ def stage_note(name: str, folder: Path) -> str:
     return f"evaluated {metrics.get('evaluated')}, eval reward {metrics.get('eval_reward', float('nan')):.3f}"
 
 
-def pipeline_check(device: str, smoke: bool, tmp: Path) -> list[dict]:
-    """Step 1: the iteration's stages and a short pretraining, each through the CLI in its own process."""
-    params = make_project(tmp / "project", device, smoke)
-    folder = tmp / "project" / "data" / "iters" / "0001"
+def timed_command(params: Path, name: str, iteration: int, timings: Path) -> list[str]:
+    """The stage's own command (``dvcfile.stage_command``: ``tpgrpo stage ...`` or ``accelerate launch ...
+    -m tpgrpo stage ...``) with ``tpgrpo`` run through ``bench/stage_timer.py``."""
+    from tpgrpo.config import load_config
+    from tpgrpo.pipeline.dvcfile import stage_command
+
+    words = shlex.split(stage_command(load_config(params), name, iteration)) + ["--params", str(params)]
+    timer = [str(REPO / "bench" / "stage_timer.py"), "--timings", str(timings)]
+    if words[0] == "tpgrpo":
+        return [sys.executable, *timer, *words[1:]]
+    at = words.index("-m")  # accelerate launch ... -m tpgrpo stage ...
+    return [sys.executable, "-m", "accelerate.commands.launch", *words[2:at], *timer, *words[at + 2:]]
+
+
+def stage_row(params: Path, name: str, iteration: int) -> dict:
+    """Run one stage (timed); its row, with import / load / compute seconds and its artifacts checked."""
+    folder = params.parent / "data" / "iters" / f"{iteration:04d}"
+    timings = params.parent / f".{name}-{iteration}.times.json"
+    row = run_step(f"iter {iteration} {name}", timed_command(params, name, iteration, timings), BUDGET_S["stage"])
+    missing = [a for a in ARTIFACTS[name] if not (folder / a).exists()]
+    if row["ok"] and missing:
+        row.update(ok=False, error=f"exit 0 but no {', '.join(missing)} in {folder}")
+    row["note"] = stage_note(name, folder) if row["ok"] else ""
+    if row["ok"] and timings.is_file():
+        t = json.loads(timings.read_text())
+        load = t["load_s"] + t["text_load_s"]
+        row.update(import_s=round(t["import_s"], 1), load_s=round(load, 1),
+                   compute_s=round(row["seconds"] - t["import_s"] - load, 1))
+    return row
+
+
+def pipeline_check(device: str, smoke: bool, tmp: Path, processes: int = 1) -> list[dict]:
+    """Step 1: two iterations' stages (iteration 2's rollout killed once, then resumed) and a short
+    pretraining, each through the CLI in its own process."""
+    params = make_project(tmp / "project", device, smoke, processes)
     rows = []
-    for name in STAGES:
-        row = run_step(f"stage {name}", [sys.executable, "-m", "tpgrpo", "stage", name, "--iter", "1",
-                                          "--params", str(params)], BUDGET_S["stage"])
-        missing = [a for a in ARTIFACTS[name] if not (folder / a).exists()]
-        if row["ok"] and missing:
-            row.update(ok=False, error=f"exit 0 but no {', '.join(missing)} in {folder}")
-        row["note"] = stage_note(name, folder) if row["ok"] else ""
-        rows.append(row)
-        if not row["ok"]:
-            return rows  # later stages need this one's artifacts
+    for iteration in (1, 2):
+        for name in STAGES:
+            if iteration == 2 and name == "rollout":
+                command = timed_command(params, name, iteration, tmp / "killed.json")
+                rows.append(kill_step("iter 2 rollout, killed", command, tmp / "killed.json.loaded", BUDGET_S["stage"]))
+                left = params.parent / "data" / "iters" / "0002" / "trajectories.zarr"
+                if rows[-1]["ok"] and left.exists():
+                    rows[-1].update(ok=False, error=f"the killed rollout left {left} behind")
+            rows.append(stage_row(params, name, iteration))
+            if not rows[-1]["ok"]:
+                return rows  # later stages need this one's artifacts
     out = tmp / "pretrained"
     row = run_step("pretrain", [sys.executable, "-m", "tpgrpo", "pretrain", "--steps", "2", "--batch-size", "8",
                                 "--device", device, "--out-dir", str(out)], BUDGET_S["pretrain"])
@@ -137,9 +209,10 @@ def bench_check(device: str, smoke: bool, tmp: Path) -> tuple[dict, dict | None]
 
 
 def summary(rows: list[dict], figures: dict | None, device: str) -> str:
-    lines = [f"gpu_check on {device}", "| step | ok | seconds | note |", "|---|---|---|---|"]
-    lines += [f"| {r['label']} | {'yes' if r['ok'] else 'NO'} | {r['seconds']} | {r.get('note') or r['error'] or ''} |"
-              for r in rows]
+    lines = [f"gpu_check on {device}", "| step | ok | seconds | import s | load s | compute s | note |",
+             "|---|---|---|---|---|---|---|"]
+    lines += [f"| {r['label']} | {'yes' if r['ok'] else 'NO'} | {r['seconds']} | {r.get('import_s', '')} | "
+              f"{r.get('load_s', '')} | {r.get('compute_s', '')} | {r.get('note') or r['error'] or ''} |" for r in rows]
     if figures:
         lines += ["", f"SD3.5-M bench: {figures['device']}, {figures['dtype']}, {figures['resolution']} px, "
                       f"{figures['layers']} blocks ({figures['transformer_parameters'] / 1e9:.2f}B), "
@@ -156,15 +229,18 @@ def main() -> int:
     parser.add_argument("--device", default="cuda", help="torch device (default cuda)")
     parser.add_argument("--smoke", action="store_true", help="tiny sizes: checks the plumbing, e.g. on a CPU")
     parser.add_argument("--out", type=Path, default=None, help="also write the summary as JSON here")
+    parser.add_argument("--processes", type=int, default=None,
+                        help="processes per model stage (default: 2 where there are 2 GPUs, else 1)")
     args = parser.parse_args()
     reason = check_device(args.device)
     if reason:
         print(reason)
         return 2
     start = time.perf_counter()
-    _DEADLINE[0] = time.monotonic() + TOTAL_S
+    _DEADLINE[0] = time.monotonic() + (float("inf") if args.smoke else TOTAL_S)  # a CPU's smoke may be slower
     with tempfile.TemporaryDirectory(prefix="gpu_check-") as tmp:
-        rows = pipeline_check(args.device, args.smoke, Path(tmp))
+        processes = args.processes or default_processes(args.device)
+        rows = pipeline_check(args.device, args.smoke, Path(tmp), processes)
         bench_row, figures = bench_check(args.device, args.smoke, Path(tmp))
     rows.append(bench_row)
     print(summary(rows, figures, args.device))

@@ -19,7 +19,7 @@ from tpgrpo.comparison.stats import EVAL_TABLE_COLUMNS
 from tpgrpo.config import Config
 from tpgrpo.pipeline.distributed import chunk_bar, current, row_chunks, run_chunks, warn_if_idle
 from tpgrpo.errors import PipelineError
-from tpgrpo.stage_common import check_finite, load_policy, provenance, resolve, stopwatch
+from tpgrpo.stage_common import check_finite, load_policy, policy_to_score, provenance, resolve, stopwatch
 
 EVAL_TABLE = "eval.parquet"  # beside eval.json: one row per (held-out prompt, eval seed)
 BASELINE_TABLE = "baseline_eval.parquet"  # beside baseline_eval.json, the same rows for the base model
@@ -99,26 +99,6 @@ def empty_table():
     import pandas as pd
 
     return pd.DataFrame({c: pd.Series(dtype=t) for c, t in EVAL_TABLE_COLUMNS.items()})
-
-
-def policy_to_score(cfg: Config, root: Path, iteration: int) -> tuple[object, str]:
-    """The backend with the weights iteration ``iteration`` is scored with, and their name.
-
-    With ``update.ema`` the EMA of the LoRA weights (``policy/ema``, spec section 7) replaces the raw
-    adapter, as ``tpgrpo export --ema`` hands out; a policy without it is a one-line error.
-    """
-    from tpgrpo.policy.export import EMA_FOLDER
-    from tpgrpo.policy.lora import WEIGHTS_FILE, load_lora_weights, read_adapter_weights
-
-    if not cfg.update.ema:
-        return load_policy(cfg, root, iteration + 1), "adapter"
-    folder = IterationPaths(root, iteration).policy / EMA_FOLDER
-    if not (folder / WEIGHTS_FILE).is_file():  # checked before the model loads: fail fast
-        raise PipelineError(f"update.ema is true but {folder / WEIGHTS_FILE} is missing (the policy was "
-                            f"trained with update.ema false: re-run `tpgrpo stage update --iter {iteration}`)")
-    backend = load_policy(cfg, root, iteration + 1)
-    load_lora_weights(backend, read_adapter_weights(folder))
-    return backend, "ema"
 
 
 def run(cfg: Config, iteration: int, root: Path) -> dict:

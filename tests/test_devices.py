@@ -262,7 +262,37 @@ def test_sample_ode_runs_on_the_backend_device(inner):
     np.testing.assert_array_equal(images, ref)
 
 
-def _update_once(backend, kl_beta: float) -> dict:
+class _DeviceToHost(TorchFunctionMode):
+    """Counts device-to-host copies of (fake) cuda tensors: each one waits for the GPU."""
+
+    NAMES = {"cpu", "item", "tolist", "numpy", "__bool__", "__float__", "__int__"}
+
+    def __init__(self):
+        super().__init__()
+        self.count = 0
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        name = getattr(func, "__name__", "")
+        if args and isinstance(args[0], FakeCuda) and (
+                name in self.NAMES or (name == "to" and _target(name, args, kwargs) == "cpu")):
+            self.count += 1
+        return func(*args, **kwargs)
+
+
+def test_update_copies_to_the_host_once_per_micro_batch():
+    """Per extra micro-batch: one copy of the update's own figures in the training pass (loss, diagnostics,
+    ratios together; it was six) and one in the after-step pass (its log-probs), plus the sampler's three
+    argument checks (``bool`` of a device tensor) per step call in each pass: 1 + 3 + 1 + 3 (it was 13)."""
+    counts = []
+    for micro_batch in (1, 6):  # 12 transitions in 2 chunks of 6: 12 + 12 vs 2 + 2 micro-batches
+        with fake_cuda(), _DeviceToHost() as syncs:
+            _update_once(FakeCudaBackend(_tiny()), 0.0, micro_batch=micro_batch)
+        counts.append(syncs.count)
+    assert counts[0] - counts[1] == 10 * (1 + 3 + 1 + 3), counts
+
+
+def _update_once(backend, kl_beta: float, micro_batch: int = 5) -> dict:
     """Attach a LoRA, roll out, and run one update on the transitions (stored on the CPU, as the stage reads them)."""
     from tpgrpo.policy.lora import attach_lora
     from tpgrpo.policy.update import TransitionBatch, make_optimizer, update_policy
@@ -277,7 +307,7 @@ def _update_once(backend, kl_beta: float) -> dict:
                             prompt_index=torch.arange(len(SEEDS)), sigma_at_one=float(spec.sigmas[1]))
     sampling = SamplingConfig(num_steps=4, shift=1.0, guidance_scale=4.5, step_kind="sde", noise_level=0.7,
                               window_start=0, window_size=3)
-    update_cfg = dataclasses.replace(Config().update, lora_rank=4, lora_alpha=8, lr=1e-2, micro_batch=5,
+    update_cfg = dataclasses.replace(Config().update, lora_rank=4, lora_alpha=8, lr=1e-2, micro_batch=micro_batch,
                                      optimizer_steps_per_iter=2, kl_beta=kl_beta)
     advantages = torch.randn(len(SEEDS), 3, generator=torch.Generator().manual_seed(1))
     optimizer = make_optimizer(backend, update_cfg)
@@ -292,6 +322,26 @@ def test_update_recomputes_log_probs_on_the_backend_device(kl_beta):
     assert got["first_pass_ratio_max_dev"] < 1e-5  # the device run re-scores its own rollout exactly
     for key in ("policy_loss", "kl", "approx_kl", "grad_norm", "approx_kl_after"):
         assert got[key] == pytest.approx(ref[key], rel=1e-6, abs=1e-9), key
+
+
+def test_ema_resumed_from_disk_updates_beside_gpu_weights(tmp_path, monkeypatch):
+    """A resumed EMA (its state read to the CPU) must update beside LoRA weights that live on cuda:
+    ``update.ema`` iteration 2 on a GPU. The fake backend's weights stay on the CPU, so the LoRA state
+    dict is tagged as cuda here, as a real GPU model's would be."""
+    from tpgrpo.policy import lora
+    from tpgrpo.policy.update import load_training_state, make_optimizer, save_training_state
+
+    backend = _tiny()
+    lora.attach_lora(backend, 4, 8)
+    update_cfg = dataclasses.replace(Config().update, lora_rank=4, lora_alpha=8)
+    save_training_state(tmp_path, make_optimizer(backend, update_cfg), lora.LoraEMA(backend, every=1), step=1)
+    on_cpu = lora.lora_state_dict
+    monkeypatch.setattr(lora, "lora_state_dict", lambda b: {k: v.to("cuda") for k, v in on_cpu(b).items()})
+    with fake_cuda():
+        ema = lora.LoraEMA(backend, every=1)
+        load_training_state(tmp_path, make_optimizer(backend, update_cfg), ema)
+        assert ema.step(backend)  # the first EMA update after the resume
+        _assert_cuda(**{k.replace(".", "_"): v for k, v in ema.shadow.items()})
 
 
 def test_pretraining_step_runs_on_the_backend_device(tmp_path):

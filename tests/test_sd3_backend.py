@@ -211,3 +211,21 @@ def test_export_ema_and_errors(trained, tmp_path):
         lines = [line for line in result.output.splitlines() if line.strip()]
         assert result.exit_code != 0 and len(lines) == 1 and what in lines[0], result.output
     assert not (tmp_path / "x").exists()
+
+
+def test_loading_takes_the_stored_pos_embed_table_without_computing_it(sd3_model_dir, monkeypatch):
+    """The 384 x 384 sin-cos table of SD3.5-M took 10 of 15 s to load here; the file holds it anyway."""
+    import diffusers.models.embeddings as embeddings
+    from diffusers import SD3Transformer2DModel
+
+    from tpgrpo.models import sd3
+
+    assert sd3._stores_pos_embed(sd3_model_dir / "transformer")
+    computed, original = [], embeddings.get_2d_sincos_pos_embed
+    monkeypatch.setattr(embeddings, "get_2d_sincos_pos_embed", lambda *a, **k: computed.append(1) or original(*a, **k))
+    fast = sd3.load_sd3(sd3_model_dir).transformer.state_dict()
+    assert not computed
+    stock = SD3Transformer2DModel.from_pretrained(sd3_model_dir, subfolder="transformer").state_dict()
+    assert computed and fast.keys() == stock.keys() and sd3.POS_EMBED_KEY in fast
+    for key, value in stock.items():
+        assert torch.equal(fast[key], value), key

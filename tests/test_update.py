@@ -275,3 +275,34 @@ def test_resume_is_exact(tmp_path):
     assert all(torch.equal(expected[k], got[k]) for k in expected)
     assert all(torch.equal(ema.shadow[k], fresh_ema.shadow[k]) for k in ema.shadow)
     assert (tmp_path / "policy" / "ema" / policy.WEIGHTS_FILE).is_file()
+
+
+def test_a_cps_window_reaching_the_last_step_trains_only_its_stochastic_steps():
+    """A cps step to sigma 0 is deterministic (rollout log-prob exactly 0): no policy, so no PPO term.
+    The update on a window of all T steps equals the update on its first T - 1 steps, weight for weight."""
+    sig = flow_sigmas(T)
+    full = []
+    for window in (T, T - 1):
+        backend, embeds = make_policy()
+        gen = torch.Generator().manual_seed(0)
+        n, idx = 8, torch.arange(8) % len(PROMPTS)
+        x, states, logps = torch.randn(n, *backend.latent_shape, generator=gen), [], []
+        with torch.no_grad():
+            for k in range(T):
+                states.append(x)
+                v = backend.velocity(x, sig[k].expand(n), embeds.select(idx), 3.0)
+                out = stochastic_step("cps", x, v, sig[k], sig[k + 1], 0.7, generator=gen)
+                x = out.prev_sample
+                logps.append(out.log_prob)
+        states.append(x)
+        assert bool((logps[-1] == 0).all())  # the last step has no policy
+        batch = TransitionBatch(latents=torch.stack(states[:window + 1], 1),
+                                old_log_probs=torch.stack(logps[:window], 1),
+                                sigmas=sig[:window + 1].expand(n, window + 1).clone(), prompt_index=idx,
+                                sigma_at_one=float(sig[1]))
+        adv = torch.randn(n, T, generator=torch.Generator().manual_seed(5))[:, :window]
+        cfg = dataclasses.replace(sampling("cps"), window_size=window)
+        metrics = update_policy(backend, embeds, batch, adv, cfg, UPD, make_optimizer(backend, UPD), seed=0)
+        assert metrics["num_transitions"] == n * (T - 1)
+        full.append(policy.lora_state_dict(backend))
+    assert all(torch.equal(full[0][k], full[1][k]) for k in full[0])

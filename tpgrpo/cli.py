@@ -286,16 +286,21 @@ _register_pretrain()
 def export_command(
     iteration: IterOpt,
     out: Annotated[Path, typer.Option("--out", help="folder to write pytorch_lora_weights.safetensors into")],
-    ema: Annotated[bool, typer.Option("--ema", help="export the EMA adapter (runs with update.ema true)")] = False,
+    ema: Annotated[Optional[bool], typer.Option(
+        "--ema/--no-ema", help="the EMA adapter or the raw one (default: the EMA when params has update.ema "
+        "true, as eval scores it)")] = None,
     params: ParamsOpt = Path("params.yaml"),
 ) -> None:
     """Export iteration --iter's LoRA adapter for a stock diffusers pipeline's load_lora_weights(--out)."""
+    from tpgrpo.config import ConfigError, load_config
     from tpgrpo.errors import PipelineError
     from tpgrpo.policy.export import export_adapter
 
     try:
+        if ema is None:  # spec section 7: the EMA is what evaluation and export use
+            ema = load_config(params).update.ema
         done = export_adapter(Path(params).resolve().parent, iteration, out, ema=ema)
-    except PipelineError as exc:
+    except (PipelineError, ConfigError) as exc:
         _fail(str(exc))
     typer.echo(f"exported {done['tensors']} LoRA tensors from {done['source']} to {done['out']}")
 

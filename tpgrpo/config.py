@@ -389,7 +389,8 @@ def _check_consistency(cfg: Config) -> None:
         raise ConfigError("params: sampling.window_size = 0: expected at least one stochastic step")
     if s.step_kind == "sde" and s.window_start + s.window_size == s.num_steps:
         # An sde step at the last step (s -> 0) leaves noise std * sqrt(s) in the final latent;
-        # cps is deterministic there (its noise is s_{k+1} sin(.) = 0), so it may reach the end.
+        # cps is deterministic there (its noise is s_{k+1} sin(.) = 0), so it may reach the end; the
+        # update leaves that step out of the PPO term (no policy: select_transitions).
         raise ConfigError(
             f"params: sampling.window_start + sampling.window_size = {s.window_start + s.window_size} with "
             f"sampling.step_kind = sde: expected <= {s.num_steps - 1} (sampling.num_steps - 1; an sde step "

@@ -93,6 +93,29 @@ def load_policy(cfg: Config, root: Path, iteration: int, trainable: bool = False
     return backend
 
 
+def policy_to_score(cfg: Config, root: Path, iteration: int) -> tuple[object, str]:
+    """The backend with the weights policy ``iteration`` is scored with, and their name (eval, figures).
+
+    With ``update.ema`` the EMA of the LoRA weights (``policy/ema``, spec section 7) replaces the raw
+    adapter, as ``tpgrpo export`` hands out; a policy without it is a one-line error. Policy 0 is the base
+    model (``"base"``).
+    """
+    from tpgrpo.policy.export import EMA_FOLDER
+    from tpgrpo.policy.lora import WEIGHTS_FILE, load_lora_weights, read_adapter_weights
+
+    if iteration == 0:
+        return load_policy(cfg, root, 1), "base"
+    if not cfg.update.ema:
+        return load_policy(cfg, root, iteration + 1), "adapter"
+    folder = IterationPaths(root, iteration).policy / EMA_FOLDER
+    if not (folder / WEIGHTS_FILE).is_file():  # checked before the model loads: fail fast
+        raise PipelineError(f"update.ema is true but {folder / WEIGHTS_FILE} is missing (the policy was "
+                            f"trained with update.ema false: re-run `tpgrpo stage update --iter {iteration}`)")
+    backend = load_policy(cfg, root, iteration + 1)
+    load_lora_weights(backend, read_adapter_weights(folder))
+    return backend, "ema"
+
+
 def prompt_embeddings(cfg: Config, root: Path, iteration: int, backend, prompts: list[str], write: bool = False):
     """The ``PromptEmbeddings`` of an iteration's ``prompts``: the text encoders run once per iteration.
 

@@ -13,6 +13,10 @@ unconditional branch is the empty prompt "". Latents ``(16, R/8, R/8)`` for R x 
 
 from __future__ import annotations
 
+from contextlib import contextmanager, nullcontext
+from pathlib import Path
+from typing import Iterator
+
 import torch
 
 from tpgrpo.errors import PipelineError
@@ -102,8 +106,9 @@ def load_sd3(folder, device="cpu", dtype: torch.dtype = torch.float32, resolutio
     from diffusers import AutoencoderKL, SD3Transformer2DModel
 
     folder = check_pipeline_folder(folder, CLASS_NAME, REQUIRED, OPTIONAL)
-    transformer = SD3Transformer2DModel.from_pretrained(folder, subfolder="transformer", dtype=dtype,
-                                                        local_files_only=True)
+    with _no_pos_embed_table() if _stores_pos_embed(folder / "transformer") else nullcontext():
+        transformer = SD3Transformer2DModel.from_pretrained(folder, subfolder="transformer", dtype=dtype,
+                                                            local_files_only=True)
     vae = AutoencoderKL.from_pretrained(folder, subfolder="vae", dtype=torch.float32, local_files_only=True)
 
     def load_text_encoders():
@@ -117,3 +122,43 @@ def load_sd3(folder, device="cpu", dtype: torch.dtype = torch.float32, resolutio
     return SD3Backend(transformer, vae, load_text_encoders,
                       resolution=resolve_resolution(resolution, DEFAULT_RESOLUTION), device=device, dtype=dtype,
                       max_sequence_length=max_sequence_length)
+
+
+POS_EMBED_KEY = "pos_embed.pos_embed"  # SD3's persistent sin-cos table, (1, 384^2, 1536) for SD3.5-M
+
+
+def _stores_pos_embed(folder: Path) -> bool:
+    """Whether the transformer's safetensors files hold ``POS_EMBED_KEY`` (stock SD3 / SD3.5 folders do)."""
+    from safetensors import safe_open
+
+    for path in sorted(Path(folder).glob("*.safetensors")):
+        with safe_open(str(path), framework="pt") as f:
+            if POS_EMBED_KEY in f.keys():
+                return True
+    return False
+
+
+@contextmanager
+def _no_pos_embed_table() -> Iterator[None]:
+    """Construct the transformer without computing its sin-cos table, which ``from_pretrained`` then
+    overwrites with the file's copy (use only when ``_stores_pos_embed``).
+
+    diffusers' ``PatchEmbed`` computes the 384 x 384 x 1536 table (226M floats) at construction: 10 of the
+    15 s of loading SD3.5-M here (bench/real_size.py), paid again by every model stage in every process. An
+    uninitialised table of the same shape stands in for it.
+    """
+    import diffusers.models.embeddings as embeddings
+
+    original = embeddings.get_2d_sincos_pos_embed
+
+    def uninitialised(embed_dim, grid_size, *args, output_type="np", **kwargs):
+        if output_type != "pt":
+            return original(embed_dim, grid_size, *args, output_type=output_type, **kwargs)
+        side = (grid_size, grid_size) if isinstance(grid_size, int) else tuple(grid_size)
+        return torch.empty(side[0] * side[1], embed_dim)
+
+    embeddings.get_2d_sincos_pos_embed = uninitialised
+    try:
+        yield
+    finally:
+        embeddings.get_2d_sincos_pos_embed = original

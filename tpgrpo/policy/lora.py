@@ -253,7 +253,9 @@ class LoraEMA:
             raise ValueError("EMA state does not match the attached adapter's LoRA weights")
         self.max_decay, self.every = float(state["max_decay"]), int(state["every"])
         self.num_steps, self.num_updates = int(state["num_steps"]), int(state["num_updates"])
-        self.shadow = {k: v.detach().float().clone() for k, v in state["shadow"].items()}
+        # On the device of this EMA's own shadow (the adapter's): a saved state loads to the CPU, and
+        # mixing it with cuda weights in ``step`` would raise at the first EMA update after a resume.
+        self.shadow = {k: v.detach().float().to(self.shadow[k].device).clone() for k, v in state["shadow"].items()}
 
     def save_adapter(self, backend, folder) -> Path:
         """Write the averaged weights as an adapter folder (same layout as ``save_adapter``)."""

@@ -195,6 +195,17 @@ def _optimizer_step(run: _Pass, optimizer, ema, ctx: str) -> float:
     return norm
 
 
+def _to_host(lo) -> tuple[float, dict[str, float], torch.Tensor]:
+    """A micro-batch's loss, its ``LOSS_KEYS`` diagnostics and ``|rho - 1|`` ``(B,)`` on the CPU, in ONE
+    device-to-host copy: on a GPU each copy waits for the device (six did, per micro-batch)."""
+    scalars = [lo.loss, *(getattr(lo, key) for key in LOSS_KEYS)]
+    ratio = lo.ratio.detach().float()
+    flat = torch.cat([torch.stack([torch.as_tensor(v, dtype=torch.float32, device=ratio.device).detach().reshape(())
+                                   for v in scalars]), (ratio - 1.0).abs()]).cpu()
+    head = flat[:len(scalars)].tolist()
+    return head[0], dict(zip(LOSS_KEYS, head[1:])), flat[len(scalars):]
+
+
 def _run_chunk(run: _Pass, chunk, ctx: str, stats: _Stats, ratio_dev: torch.Tensor) -> float:
     """Accumulate this process's share of one chunk's gradient in micro-batches.
 
@@ -219,16 +230,15 @@ def _run_chunk(run: _Pass, chunk, ctx: str, stats: _Stats, ratio_dev: torch.Tens
                          run.adv[n_idx, k_idx].to(out.log_prob.device), update_cfg.clip_range,
                          mean_theta=out.mean if mean_ref is not None else None, mean_ref=mean_ref,
                          std=kl_std, kl_beta=update_cfg.kl_beta)
-        if not bool(torch.isfinite(lo.loss)):
-            raise PipelineError(f"update{ctx}: non-finite loss ({float(lo.loss)}) in micro-batch "
+        loss, values, dev = _to_host(lo)
+        if not math.isfinite(loss):
+            raise PipelineError(f"update{ctx}: non-finite loss ({loss}) in micro-batch "
                                 f"{start // mb + 1} (window steps "
                                 f"{sorted(set(k_idx.tolist()))}); weights left unchanged by it")
         (lo.loss * (n_idx.numel() / total)).backward()
-        dev = (lo.ratio.detach() - 1.0).abs().cpu()
         ratio_dev.scatter_reduce_(0, k_idx, dev, reduce="amax")
         max_dev = max(max_dev, float(dev.max()))
-        stats.add(n_idx.numel(), policy_loss=lo.policy_loss, kl=lo.kl, approx_kl=lo.approx_kl,
-                  clip_fraction=lo.clip_fraction)
+        stats.add(n_idx.numel(), **values)
         counters["forward_passes"] += n_idx.numel() * (2 if mean_ref is not None else 1)
         counters["micro_batches"] += 1
         if run.progress is not None:
@@ -257,15 +267,21 @@ def _after_stats(run: _Pass, n_idx, k_idx) -> dict:
     return {**stats.means(suffix="_after"), "ratio_max_dev_after": max_dev}
 
 
-def select_transitions(advantages: torch.Tensor, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
+def select_transitions(advantages: torch.Tensor, seed: int,
+                       stochastic: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """``(n_idx, k_idx)`` of every transition of the kept samples, shuffled by ``seed``, ``(M,)`` each.
 
     ``advantages`` is ``(N, K)``. Only a sample whose advantage is 0 at every window step is dropped
     (spec section 6); a kept sample keeps all K transitions, ``A == 0`` ones included: they add no
     policy gradient but their KL term counts and they are in the loss's mean (the denominator M).
+    ``stochastic`` ``(N, K)`` bool (None: all True) marks the transitions that have a policy: a ``cps``
+    step to ``s = 0`` (a window reaching the last step) is deterministic, its rollout log-prob exactly 0,
+    so it is left out of the PPO term (and of the test for a sample's being kept).
     """
-    keep = informative_samples(advantages)
-    n_idx, k_idx = keep[:, None].expand_as(advantages).nonzero(as_tuple=True)
+    if stochastic is not None:
+        advantages = torch.where(stochastic, advantages, torch.zeros((), dtype=advantages.dtype))
+    keep = informative_samples(advantages)[:, None].expand_as(advantages)
+    n_idx, k_idx = (keep if stochastic is None else keep & stochastic).nonzero(as_tuple=True)
     perm = torch.randperm(n_idx.numel(), generator=torch.Generator().manual_seed(int(seed)))
     return n_idx[perm], k_idx[perm]
 
@@ -277,8 +293,8 @@ def update_policy(backend, embeds, batch: TransitionBatch, advantages: torch.Ten
                   ratio_tolerance: float | None = FIRST_PASS_RATIO_TOLERANCE) -> dict:
     """One iteration's policy step on ``batch``; returns a dict of metrics (floats, ints, one list).
 
-    Every transition of the samples with a nonzero advantage at some step (``advantages`` ``(N, K)``,
-    ``select_transitions``), shuffled with ``seed`` (None: drawn
+    Every stochastic transition (to a sigma > 0) of the samples with a nonzero advantage at some such step
+    (``advantages`` ``(N, K)``, ``select_transitions``), shuffled with ``seed`` (None: drawn
     from torch's global generator, so ``torch.manual_seed`` before the call fixes it too; pass it when
     several processes run), are split into ``optimizer_steps_per_iter`` near-equal chunks; each chunk's
     gradient is the mean of the PPO loss (+ ``kl_beta`` KL to the adapter-disabled reference) over its
@@ -303,7 +319,7 @@ def update_policy(backend, embeds, batch: TransitionBatch, advantages: torch.Ten
     if seed is None:
         seed = int(torch.randint(0, 2**62, (1,)))
     dist = dist if dist is not None else Dist()
-    n_idx, k_idx = select_transitions(advantages.detach().cpu(), seed)
+    n_idx, k_idx = select_transitions(advantages.detach().cpu(), seed, stochastic=batch.sigmas[:, 1:] > 0)
     steps = update_cfg.optimizer_steps_per_iter
     chunks = [c for c in zip(torch.tensor_split(n_idx, steps), torch.tensor_split(k_idx, steps)) if c[0].numel()]
     run = _Pass(backend, embeds, batch, advantages.detach().float().cpu(), sampling_cfg, update_cfg, dist, progress)

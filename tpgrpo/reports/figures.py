@@ -34,15 +34,15 @@ def tp_rate_table(root: Path, iterations: range):
 
 def grid_images(cfg, root: Path, policy: int):
     """uint8 ``(GRID_PROMPTS, H, W, 3)`` ODE images of the first held-out prompts at their first eval seed,
-    from policy ``policy`` (0 = base model), and their prompts."""
+    from policy ``policy`` (0 = base model; its EMA with ``update.ema``, as eval scores), and their prompts."""
     from tpgrpo.policy.generate import evaluation_seeds, sample_ode
-    from tpgrpo.stage_common import load_policy, resolve
+    from tpgrpo.stage_common import policy_to_score, resolve
     from tpgrpo.tasks.prompts import load_prompts
 
     metas = load_prompts(resolve(root, cfg.task.eval_prompts))[:min(GRID_PROMPTS, cfg.eval.num_prompts)]
     # The eval's own seeds: with samples_per_prompt S, prompt p's first seed is at index p * S.
     seeds = evaluation_seeds(cfg.eval.seed, metas, cfg.eval.samples_per_prompt)[::cfg.eval.samples_per_prompt]
-    backend = load_policy(cfg, root, policy + 1)  # iteration policy + 1 samples from policy `policy`
+    backend = policy_to_score(cfg, root, policy)[0]  # the weights eval scores: the EMA with update.ema
     images = sample_ode(backend, [m["prompt"] for m in metas], seeds, num_steps=cfg.eval.num_steps,
                         guidance_scale=cfg.sampling.guidance_scale, shift=cfg.sampling.shift,
                         batch_size=cfg.rollout.batch_size)
