@@ -141,17 +141,21 @@ def stage_note(name: str, folder: Path) -> str:
 
 
 def timed_command(params: Path, name: str, iteration: int, timings: Path) -> list[str]:
-    """The stage's own command (``dvcfile.stage_command``: ``tpgrpo stage ...`` or ``accelerate launch ...
-    -m tpgrpo stage ...``) with ``tpgrpo`` run through ``bench/stage_timer.py``."""
+    """The stage as ``tpgrpo stage ...`` runs it (dvc.yaml's command; a model stage on several processes starts
+    them through ``tpgrpo.pipeline.launch.launch_argv``: ``accelerate launch ... -m tpgrpo stage ...``), with
+    ``tpgrpo`` run through ``bench/stage_timer.py`` in every process."""
     from tpgrpo.config import load_config
-    from tpgrpo.pipeline.dvcfile import stage_command
+    from tpgrpo.pipeline.dvcfile import MULTI_PROCESS_STAGES, stage_command
+    from tpgrpo.pipeline.launch import launch_argv
 
-    words = shlex.split(stage_command(load_config(params), name, iteration)) + ["--params", str(params)]
+    cfg = load_config(params)
+    words = shlex.split(stage_command(cfg, name, iteration)) + ["--params", str(params)]
     timer = [str(REPO / "bench" / "stage_timer.py"), "--timings", str(timings)]
-    if words[0] == "tpgrpo":
+    launcher = launch_argv(cfg, params.parent, words[1:], env={}) if name in MULTI_PROCESS_STAGES else None
+    if launcher is None:
         return [sys.executable, *timer, *words[1:]]
-    at = words.index("-m")  # accelerate launch ... -m tpgrpo stage ...
-    return [sys.executable, "-m", "accelerate.commands.launch", *words[2:at], *timer, *words[at + 2:]]
+    at = launcher.index("-m", 3)  # ... -m tpgrpo stage ...: each process runs the timer instead
+    return [*launcher[:at], *timer, *launcher[at + 2:]]
 
 
 def stage_row(params: Path, name: str, iteration: int) -> dict:
