@@ -2,8 +2,8 @@
 
     python bench/bench_processes.py [--prompts 16] [--batch 32] [--repeats 2] [--workdir /tmp/tpgrpo-bench-processes]
 
-Runs the real stage commands (those dvc.yaml holds: plain `tpgrpo stage` for 1 process, `accelerate launch
-... -m tpgrpo stage` for 2) in a copy of the project (shipped base model, default params with
+Runs the real stage commands (those dvc.yaml holds: `tpgrpo stage`, which starts `accelerate launch ... -m
+tpgrpo stage` itself for 2 processes) in a copy of the project (shipped base model, default params with
 ``rollout.prompts_per_iter`` = --prompts and ``rollout.batch_size`` = --batch, so the rollout has several
 chunks to share). The same cores in both settings: 1 process x ``--cores`` threads against ``--cores``
 processes x 1 thread (OMP_NUM_THREADS). Reports images/s (rollout) and transitions/s (update) from the

@@ -8,7 +8,7 @@ there are 2 GPUs), then the SD3.5-M cost at full size.
    project with ``model.device`` and ``reward_models.device`` set to ``--device``, ``eval.every: 1``,
    ``update.ema: true``, 2 iterations and ``launch.num_processes`` = ``--processes`` (default: 2 where
    there are 2 GPUs, else 1), then runs each stage's own command (``tpgrpo stage NAME --iter I``, under
-   ``accelerate launch`` with 2 processes, as ``dvc.yaml`` renders it) in its own process, timed by
+   ``accelerate launch`` with 2 processes, as the stage starts them itself) in its own process, timed by
    ``bench/stage_timer.py`` (import / load / compute seconds). Iteration 2's rollout is killed first
    (as soon as it has loaded its model: the run dies after the first update) and must leave no trajectories;
    the resumed iteration 2 then loads the EMA and optimizer state of iteration 1 on the device. Then a 2-step
