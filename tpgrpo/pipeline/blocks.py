@@ -232,8 +232,8 @@ def committed_oids(root: Path) -> set[tuple[bool, str]]:
     ``git checkout`` + ``dvc checkout`` or ``dvc exp apply`` would need. Empty where ``root`` is not in git."""
     import subprocess
 
-    def git(*args: str, data: str | None = None) -> str:
-        done = subprocess.run(["git", *args], cwd=root, input=data, capture_output=True, text=True)
+    def git(*args: str) -> str:
+        done = subprocess.run(["git", *args], cwd=root, capture_output=True, text=True)
         return done.stdout if done.returncode == 0 else ""
 
     commits = git("rev-list", "--all").split()

@@ -18,6 +18,7 @@ import shutil
 from pathlib import Path
 
 from tpgrpo.pipeline.blocks import read_lock, write_lock
+from tpgrpo.pipeline.status import flat_params
 
 NOTES = Path(".dvc") / "tmp" / "tpgrpo_params_read"
 _BLOCK = re.compile(r"iters-(\d{4})-(\d{4})")
@@ -38,22 +39,6 @@ def note_params_read(root: Path, stage: str, read: dict) -> None:
 def clear_notes(root: Path) -> None:
     """Forget every note (before a ``dvc repro``: only what that repro's stages read is checked after it)."""
     shutil.rmtree(root / NOTES, ignore_errors=True)
-
-
-def flat_params(recorded: dict) -> dict:
-    """A dvc.lock entry's ``params.yaml`` values (``{"eval": {...}, "task.reward": ...}``) as dotted leaves."""
-    flat: dict = {}
-
-    def leaves(key: str, value) -> None:
-        if isinstance(value, dict) and value:
-            for k, v in value.items():
-                leaves(f"{key}.{k}", v)
-        else:
-            flat[key] = value
-
-    for key, value in recorded.items():
-        leaves(key, value)
-    return flat
 
 
 def entry_name(stages: dict, stage: str) -> str | None:

@@ -121,20 +121,32 @@ def stage_params(params: Path, name: str, missing_ok: bool = False) -> dict | No
             return None
         raise
     raw = raw if isinstance(raw, dict) else {}
+    keys = STAGE_PARAMS.get(name)
+    if keys is None:
+        return flat_params(raw)
+    selected = {}
+    for key in keys:
+        value = raw
+        for part in key.split("."):
+            value = value.get(part, "<absent>") if isinstance(value, dict) else "<absent>"
+        selected[key] = value
+    return flat_params(selected)
+
+
+def flat_params(values: dict) -> dict:
+    """``{"eval": {...}, "task.reward": x}`` (params.yaml's sections, a dvc.lock entry's params) as dotted
+    leaves: ``{"eval.num_steps": 4, ..., "task.reward": x}``."""
     flat: dict = {}
 
     def leaves(key: str, value) -> None:
         if isinstance(value, dict) and value:
             for k, v in value.items():
-                leaves(f"{key}.{k}" if key else str(k), v)
+                leaves(f"{key}.{k}", v)
         else:
             flat[key] = value
 
-    for key in STAGE_PARAMS.get(name, [""]):
-        value = raw
-        for part in key.split(".") if key else []:
-            value = value.get(part, "<absent>") if isinstance(value, dict) else "<absent>"
-        leaves(key, value)
+    for key, value in values.items():
+        leaves(str(key), value)
     return flat
 
 
