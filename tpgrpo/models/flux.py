@@ -25,7 +25,8 @@ import torch
 
 from tpgrpo.errors import PipelineError
 from tpgrpo.models.base import PromptEmbeddings, as_sigma_batch
-from tpgrpo.models.latent import LatentBackend, check_pipeline_folder, resolve_resolution, vae_scale_factor
+from tpgrpo.models.latent import (LatentBackend, check_pipeline_folder, load_component, resolve_resolution,
+                                  vae_scale_factor)
 
 CLASS_NAME = "FluxPipeline"
 REQUIRED = ("transformer", "vae", "scheduler", "text_encoder", "text_encoder_2", "tokenizer", "tokenizer_2")
@@ -131,15 +132,15 @@ def load_flux(folder, device="cpu", dtype: torch.dtype = torch.float32, resoluti
               max_sequence_length: int = 512) -> FluxBackend:
     """Load a ``FluxBackend`` from a local ``FluxPipeline`` folder (no download).
 
-    The transformer and VAE load now; the text encoders load on the first ``encode_prompts``.
+    The transformer and VAE load now, straight onto ``device`` (``load_component``); the text encoders load
+    on the first ``encode_prompts``.
     ``resolution`` None/0 means 512 pixels. A bad folder is a one-line ``PipelineError`` naming the path.
     """
     from diffusers import AutoencoderKL, FluxTransformer2DModel
 
     folder = check_pipeline_folder(folder, CLASS_NAME, REQUIRED)
-    transformer = FluxTransformer2DModel.from_pretrained(folder, subfolder="transformer", dtype=dtype,
-                                                         local_files_only=True)
-    vae = AutoencoderKL.from_pretrained(folder, subfolder="vae", dtype=torch.float32, local_files_only=True)
+    transformer = load_component(FluxTransformer2DModel, folder, "transformer", device, dtype)
+    vae = load_component(AutoencoderKL, folder, "vae", device, torch.float32)
 
     def load_text_encoders():
         from diffusers import FluxPipeline

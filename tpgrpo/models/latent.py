@@ -57,6 +57,18 @@ def check_pipeline_folder(folder, class_name: str, required: tuple[str, ...],
     return folder
 
 
+def load_component(cls, folder: Path, subfolder: str, device, dtype: torch.dtype):
+    """``cls.from_pretrained(folder, subfolder=...)`` with every tensor read from the safetensors file straight
+    onto ``device`` in ``dtype`` (diffusers' single-device ``device_map``), not staged in host memory first.
+
+    On a GPU node each process would otherwise hold the whole transformer (SD3.5-M: 5 GiB in bf16) in host
+    memory before moving it, times the processes per node. On the CPU the tensors and their values are the
+    same as a plain load (tests/test_sd3_backend.py). Nothing is downloaded.
+    """
+    return cls.from_pretrained(folder, subfolder=subfolder, dtype=dtype, local_files_only=True,
+                               device_map={"": torch.device(device)})
+
+
 def vae_scale_factor(vae) -> int:
     """Pixels per latent cell along a side: ``2 ** (len(block_out_channels) - 1)`` (8 for SD3/FLUX)."""
     return 2 ** (len(vae.config.block_out_channels) - 1)

@@ -21,7 +21,8 @@ import torch
 
 from tpgrpo.errors import PipelineError
 from tpgrpo.models.base import PromptEmbeddings, guided_velocity
-from tpgrpo.models.latent import LatentBackend, check_pipeline_folder, resolve_resolution, vae_scale_factor
+from tpgrpo.models.latent import (LatentBackend, check_pipeline_folder, load_component, resolve_resolution,
+                                  vae_scale_factor)
 
 CLASS_NAME = "StableDiffusion3Pipeline"
 REQUIRED = ("transformer", "vae", "scheduler", "text_encoder", "text_encoder_2", "tokenizer", "tokenizer_2")
@@ -98,8 +99,8 @@ def load_sd3(folder, device="cpu", dtype: torch.dtype = torch.float32, resolutio
              max_sequence_length: int = 256) -> SD3Backend:
     """Load an ``SD3Backend`` from a local ``StableDiffusion3Pipeline`` folder (no download).
 
-    The transformer and VAE load now; the text encoders load on the first ``encode_prompts`` (a stage
-    that reads cached prompt embeddings never loads them). ``resolution`` None/0 means 512 pixels.
+    The transformer and VAE load now, straight onto ``device`` (``load_component``); the text encoders load
+    on the first ``encode_prompts`` (a stage that reads cached prompt embeddings never loads them). ``resolution`` None/0 means 512 pixels.
     A folder that is missing, has no/wrong ``model_index.json`` or lacks a sub-folder is a one-line
     ``PipelineError`` naming the path and the expected layout.
     """
@@ -107,9 +108,8 @@ def load_sd3(folder, device="cpu", dtype: torch.dtype = torch.float32, resolutio
 
     folder = check_pipeline_folder(folder, CLASS_NAME, REQUIRED, OPTIONAL)
     with _no_pos_embed_table() if _stores_pos_embed(folder / "transformer") else nullcontext():
-        transformer = SD3Transformer2DModel.from_pretrained(folder, subfolder="transformer", dtype=dtype,
-                                                            local_files_only=True)
-    vae = AutoencoderKL.from_pretrained(folder, subfolder="vae", dtype=torch.float32, local_files_only=True)
+        transformer = load_component(SD3Transformer2DModel, folder, "transformer", device, dtype)
+    vae = load_component(AutoencoderKL, folder, "vae", device, torch.float32)
 
     def load_text_encoders():
         from diffusers import StableDiffusion3Pipeline
