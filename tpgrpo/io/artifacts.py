@@ -262,7 +262,8 @@ class CheckedArray:
     refuses (non-finite, out of range), raise one :class:`ArtifactError` line naming the array."""
 
     def __init__(self, arr, source: str, name: str):
-        self._arr, self._source, self.name = arr, source, name
+        self._arr, self.source, self.name = arr, source, name
+        self.chunk_rows = int(arr.chunks[0])  # trajectories per stored chunk
         self.shape, self.dtype = tuple(arr.shape), arr.dtype
         self._spec = next(spec for spec in TRAJECTORY_ARRAYS if spec.name == name)
 
@@ -270,17 +271,22 @@ class CheckedArray:
         return self.shape[0]
 
     def __getitem__(self, key):
-        values = _read_array(self._arr, self._source, self.name, key)
+        values = _read_array(self._arr, self.source, self.name, key)
         first = key.start if isinstance(key, slice) and key.start is not None else 0
-        check_array_values(self._spec, values, self._source, row_offset=first if first >= 0 else 0)
+        check_array_values(self._spec, values, self.source, row_offset=first if first >= 0 else 0)
         return values
 
+    def oindex(self, selection: tuple):
+        """``arr.oindex[selection]`` (an index array or slice per leading axis): reads only the chunks it
+        touches, checksums verified as in ``__getitem__``; values unchecked (the caller knows the positions)."""
+        return _read_array(self._arr, self.source, self.name, selection, orthogonal=True)
 
-def _read_array(arr, source: str, name: str, key=slice(None)):
-    """``arr[key]`` as numpy; a reader failure (checksum, truncated chunk, ...) is one line naming the
-    array's first chunk file that fails."""
+
+def _read_array(arr, source: str, name: str, key=slice(None), orthogonal: bool = False):
+    """``arr[key]`` (``arr.oindex[key]`` if ``orthogonal``) as numpy; a reader failure (checksum, truncated
+    chunk, ...) is one line naming the array's first chunk file that fails."""
     try:
-        return arr[key]
+        return arr.oindex[key] if orthogonal else arr[key]
     except Exception as exc:  # noqa: BLE001 - zarr raises ValueError / RuntimeError / OSError on damage
         raise ArtifactError(f"{source}: array '{name}' is damaged: chunk {_bad_chunk(arr)} fails its checksum "
                             f"or does not decode ({first_line(exc)})") from None
