@@ -89,8 +89,8 @@ def test_the_update_reads_only_each_micro_batchs_states(ready, monkeypatch):
     n, k1, *state = latents.shape
     state_bytes = 4 * int(np.prod(state))
     assert latents.reads > 0
-    # at most MICRO_BATCH trajectories x 2 * MICRO_BATCH states a read; the whole array is n x k1 states
-    assert latents.peak_read_bytes <= MICRO_BATCH * min(2 * MICRO_BATCH, k1) * state_bytes < n * k1 * state_bytes
+    # at most 2 states per transition of a micro-batch at once; the whole array is n x k1 states
+    assert latents.peak_read_bytes <= 2 * MICRO_BATCH * state_bytes < n * k1 * state_bytes
 
 
 def test_lazy_states_give_the_materialised_adapter_byte_for_byte(ready, monkeypatch):
@@ -153,7 +153,8 @@ def test_a_damaged_chunk_read_lazily_is_one_line(ready, tmp_path):
 
     store = shutil.copytree(ready / "data" / "iters" / "0001" / "trajectories.zarr", tmp_path / "t.zarr")
     states = LazyStates(read_trajectories(store, lazy=("states",))[0]["states"]).verify()  # sound when opened
-    flip_bytes(store / "states" / "c" / "0" / "0" / "0" / "0" / "0")  # then damaged before a micro-batch reads
+    # then damaged before a micro-batch reads: every byte of the file flipped, so every state in it fails
+    flip_bytes(store / "states" / "c" / "0" / "0" / "0" / "0" / "0", count=10**9)
     with pytest.raises(ArtifactError) as info:
         states.pairs(torch.tensor([3, 0]), torch.tensor([1, 0]))
     message = str(info.value)
@@ -177,3 +178,26 @@ def test_a_non_finite_state_a_micro_batch_uses_stops_the_update(ready, tmp_path)
         states.pairs(torch.tensor([4, 5]), torch.tensor([0, 1]))  # (5, 1) -> (5, 2)
     with pytest.raises(ArtifactError, match=r"'states' has 1 non-finite values \(first at \[5, 2, 0, 1, 1\]"):
         states.verify()  # what the stage runs before any model work: the whole store, chunk by chunk
+
+
+def test_a_micro_batch_decodes_only_the_states_it_uses(ready, tmp_path):
+    """Each (trajectory, state) is compressed on its own inside its file (a zarr shard): damage to one state
+    fails only the reads that use it (and ``verify``, which reads all)."""
+    from tpgrpo.policy.states import LazyStates
+
+    store = shutil.copytree(ready / "data" / "iters" / "0001" / "trajectories.zarr", tmp_path / "t.zarr")
+    shard = store / "states" / "c" / "0" / "0" / "0" / "0" / "0"
+    states = LazyStates(read_trajectories(store, lazy=("states",))[0]["states"])
+    k1 = states.shape[1]
+    data = bytearray(shard.read_bytes())
+    n_inner = states.array.chunk_rows * k1  # the shard's index at its end: (offset, nbytes) per state, crc32c
+    index = np.frombuffer(bytes(data[-(16 * n_inner + 4):-4]), dtype="<u8").reshape(n_inner, 2)
+    offset, nbytes = (int(v) for v in index[5 * k1 + 2])  # trajectory 5, state 2
+    data[offset:offset + nbytes] = bytes(b ^ 0xFF for b in data[offset:offset + nbytes])
+    shard.write_bytes(bytes(data))
+    x, x_next = states.pairs(torch.tensor([4, 5, 6]), torch.tensor([1, 0, 2]))  # never state (5, 2)
+    assert x.shape[0] == x_next.shape[0] == 3
+    with pytest.raises(ArtifactError, match="array 'states' is damaged: chunk states/c/0/0/0/0/0"):
+        states.pairs(torch.tensor([4, 5]), torch.tensor([0, 1]))  # (5, 1) -> (5, 2)
+    with pytest.raises(ArtifactError, match="array 'states' is damaged"):
+        states.verify()
