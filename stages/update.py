@@ -79,7 +79,7 @@ def run(cfg: Config, iteration: int, root: Path) -> dict:
     dist = current()
     with stopwatch(metrics):
         arrays, attrs = read_trajectories(paths.trajectories, lazy=("x0_estimates", "states"))  # x0: the probe's
-        states = LazyStates(arrays["states"]).verify()  # every chunk checked, one at a time; then read per micro-batch
+        states = LazyStates(arrays["states"]).verify()  # all checked a file at a time; read per micro-batch
         N, K1 = states.shape[:2]
         metas = attrs["prompts"]
         credit = read_table(  # rows must be this store's trajectories x window steps, in its prompt groups

@@ -33,10 +33,11 @@ class LazyStates:
         self.verified, self.reads, self.peak_read_bytes = False, 0, 0
 
     def verify(self) -> "LazyStates":
-        """Check every stored state (one chunk of ``array`` in memory at a time); idempotent."""
+        """Check every stored state (one chunk file of ``array`` in memory at a time); idempotent."""
+        rows = self.array.chunk_rows
         if not self.verified:
-            for start in range(0, self.shape[0], self.array.chunk_rows):
-                self.array[start:start + self.array.chunk_rows]  # decoded, checksummed and value-checked, then dropped
+            for start in range(0, self.shape[0], rows):
+                self.array[start:start + rows]  # decoded, checksummed and value-checked, then dropped
             self.verified = True
         return self
 
