@@ -201,3 +201,12 @@ def test_a_micro_batch_decodes_only_the_states_it_uses(ready, tmp_path):
         states.pairs(torch.tensor([4, 5]), torch.tensor([0, 1]))  # (5, 1) -> (5, 2)
     with pytest.raises(ArtifactError, match="array 'states' is damaged"):
         states.verify()
+
+
+def test_a_missing_states_file_is_one_line(ready, tmp_path):
+    """The file count of a sharded array is its shards (zarr counts the chunks inside them)."""
+    store = shutil.copytree(ready / "data" / "iters" / "0001" / "trajectories.zarr", tmp_path / "t.zarr")
+    assert read_trajectories(store, lazy=("states",))[0]["states"].chunk_rows == 12  # one file: 12 trajectories
+    (store / "states" / "c" / "0" / "0" / "0" / "0" / "0").unlink()
+    with pytest.raises(ArtifactError, match=r"array 'states' has 0 of its 1 chunk files \(under states/c/\)"):
+        read_trajectories(store, lazy=("states",))
