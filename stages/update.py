@@ -19,6 +19,7 @@ from tpgrpo.config import Config, UpdateConfig
 from tpgrpo.pipeline.distributed import current
 from tpgrpo.stage_common import load_policy, prompt_embeddings, sampling_from_attrs, stopwatch
 from tpgrpo.policy.lora import LoraEMA
+from tpgrpo.policy.states import LazyStates
 from tpgrpo.io.schemas import CREDIT
 from tpgrpo.algo.seeds import sample_seed
 from tpgrpo.policy.update import (FIRST_PASS_RATIO_TOLERANCE, TransitionBatch, load_training_state, make_optimizer,
@@ -77,8 +78,9 @@ def run(cfg: Config, iteration: int, root: Path) -> dict:
     metrics: dict = {"iteration": iteration}
     dist = current()
     with stopwatch(metrics):
-        arrays, attrs = read_trajectories(paths.trajectories, lazy=("x0_estimates",))  # the probe's, not ours
-        N, K1 = arrays["states"].shape[:2]
+        arrays, attrs = read_trajectories(paths.trajectories, lazy=("x0_estimates", "states"))  # x0: the probe's
+        states = LazyStates(arrays["states"]).verify()  # all checked a file at a time; read per micro-batch
+        N, K1 = states.shape[:2]
         metas = attrs["prompts"]
         credit = read_table(  # rows must be this store's trajectories x window steps, in its prompt groups
             paths.credit, CREDIT, "credit.parquet: run the credit stage first", trajectories=N, steps=K1 - 1,
@@ -92,7 +94,7 @@ def run(cfg: Config, iteration: int, root: Path) -> dict:
             load_training_state(require(previous.policy, "previous policy"), optimizer, ema)
         embeds = prompt_embeddings(cfg, root, iteration, backend, [m["prompt"] for m in attrs["prompts"]])
         batch = TransitionBatch(
-            latents=torch.from_numpy(arrays["states"]), old_log_probs=torch.from_numpy(arrays["log_probs"]),
+            latents=states, old_log_probs=torch.from_numpy(arrays["log_probs"]),
             sigmas=torch.from_numpy(arrays["sigmas"]), prompt_index=torch.from_numpy(arrays["prompt_index"]).long(),
             sigma_at_one=float(attrs["schedule_sigmas"][1]))
         with tqdm(desc=f"update {iteration}", unit="micro-batch", disable=not dist.is_main) as bar:

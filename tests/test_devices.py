@@ -292,8 +292,9 @@ def test_update_copies_to_the_host_once_per_micro_batch():
     assert counts[0] - counts[1] == 10 * (1 + 3 + 1 + 3), counts
 
 
-def _update_once(backend, kl_beta: float, micro_batch: int = 5) -> dict:
-    """Attach a LoRA, roll out, and run one update on the transitions (stored on the CPU, as the stage reads them)."""
+def _update_once(backend, kl_beta: float, micro_batch: int = 5, store=None) -> dict:
+    """Attach a LoRA, roll out, and run one update on the transitions (stored on the CPU, as the stage reads them;
+    with ``store``, the states written there as the rollout lays them out and read per micro-batch)."""
     from tpgrpo.policy.lora import attach_lora
     from tpgrpo.policy.update import TransitionBatch, make_optimizer, update_policy
 
@@ -302,7 +303,8 @@ def _update_once(backend, kl_beta: float, micro_batch: int = 5) -> dict:
     attach_lora(backend, 4, 8)
     embeds = backend.encode_prompts(PROMPTS)
     traj = rollout(backend, embeds, SEEDS, spec)
-    batch = TransitionBatch(latents=traj.states.cpu(), old_log_probs=traj.log_probs.cpu(),
+    states = traj.states.cpu() if store is None else _lazy(traj.states.cpu(), store)
+    batch = TransitionBatch(latents=states, old_log_probs=traj.log_probs.cpu(),
                             sigmas=spec.window_sigmas().expand(len(SEEDS), -1).clone(),
                             prompt_index=torch.arange(len(SEEDS)), sigma_at_one=float(spec.sigmas[1]))
     sampling = SamplingConfig(num_steps=4, shift=1.0, guidance_scale=4.5, step_kind="sde", noise_level=0.7,
@@ -321,6 +323,28 @@ def test_update_recomputes_log_probs_on_the_backend_device(kl_beta):
         got = _update_once(FakeCudaBackend(_tiny()), kl_beta)
     assert got["first_pass_ratio_max_dev"] < 1e-5  # the device run re-scores its own rollout exactly
     for key in ("policy_loss", "kl", "approx_kl", "grad_norm", "approx_kl_after"):
+        assert got[key] == pytest.approx(ref[key], rel=1e-6, abs=1e-9), key
+
+
+def _lazy(states: torch.Tensor, store):
+    import zarr
+
+    from tpgrpo.io.artifacts import CheckedArray, _chunk_codecs
+    from tpgrpo.policy.states import LazyStates
+
+    arr = zarr.open_group(str(store), mode="w").create_array(
+        "states", data=states.numpy(), shards=tuple(states.shape), chunks=(1, 1, *states.shape[2:]),
+        compressors=_chunk_codecs())
+    return LazyStates(CheckedArray(arr, str(store), "states"))
+
+
+def test_lazily_read_states_reach_the_backend_device(tmp_path):
+    """The update stage's states are read from the store per micro-batch on the CPU, then moved."""
+    ref = _update_once(_tiny(), 0.0)
+    with fake_cuda():
+        got = _update_once(FakeCudaBackend(_tiny()), 0.0, store=tmp_path / "t.zarr")
+    assert got["first_pass_ratio_max_dev"] < 1e-5
+    for key in ("policy_loss", "approx_kl", "grad_norm", "approx_kl_after"):
         assert got[key] == pytest.approx(ref[key], rel=1e-6, abs=1e-9), key
 
 

@@ -189,6 +189,9 @@ CASES = {  # case: (file under data/iters, damage, stage and iteration that read
     "NaN in states": (
         TRAJ, lambda p: set_value(p, "states", (5, 1, 0, 3, 3), np.nan), ("probe", 1),
         ["iteration 1", "array 'states' has 1 non-finite values (first at [5, 1, 0, 3, 3]"]),
+    "NaN in states, update (read lazily)": (
+        TRAJ, lambda p: set_value(p, "states", (6, 3, 2, 1, 0), np.nan), ("update", 1),
+        ["iteration 1", "array 'states' has 1 non-finite values (first at [6, 3, 2, 1, 0]"]),
     "1e20 in states": (
         TRAJ, lambda p: set_value(p, "states", (7, 2, 1, 0, 0), 1e20), ("update", 1),
         ["iteration 1", "array 'states' has 1 values beyond +-10000 (first at [7, 2, 1, 0, 0]"]),
@@ -269,9 +272,9 @@ def test_flipped_bytes_anywhere_in_a_chunk_fail_to_decode(tmp_path, seed):
     write_zarr(tmp_path / "t.zarr", arrays, {**attrs, "iteration": "4"})
     flip_bytes(tmp_path / "t.zarr" / "states" / "c" / "0" / "0" / "0" / "0" / "0", seed=seed,
                count=int(np.random.default_rng(seed).integers(1, 17)))
-    for lazy in ((), ("states",)):
+    for lazy in ((), ("states",)):  # (the file holds each (trajectory, state) on its own: read them all)
         with pytest.raises(ArtifactError, match=r"\(iteration 4\): array 'states' is damaged: chunk states/c/0/0"):
-            read_trajectories(tmp_path / "t.zarr", lazy=lazy)[0]["states"][0:2]
+            read_trajectories(tmp_path / "t.zarr", lazy=lazy)[0]["states"][:]
 
 
 def test_a_store_written_before_checksums_still_reads(tmp_path):

@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import math
 import os
 import shutil
 import uuid
@@ -249,8 +250,11 @@ def write_zarr(path: Path, arrays: dict, attrs: dict) -> None:
         group = zarr.open_group(str(tmp), mode="w")
         for name, data in arrays.items():
             chunks = (min(64, data.shape[0]),) + data.shape[1:]
+            # states: one file per 64 trajectories as the other arrays, each (trajectory, state) compressed
+            # and checksummed on its own inside it (a shard), so the update reads only the states it uses
+            layout = {"shards": chunks, "chunks": (1, 1, *data.shape[2:])} if name == "states" else {"chunks": chunks}
             # every chunk stored, fill-valued ones too: a missing chunk file is then damage, not zeros
-            arr = group.create_array(name, data=data, chunks=chunks, compressors=_chunk_codecs(),
+            arr = group.create_array(name, data=data, **layout, compressors=_chunk_codecs(),
                                      config={"write_empty_chunks": True})
             arr.attrs.update({"dims": list(docs[name].dims), "meaning": docs[name].meaning})
         group.attrs.update(attrs)
@@ -262,7 +266,8 @@ class CheckedArray:
     refuses (non-finite, out of range), raise one :class:`ArtifactError` line naming the array."""
 
     def __init__(self, arr, source: str, name: str):
-        self._arr, self._source, self.name = arr, source, name
+        self._arr, self.source, self.name = arr, source, name
+        self.chunk_rows = int((arr.shards or arr.chunks)[0])  # trajectories per chunk file
         self.shape, self.dtype = tuple(arr.shape), arr.dtype
         self._spec = next(spec for spec in TRAJECTORY_ARRAYS if spec.name == name)
 
@@ -270,17 +275,22 @@ class CheckedArray:
         return self.shape[0]
 
     def __getitem__(self, key):
-        values = _read_array(self._arr, self._source, self.name, key)
+        values = _read_array(self._arr, self.source, self.name, key)
         first = key.start if isinstance(key, slice) and key.start is not None else 0
-        check_array_values(self._spec, values, self._source, row_offset=first if first >= 0 else 0)
+        check_array_values(self._spec, values, self.source, row_offset=first if first >= 0 else 0)
         return values
 
+    def oindex(self, selection: tuple):
+        """``arr.oindex[selection]`` (an index array or slice per leading axis): reads only the chunks it
+        touches, checksums verified as in ``__getitem__``; values unchecked (the caller knows the positions)."""
+        return _read_array(self._arr, self.source, self.name, selection, orthogonal=True)
 
-def _read_array(arr, source: str, name: str, key=slice(None)):
-    """``arr[key]`` as numpy; a reader failure (checksum, truncated chunk, ...) is one line naming the
-    array's first chunk file that fails."""
+
+def _read_array(arr, source: str, name: str, key=slice(None), orthogonal: bool = False):
+    """``arr[key]`` (``arr.oindex[key]`` if ``orthogonal``) as numpy; a reader failure (checksum, truncated
+    chunk, ...) is one line naming the array's first chunk file that fails."""
     try:
-        return arr[key]
+        return arr.oindex[key] if orthogonal else arr[key]
     except Exception as exc:  # noqa: BLE001 - zarr raises ValueError / RuntimeError / OSError on damage
         raise ArtifactError(f"{source}: array '{name}' is damaged: chunk {_bad_chunk(arr)} fails its checksum "
                             f"or does not decode ({first_line(exc)})") from None
@@ -288,9 +298,9 @@ def _read_array(arr, source: str, name: str, key=slice(None)):
 
 def _bad_chunk(arr) -> str:
     """The key (``c/i/0/...``, under the array's folder) of the first chunk of ``arr`` that fails to read.
-    The store is chunked along the trajectory axis only (``write_zarr``)."""
-    rows = arr.chunks[0]
-    for i in range(arr.nchunks):
+    The store's files split the trajectory axis only (``write_zarr``; a sharded array's files are its shards)."""
+    rows = (arr.shards or arr.chunks)[0]
+    for i in range(-(-arr.shape[0] // rows)):
         try:
             arr[i * rows:(i + 1) * rows]
         except Exception:  # noqa: BLE001
@@ -303,8 +313,11 @@ def _check_chunks_stored(arr, source: str, name: str) -> None:
     value, so count them. (Stores written before checksums skip fill-valued chunks: not counted.)"""
     from zarr.codecs import Crc32cCodec
 
-    if any(isinstance(c, Crc32cCodec) for c in arr.compressors) and arr.nchunks_initialized != arr.nchunks:
-        raise ArtifactError(f"{source}: array '{name}' has {arr.nchunks_initialized} of its {arr.nchunks} "
+    files = arr.shards or arr.chunks  # zarr counts a sharded array's chunks as its shards x chunks per shard
+    stored = arr.nchunks_initialized // (math.prod(files) // math.prod(arr.chunks))
+    expected = math.prod(-(-size // rows) for size, rows in zip(arr.shape, files))
+    if any(isinstance(c, Crc32cCodec) for c in arr.compressors) and stored != expected:
+        raise ArtifactError(f"{source}: array '{name}' has {stored} of its {expected} "
                             f"chunk files (under {arr.path}/c/): the store is damaged")
 
 

@@ -21,6 +21,7 @@ from tpgrpo.errors import PipelineError
 from tpgrpo.io.schemas import ArtifactError
 from tpgrpo.algo.loss import policy_loss
 from tpgrpo.policy.lora import LoraEMA, lora_parameters, reference_mode, save_adapter
+from tpgrpo.policy.states import LazyStates, all_finite, state_pairs
 from tpgrpo.algo.sampling import sde_std, stochastic_step
 
 TRAINING_STATE_FILE = "training_state.pt"
@@ -39,14 +40,14 @@ class TransitionBatch:
 
     Fields:
         latents: ``(N, K+1, C, H, W)`` float32, states ``z_0..z_K`` around the K window steps
-            (``z_k`` before window step k, ``z_{k+1}`` after it).
+            (``z_k`` before window step k, ``z_{k+1}`` after it); a tensor, or ``LazyStates`` read per micro-batch.
         old_log_probs: ``(N, K)`` float32, the rollout policy's log-prob of each transition.
         sigmas: ``(N, K+1)`` float32; window step k maps ``sigmas[:, k] -> sigmas[:, k+1]``.
         prompt_index: ``(N,)`` int64, rows of the prompt-embeddings table (``embeds.select``).
         sigma_at_one: the schedule's ``s_1`` (``sde`` uses it at ``s = 1``).
     """
 
-    latents: torch.Tensor
+    latents: "torch.Tensor | LazyStates"
     old_log_probs: torch.Tensor
     sigmas: torch.Tensor
     prompt_index: torch.Tensor
@@ -84,8 +85,8 @@ def validate_inputs(batch: TransitionBatch, advantages: torch.Tensor, num_prompt
                                 f"{'5 dims (N, K+1, C, H, W)' if isinstance(want, int) else want}")
     if k < 1:
         raise PipelineError(f"update{ctx}: latents hold no window step (K+1 = {k + 1} states)")
-    for name in ("latents", "old_log_probs", "sigmas"):
-        if not bool(torch.isfinite(getattr(batch, name)).all()):
+    for name in ("latents", "old_log_probs", "sigmas"):  # lazy states: checked chunk by chunk, and as read
+        if not all_finite(getattr(batch, name)):
             raise PipelineError(_where(name, getattr(batch, name), ctx))
     if not bool(torch.isfinite(advantages).all()):
         raise PipelineError(_where("advantages", advantages, ctx))
@@ -158,12 +159,11 @@ def _forward(backend, embeds, batch, n_idx, k_idx, sampling_cfg, reference: bool
 
     Returns ``(StepOutput, mean_ref or None)``; the step output carries the gradient, the reference
     mean (adapter disabled, ``reference=True``) does not. Shapes ``(B,)`` / ``(B, C, H, W)``. The batch
-    stays on the CPU; only these transitions move to ``backend.device``, where the step maths runs
-    (the device rule of ``tpgrpo.algo.trajectory``); the outputs are on that device.
+    stays on the CPU (lazy states: these are read here); only these transitions move to ``backend.device``,
+    where the step maths runs (the device rule of ``tpgrpo.algo.trajectory``); the outputs are on that device.
     """
     dev = backend.device
-    x = batch.latents[n_idx, k_idx].to(dev)
-    x_next = batch.latents[n_idx, k_idx + 1].to(dev)
+    x, x_next = (t.to(dev) for t in state_pairs(batch.latents, n_idx, k_idx))
     s, s_next = batch.sigmas[n_idx, k_idx].to(dev), batch.sigmas[n_idx, k_idx + 1].to(dev)
     emb = embeds.select(batch.prompt_index[n_idx])
     g, kind, eta = sampling_cfg.guidance_scale, sampling_cfg.step_kind, sampling_cfg.noise_level

@@ -1,0 +1,88 @@
+"""The update's states ``z_0..z_K``, read from ``trajectories.zarr`` a micro-batch at a time.
+
+Holding every trajectory's states in every update process costs N x (K+1) x C x H x W x 4 bytes each: 3.0 GB
+at SD3.5-M's 512 px and the paper's 1,152 trajectories (``docs/real-size.md``). A process's transitions are
+a slice of one global shuffle and touch nearly every trajectory, so :class:`LazyStates` reads, per
+micro-batch, only the (trajectory, state) pairs it uses. Stores written since (``write_zarr``) keep each
+(trajectory, state) compressed and checksummed on its own inside the file of its 64 trajectories (a zarr
+shard): a read decodes just those states. An older store (one chunk per 64 whole trajectories) reads the
+same values, decoding every chunk a micro-batch's trajectories fall in. The values are the stored
+float32 bytes, so the update computes the same numbers as on the materialised tensor.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+
+from tpgrpo.errors import PipelineError
+from tpgrpo.io.artifacts import CheckedArray
+
+
+class LazyStates:
+    """``(N, K+1, C, H, W)`` float32 states of a trajectory store, read on use (``pairs``).
+
+    ``verify()`` decodes the store one chunk file at a time and refuses non-finite or out-of-bound values
+    with the line ``read_trajectories`` gives on the whole array (the index in the whole array). ``pairs``
+    checks what it reads again. ``reads``: ``pairs`` calls; ``peak_read_bytes``: the most state bytes one
+    ``pairs`` call read (its two outputs are as large again).
+    """
+
+    def __init__(self, array: CheckedArray):
+        self.array, self.shape, self.ndim = array, tuple(array.shape), len(array.shape)
+        self.verified, self.reads, self.peak_read_bytes = False, 0, 0
+
+    def verify(self) -> "LazyStates":
+        """Check every stored state (one chunk file of ``array`` in memory at a time); idempotent."""
+        rows = self.array.chunk_rows
+        if not self.verified:
+            for start in range(0, self.shape[0], rows):
+                self.array[start:start + rows]  # decoded, checksummed and value-checked, then dropped
+            self.verified = True
+        return self
+
+    def pairs(self, n_idx: torch.Tensor, k_idx: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """``(states[n, k], states[n, k + 1])`` for the B transitions ``(n_idx[i], k_idx[i])``: two
+        ``(B, C, H, W)`` float32 CPU tensors. Reads, per distinct trajectory, the distinct states its
+        transitions use (at most 2B states in all), nothing else; a damaged chunk is one line."""
+        n, k = n_idx.numpy(), k_idx.numpy()
+        x, x_next = (np.empty((len(n), *self.shape[2:]), dtype=np.float32) for _ in range(2))
+        read = 0
+        for row in np.unique(n):
+            mine = np.flatnonzero(n == row)
+            cols, at = np.unique(np.concatenate([k[mine], k[mine] + 1]), return_inverse=True)
+            block = self.array.oindex((np.array([row]), cols))[0]  # (S, C, H, W)
+            _check_block(block, row, cols, self.array)
+            x[mine], x_next[mine] = block[at[:len(mine)]], block[at[len(mine):]]
+            read += block.nbytes
+        self.reads += 1
+        self.peak_read_bytes = max(self.peak_read_bytes, read)
+        return torch.from_numpy(x), torch.from_numpy(x_next)
+
+
+def _check_block(block: np.ndarray, row: int, cols: np.ndarray, array: CheckedArray) -> None:
+    """Refuse non-finite states ``block`` (S, C, H, W) of trajectory ``row`` (a store changed after
+    ``verify``, or never verified): one line naming the store and the first bad (trajectory, state)."""
+    lo, hi = block.min(), block.max()  # NaN and inf propagate: no block-sized temporaries on the good path
+    if np.isfinite(lo) and np.isfinite(hi):
+        return
+    bad = ~np.isfinite(block)
+    first = np.argwhere(bad)[0]
+    raise PipelineError(f"{array.source}: array '{array.name}' has {int(bad.sum())} non-finite value(s) in the "
+                        f"states one micro-batch read (first at trajectory {int(row)}, state {int(cols[first[0]])})")
+
+
+def state_pairs(latents, n_idx: torch.Tensor, k_idx: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(latents[n_idx, k_idx], latents[n_idx, k_idx + 1])`` from a materialised ``(N, K+1, C, H, W)``
+    tensor or a :class:`LazyStates`; ``(B, C, H, W)`` each, on the CPU."""
+    if isinstance(latents, LazyStates):
+        return latents.pairs(n_idx, k_idx)
+    return latents[n_idx, k_idx], latents[n_idx, k_idx + 1]
+
+
+def all_finite(values) -> bool:
+    """Whether every value is finite: a tensor is checked whole; :class:`LazyStates` are verified chunk by
+    chunk (``verify`` raises its own line, naming the store, on a bad value, so this returns True)."""
+    if isinstance(values, LazyStates):
+        return values.verify().verified
+    return bool(torch.isfinite(values).all())
