@@ -55,7 +55,8 @@ PRELOAD = ("tpgrpo.cli", "torch", "numpy", "pandas", "pyarrow.parquet", "zarr", 
            "diffusers:SD3Transformer2DModel", "diffusers:FlowMatchEulerDiscreteScheduler",
            "diffusers.loaders:SD3LoraLoaderMixin", "transformers:CLIPTextModel",
            "transformers:PreTrainedTokenizerFast", "tpgrpo.models.tiny", "tpgrpo.tasks.rewards", "dvc.utils.serialize",
-           *(f"stages.{s}" for s in ("rollout", "probe", "credit", "update", "eval", "baseline", "summary")))
+           *(f"stages.{s}" for s in ("rollout", "probe", "credit", "update", "eval", "eval_prompts", "baseline",
+                                       "summary")))
 MAX_MESSAGE = 1 << 20
 
 
