@@ -18,7 +18,7 @@ from tpgrpo.pipeline.code_manifest import code_deps, code_stage, uses_code_files
 from tpgrpo.config import Config, ConfigError
 from tpgrpo.reports import figure_names  # not .figures: it imports stage_common, which imports this
 from tpgrpo.pipeline.blocks import Block, full_blocks, read_lock, seal_files, sealed_outs
-from tpgrpo.policy.eval_embeds import EVAL_EMBEDS
+from tpgrpo.io.artifacts import EVAL_EMBEDS, EVAL_EMBEDS_LOG
 
 REWARD_PARAMS = ["reward_models", "remote_reward"]  # read by every stage that scores images
 
@@ -213,7 +213,7 @@ def eval_prompts_stage(cfg: Config, manifests: bool = True) -> dict:
     (their text encoders never load). A DVC-cached folder: at real size (T5-XXL) it is large."""
     return {"cmd": stage_command(cfg, "eval_prompts"), "params": STAGE_PARAMS["eval_prompts"],
             "deps": [*code_deps("eval_prompts", manifests), cfg.model.path, cfg.task.eval_prompts],
-            "outs": [EVAL_EMBEDS]}
+            "outs": [EVAL_EMBEDS, _uncached(EVAL_EMBEDS_LOG)]}
 
 
 def summary_stage(cfg: Config, open_iters: list[int], sealed: list[Block], manifests: bool = True) -> dict:

@@ -22,7 +22,7 @@ import json
 import sys
 from pathlib import Path
 
-EVAL_EMBEDS = "data/iters/eval_prompt_embeds"  # the eval_prompts stage's output (a folder, DVC-cached)
+from tpgrpo.io.artifacts import EVAL_EMBEDS, EVAL_EMBEDS_LOG  # noqa: F401 - the folder and the stage's log
 
 
 def held_out(cfg, root: Path) -> tuple[list[dict], list[tuple[int, int]]]:
@@ -59,10 +59,10 @@ def _tensors(embeds) -> dict:
     return {name: getattr(embeds, name) for name in EMBEDDING_FIELDS if getattr(embeds, name) is not None}
 
 
-def write_eval_embeddings(cfg, root: Path, backend) -> int:
+def write_eval_embeddings(cfg, root: Path, backend) -> dict[str, int]:
     """Encode every chunk of :func:`held_out` with ``backend`` (one ``encode_prompts`` call per chunk, as eval
     did) and write the folder :data:`EVAL_EMBEDS` atomically: all files into a temporary sibling, then one
-    rename. Returns the number of chunks. Tensors: ``embeds (n, L, D)``, ``pooled (n, P)``, ``uncond_embeds
+    rename. Returns ``{"chunks", "images"}`` (counts). Tensors: ``embeds (n, L, D)``, ``pooled (n, P)``, ``uncond_embeds
     (1, L, D)``, ``uncond_pooled (1, P)`` in the encoders' dtype, n the chunk's images."""
     import torch
 
@@ -76,7 +76,7 @@ def write_eval_embeddings(cfg, root: Path, backend) -> int:
             with torch.no_grad():
                 embeds = backend.encode_prompts(prompts)
             write_embeddings(chunk_file(tmp, c), _tensors(embeds), chunk_key(cfg, prompts))
-    return len(chunks)
+    return {"chunks": len(chunks), "images": len(image_metas)}
 
 
 def chunk_embeddings(cfg, root: Path, backend, c: int, prompts: list[str]):
