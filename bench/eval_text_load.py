@@ -3,13 +3,13 @@
     python bench/eval_text_load.py --before dacfbc3 --repeats 3 [--model FOLDER] [--threads 2]
 
 For each commit (``--before``, and ``--after``, default the working tree): a fresh project with that commit's
-code (``git archive``; the working tree's files for the working tree) on an SD3 pipeline folder (``--model``;
-default the tiny random pipeline tests/tiny_pipelines.py builds, saved once under ``--work``), eval on 4
-held-out prompts x 2 seeds at 2 steps. Where the commit has the ``eval_prompts`` stage it runs first (not
-timed: once per run). Then ``tpgrpo stage baseline`` runs under the commit's own ``bench/stage_timer.py``,
-alternating before and after ``--repeats`` times, and the bench prints per commit the median of
-``text_load_s`` (the first load of the text encoders), ``load_s`` (transformer + VAE) and the stage's wall
-seconds, and whether the two baseline tables are byte-identical. The baseline is the eval of the base model:
+code (``git archive``; the working tree's files for the working tree) on an SD3 pipeline folder (``--model``,
+in ``--dtype``; default the tiny random pipeline tests/tiny_pipelines.py builds, saved once under ``--work``),
+eval on 4 held-out prompts x 2 seeds at 2 steps, 64 px. Where the commit has the ``eval_prompts`` stage it
+runs first (not timed: once per run). Then ``tpgrpo stage baseline`` runs under the commit's own
+``bench/stage_timer.py``, alternating before and after ``--repeats`` times, and the bench prints per commit the
+median of ``text_load_s`` (the first load of the text encoders), ``load_s`` (transformer + VAE) and the stage's
+wall seconds, and whether the two baseline tables are byte-identical. The baseline is the eval of the base model:
 every eval stage runs the same code (``stages/eval.py: eval_images``).
 """
 
@@ -43,7 +43,7 @@ def tiny_sd3(work: Path) -> Path:
     return folder
 
 
-def project(rev: str | None, work: Path, model: Path) -> Path:
+def project(rev: str | None, work: Path, model: Path, dtype: str) -> Path:
     """``rev``'s code (None: the working tree's) with a params.yaml for ``model``."""
     folder = work / (rev or "worktree")
     shutil.rmtree(folder, ignore_errors=True)
@@ -58,7 +58,7 @@ def project(rev: str | None, work: Path, model: Path) -> Path:
                                   "bench/stage_timer.py"], cwd=REPO, capture_output=True, check=True).stdout
         subprocess.run(["tar", "-x", "-C", str(folder)], input=archive, check=True)
     raw = yaml.safe_load((folder / "params.yaml").read_text())
-    raw["model"].update({"kind": "sd3", "path": str(model), "resolution": 64})
+    raw["model"].update({"kind": "sd3", "path": str(model), "resolution": 64, "dtype": dtype})
     raw["task"].update({"reward": "jpeg_compressibility", "eval_reward": "jpeg_compressibility"})
     raw["sampling"].update({"num_steps": 3, "window_size": 2, "shift": 3.0})
     raw["rollout"]["batch_size"] = 4
@@ -84,12 +84,14 @@ def main() -> None:
     ap.add_argument("--before", required=True)
     ap.add_argument("--after", default=None, help="a commit; default the working tree")
     ap.add_argument("--model", type=Path, default=None, help="an SD3 pipeline folder; default the tiny one")
+    ap.add_argument("--dtype", default="fp32", help="model.dtype (bf16 for bench/real_size.py's folders)")
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--work", type=Path, default=Path(tempfile.gettempdir()) / "eval_text_load")
     args = ap.parse_args()
     model = args.model.resolve() if args.model else tiny_sd3(args.work)
-    folders = {"before": project(args.before, args.work, model), "after": project(args.after, args.work, model)}
+    folders = {label: project(rev, args.work, model, args.dtype)
+               for label, rev in (("before", args.before), ("after", args.after))}
     for folder in folders.values():
         if (folder / "stages" / "eval_prompts.py").is_file():
             run(folder, args.threads, "stage", "eval_prompts")
@@ -102,7 +104,7 @@ def main() -> None:
             rows[label].append({**json.loads(timer.read_text()), "wall_s": wall})
             tables[label] = (folder / "data/iters/baseline_eval.parquet").read_bytes()
     load = os.getloadavg()
-    print(f"model {model}, {args.threads} threads, {args.repeats} repeats alternating, load average "
+    print(f"model {model} ({args.dtype}), {args.threads} threads, {args.repeats} repeats alternating, load average "
           f"{load[0]:.2f} / {load[1]:.2f} / {load[2]:.2f}; medians:")
     print(f"{'':8} {'text_load_s':>12} {'load_s':>8} {'import_s':>9} {'wall_s':>8}")
     for label, runs in rows.items():

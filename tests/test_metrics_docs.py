@@ -1,9 +1,9 @@
 """Every metric key the stages write is defined in docs/metrics.md.
 
 The eval prompts' encoding, one tiny iteration (rollout, probe, credit, update, eval), the baseline eval and the
-summary run through the real CLI; every key of their JSON logs, of ``data/metrics/*.json`` and every column of the summary's CSVs must
-appear in the page's tables as ``key`` (nested keys as ``parent.child``; a list is one key), and every key the
-page lists must be one they wrote.
+summary run through the real CLI; every key of their JSON logs, of ``data/metrics/*.json`` and every column of
+the summary's CSVs must appear in the page's tables as ``key`` (nested keys as ``parent.child``; a list is one
+key), and every key the page lists must be one they wrote.
 """
 
 from __future__ import annotations
