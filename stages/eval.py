@@ -30,7 +30,9 @@ def eval_images(cfg: Config, root: Path, backend, label: str, artifact: Path):
     ``EVAL_TABLE_COLUMNS`` (one row per prompt and eval seed, prompt order then sample order).
 
     The images (each prompt with its ``samples_per_prompt`` seeds) are cut into chunks of at most
-    ``rollout.batch_size`` images (whole prompts when one fits), spread over the processes; per-image rewards
+    ``rollout.batch_size`` images (whole prompts when one fits), spread over the processes; each chunk's prompt
+    embeddings are read from the ``eval_prompts`` stage's cache (:mod:`tpgrpo.policy.eval_embeds`: the text
+    encoders never load), or encoded when it does not hold them (one line on stderr); per-image rewards
     are merged on the main process (part files next to ``artifact``), which returns the table; other processes
     return None. Non-finite rewards are a one-line error.
     """
