@@ -2,9 +2,9 @@
 
 Writes ``data/iters/eval_prompt_embeds/`` (one ``chunk_NNNN.safetensors`` per chunk of images eval samples
 together; :mod:`tpgrpo.policy.eval_embeds`), so the eval stages never load the text encoders, and its log
-``data/iters/eval_prompts.json`` (chunks, images, seconds; docs/metrics.md). Loads the base
-model without an adapter (LoRA sits on the transformer only: the text encoders are the base model's in every
-policy). One process: the encoders run once, on ``model.device``.
+``data/iters/eval_prompts.json`` (chunks, images, seconds; docs/metrics.md). Loads the base model without an
+adapter (LoRA sits on the transformer only: the text encoders are the base model's in every policy). One
+process: the encoders run once, on ``model.device``.
 """
 
 from __future__ import annotations

@@ -1,13 +1,14 @@
 """The held-out prompts' text embeddings, encoded once per run (stage ``eval_prompts``) and read by every
 ``eval`` and the ``baseline``, so those stages never load the text encoders (at real size CLIP-L, CLIP-G and
-T5-XXL: most of eval's load).
+T5-XXL, about 10 GB in bf16: most of eval's load with T5, docs/real-size.md).
 
 The images of an evaluation (each held-out prompt ``eval.samples_per_prompt`` times) are cut into the chunks
 :func:`held_out` says; before this cache each chunk encoded its own prompt list (repeats included) with the
 empty prompt in one batch. The cache stores exactly those encodings, one file per chunk
-(``data/iters/eval_prompt_embeds/chunk_NNNN.safetensors``, :func:`tpgrpo.io.artifacts.write_embeddings`): batched
-encoding need not be bitwise equal across batch compositions, so the chunks are the same and an eval reading
-the cache samples from the same bytes as one that encodes (tests/test_eval_embeds.py compares the tables).
+(``data/iters/eval_prompt_embeds/chunk_NNNN.safetensors``, :func:`tpgrpo.io.artifacts.write_embeddings`):
+batched encoding need not be bitwise equal across batch compositions, so the chunks are the same and an eval
+reading the cache samples from the same bytes as one that encodes (tests/test_eval_embeds.py compares the
+tables).
 
 A chunk file is used only when its metadata holds exactly that chunk's prompts and the hash of the ``model``
 params; its tensors' sha256 is checked on read. A file that is missing or holds other prompts or model params
@@ -62,8 +63,8 @@ def _tensors(embeds) -> dict:
 def write_eval_embeddings(cfg, root: Path, backend) -> dict[str, int]:
     """Encode every chunk of :func:`held_out` with ``backend`` (one ``encode_prompts`` call per chunk, as eval
     did) and write the folder :data:`EVAL_EMBEDS` atomically: all files into a temporary sibling, then one
-    rename. Returns ``{"chunks", "images"}`` (counts). Tensors: ``embeds (n, L, D)``, ``pooled (n, P)``, ``uncond_embeds
-    (1, L, D)``, ``uncond_pooled (1, P)`` in the encoders' dtype, n the chunk's images."""
+    rename. Returns ``{"chunks", "images"}`` (counts). Tensors: ``embeds (n, L, D)``, ``pooled (n, P)``,
+    ``uncond_embeds (1, L, D)``, ``uncond_pooled (1, P)`` in the encoders' dtype, n the chunk's images."""
     import torch
 
     from tpgrpo.io.artifacts import atomic_path, write_embeddings
