@@ -7,7 +7,8 @@ there are 2 GPUs), then the SD3.5-M cost at full size.
 1. Pipeline: copies ``params.yaml``, ``data/base`` (the embedded model) and ``data/prompts`` into a temporary
    project with ``model.device`` and ``reward_models.device`` set to ``--device``, ``eval.every: 1``,
    ``update.ema: true``, 2 iterations and ``launch.num_processes`` = ``--processes`` (default: 2 where
-   there are 2 GPUs, else 1), then runs each stage's own command (``tpgrpo stage NAME --iter I``, under
+   there are 2 GPUs, else 1), then runs ``tpgrpo stage eval_prompts`` once (the held-out prompts' embeddings
+   every eval reads) and each stage's own command (``tpgrpo stage NAME --iter I``, under
    ``accelerate launch`` with 2 processes, as the stage starts them itself) in its own process, timed by
    ``bench/stage_timer.py`` (import / load / compute seconds). Iteration 2's rollout is killed first
    (as soon as it has loaded its model: the run dies after the first update) and must leave no trajectories;
@@ -39,7 +40,8 @@ import yaml
 
 REPO = Path(__file__).resolve().parents[1]
 STAGES = ("rollout", "probe", "credit", "update", "eval")
-ARTIFACTS = {"rollout": ("trajectories.zarr", "rollout.json"), "probe": ("probe.parquet", "probe.json"),
+ARTIFACTS = {"eval_prompts": ("eval_prompt_embeds", "eval_prompts.json"),  # once per run, under data/iters
+             "rollout": ("trajectories.zarr", "rollout.json"), "probe": ("probe.parquet", "probe.json"),
              "credit": ("credit.parquet", "credit.json"), "update": ("policy", "update.json"),
              "eval": ("eval.json",)}
 # --smoke: an iteration small enough for a CPU (the full check runs params.yaml's own sizes).
@@ -128,6 +130,8 @@ def run_step(label: str, command: list[str], timeout: float) -> dict:
 def stage_note(name: str, folder: Path) -> str:
     """The figure worth reading off a stage's metrics JSON."""
     metrics = json.loads((folder / f"{name}.json").read_text())
+    if name == "eval_prompts":
+        return f"{metrics['chunks']} chunks of held-out prompts encoded, {metrics['images']} images"
     if name == "rollout":
         return f"mean reward {metrics['mean_reward']:.3f}, {metrics['trajectories']} trajectories"
     if name == "probe":
@@ -140,7 +144,7 @@ def stage_note(name: str, folder: Path) -> str:
     return f"evaluated {metrics.get('evaluated')}, eval reward {metrics.get('eval_reward', float('nan')):.3f}"
 
 
-def timed_command(params: Path, name: str, iteration: int, timings: Path) -> list[str]:
+def timed_command(params: Path, name: str, iteration: int | None, timings: Path) -> list[str]:
     """The stage as ``tpgrpo stage ...`` runs it (dvc.yaml's command; a model stage on several processes starts
     them through ``tpgrpo.pipeline.launch.launch_argv``: ``accelerate launch ... -m tpgrpo stage ...``), with
     ``tpgrpo`` run through ``bench/stage_timer.py`` in every process."""
@@ -158,11 +162,13 @@ def timed_command(params: Path, name: str, iteration: int, timings: Path) -> lis
     return [*launcher[:at], *timer, *launcher[at + 2:]]
 
 
-def stage_row(params: Path, name: str, iteration: int) -> dict:
-    """Run one stage (timed); its row, with import / load / compute seconds and its artifacts checked."""
-    folder = params.parent / "data" / "iters" / f"{iteration:04d}"
+def stage_row(params: Path, name: str, iteration: int | None) -> dict:
+    """Run one stage (timed; ``iteration`` None: a stage run once per run); its row, with import / load /
+    compute seconds and its artifacts checked."""
+    folder = params.parent / "data" / "iters" / ("" if iteration is None else f"{iteration:04d}")
     timings = params.parent / f".{name}-{iteration}.times.json"
-    row = run_step(f"iter {iteration} {name}", timed_command(params, name, iteration, timings), BUDGET_S["stage"])
+    label = name if iteration is None else f"iter {iteration} {name}"
+    row = run_step(label, timed_command(params, name, iteration, timings), BUDGET_S["stage"])
     missing = [a for a in ARTIFACTS[name] if not (folder / a).exists()]
     if row["ok"] and missing:
         row.update(ok=False, error=f"exit 0 but no {', '.join(missing)} in {folder}")
@@ -179,7 +185,9 @@ def pipeline_check(device: str, smoke: bool, tmp: Path, processes: int = 1) -> l
     """Step 1: two iterations' stages (iteration 2's rollout killed once, then resumed) and a short
     pretraining, each through the CLI in its own process."""
     params = make_project(tmp / "project", device, smoke, processes)
-    rows = []
+    rows = [stage_row(params, "eval_prompts", None)]  # once per run: every eval reads its embeddings
+    if not rows[-1]["ok"]:
+        return rows
     for iteration in (1, 2):
         for name in STAGES:
             if iteration == 2 and name == "rollout":

@@ -38,8 +38,11 @@ import yaml
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO / "bench"))
 CACHE = REPO / ".cache" / "real_size"
-STAGES = ("rollout", "probe", "credit", "update", "eval")
-ARTIFACTS = {"rollout": ("trajectories.zarr", "prompt_embeds.safetensors"), "probe": ("probe.parquet",),
+# eval_prompts (once per run, no --iter) encodes the held-out prompts for eval, as under dvc repro.
+STAGES = ("eval_prompts", "rollout", "probe", "credit", "update", "eval")
+ONCE = ("eval_prompts",)  # stages without --iter
+ARTIFACTS = {"eval_prompts": ("../eval_prompt_embeds",),  # (under data/iters, beside the iteration folders)
+             "rollout": ("trajectories.zarr", "prompt_embeds.safetensors"), "probe": ("probe.parquet",),
              "credit": ("credit.parquet",), "update": ("policy",), "eval": ("eval.parquet",)}
 CLIP_L = dict(vocab_size=49408, hidden_size=768, intermediate_size=3072, num_hidden_layers=12,
               num_attention_heads=12, max_position_embeddings=77, projection_dim=768, hidden_act="quick_gelu")
@@ -121,10 +124,11 @@ def make_project(root: Path, model: Path) -> Path:
 
 
 def child(stage: str, params: str, out: str) -> None:
-    """Run ``tpgrpo stage STAGE --iter 1`` in this process, timed by ``bench/stage_timer.py``."""
+    """Run ``tpgrpo stage STAGE --iter 1`` (no ``--iter`` for a stage of :data:`ONCE`) in this process, timed by
+    ``bench/stage_timer.py``."""
     from stage_timer import run_timed
 
-    run_timed(["stage", stage, "--iter", "1", "--params", params], Path(out))
+    run_timed(["stage", stage, *([] if stage in ONCE else ["--iter", "1"]), "--params", params], Path(out))
 
 
 def run_stage(stage: str, params: Path, threads: int) -> dict:

@@ -75,8 +75,10 @@ def paper_rows(weights_gib: dict[str, float], layers: int) -> list[dict]:
     """Per stage on one H200, on paper: compute and load seconds, load's share of the stage.
 
     ``weights_gib``: the bf16 folder's transformer / vae / text encoder sizes (of a 24-block model).
-    Every model stage loads transformer + VAE; rollout and eval also the text encoders (eval encodes the
-    eval prompts; probe and update read the rollout's cached embeddings).
+    Every model stage loads transformer + VAE; the rollout also the text encoders (it encodes the iteration's
+    prompts). Probe and update read the rollout's cached embeddings, and eval those the ``eval_prompts`` stage
+    wrote once per run (issue 22: it loaded the text encoders every eval before), so none of them loads the
+    text encoders. ``eval_prompts`` itself (model + text encoders, once per run) is not an iteration's row.
     """
     if layers != 24:
         return []
@@ -84,8 +86,7 @@ def paper_rows(weights_gib: dict[str, float], layers: int) -> list[dict]:
     print(f"on paper: {row / 1e12:.2f} TFLOP per transformer forward row at 512 px, "
           f"{decode / 1e12:.2f} TFLOP per VAE decode", flush=True)
     model = weights_gib["transformer"] + weights_gib["vae"]
-    loads = {"rollout": model + weights_gib["text"], "probe": model, "update": model,
-             "eval": model + weights_gib["text"]}
+    loads = {"rollout": model + weights_gib["text"], "probe": model, "update": model, "eval": model}
     rows = []
     for stage, flops in stage_flops(row, decode).items():
         compute = flops / (H200_BF16_FLOPS * ASSUMED_MFU)

@@ -17,9 +17,9 @@ import numpy as np
 from tpgrpo.io.artifacts import IterationPaths, require, write_json, write_parquet
 from tpgrpo.comparison.stats import EVAL_TABLE_COLUMNS
 from tpgrpo.config import Config
-from tpgrpo.pipeline.distributed import chunk_bar, current, row_chunks, run_chunks, warn_if_idle
+from tpgrpo.pipeline.distributed import chunk_bar, current, run_chunks, warn_if_idle
 from tpgrpo.errors import PipelineError
-from tpgrpo.stage_common import check_finite, load_policy, policy_to_score, provenance, resolve, stopwatch
+from tpgrpo.stage_common import check_finite, load_policy, policy_to_score, provenance, stopwatch
 
 EVAL_TABLE = "eval.parquet"  # beside eval.json: one row per (held-out prompt, eval seed)
 BASELINE_TABLE = "baseline_eval.parquet"  # beside baseline_eval.json, the same rows for the base model
@@ -30,31 +30,34 @@ def eval_images(cfg: Config, root: Path, backend, label: str, artifact: Path):
     ``EVAL_TABLE_COLUMNS`` (one row per prompt and eval seed, prompt order then sample order).
 
     The images (each prompt with its ``samples_per_prompt`` seeds) are cut into chunks of at most
-    ``rollout.batch_size`` images (whole prompts when one fits), spread over the processes; per-image rewards
+    ``rollout.batch_size`` images (whole prompts when one fits), spread over the processes; each chunk's prompt
+    embeddings are read from the ``eval_prompts`` stage's cache (:mod:`tpgrpo.policy.eval_embeds`: the text
+    encoders never load), or encoded when it does not hold them (one line on stderr); per-image rewards
     are merged on the main process (part files next to ``artifact``), which returns the table; other processes
     return None. Non-finite rewards are a one-line error.
     """
     import pandas as pd
 
+    from tpgrpo.policy.eval_embeds import chunk_embeddings, held_out
     from tpgrpo.policy.generate import evaluation_seeds, sample_ode
-    from tpgrpo.tasks.prompts import load_prompts
     from tpgrpo.tasks.rewards import build_reward
 
-    metas = load_prompts(require(resolve(root, cfg.task.eval_prompts), "task.eval_prompts"))
-    metas = metas[:cfg.eval.num_prompts]
+    batch_metas, chunks = held_out(cfg, root)
     S = cfg.eval.samples_per_prompt
-    batch_metas = [m for m in metas for _ in range(S)]
+    metas = batch_metas[::S]
     seeds = evaluation_seeds(cfg.eval.seed, metas, S)
     rewards = (("eval", cfg.task.eval_reward), ("train", cfg.task.reward))
     built = {key: build_reward(spec, cfg, root) for key, spec in rewards}  # before sampling: folders checked
-    dist, chunks = current(), row_chunks(len(batch_metas), S, cfg.rollout.batch_size)
+    dist = current()
     warn_if_idle(dist, len(chunks), "rollout.batch_size")
 
     def compute(c: int) -> dict:  # chunk c: fixed images, the same on any process count
         a, b = chunks[c]
-        images = sample_ode(backend, [m["prompt"] for m in batch_metas[a:b]], seeds[a:b],
-                            num_steps=cfg.eval.num_steps, guidance_scale=cfg.sampling.guidance_scale,
-                            shift=cfg.sampling.shift, batch_size=cfg.rollout.batch_size)
+        prompts = [m["prompt"] for m in batch_metas[a:b]]
+        embeds = chunk_embeddings(cfg, root, backend, c, prompts)  # the eval_prompts stage's cache
+        images = sample_ode(backend, prompts, seeds[a:b], num_steps=cfg.eval.num_steps,
+                            guidance_scale=cfg.sampling.guidance_scale, shift=cfg.sampling.shift,
+                            batch_size=cfg.rollout.batch_size, embeds=embeds)
         scored = {key: reward(images, batch_metas[a:b]) for key, reward in built.items()}
         return {**{f"{k}_reward": v.reward for k, v in scored.items()},
                 **{f"{k}_strict": v.strict for k, v in scored.items()}}

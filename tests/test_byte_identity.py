@@ -2,9 +2,9 @@
 
 The test runs this file as a script in two separate Python processes with different ``PYTHONHASHSEED``
 (which changes the order of Python sets) and compares every file they write: the LoRA adapter folder
-(weights, adapter_config.json, EMA adapter, optimizer state), prompt embeddings, the probe and credit
-tables, the trajectory store and a metrics JSON. Torch runs on 1 thread in both (float results are
-byte-identical only at equal thread counts).
+(weights, adapter_config.json, EMA adapter, optimizer state), prompt embeddings (an iteration's and the eval
+prompts' chunk files), the probe and credit tables, the trajectory store and a metrics JSON. Torch runs on 1
+thread in both (float results are byte-identical only at equal thread counts).
 """
 
 from __future__ import annotations
@@ -58,6 +58,19 @@ def write_model_artifacts(out: Path, prompts: list[str]) -> None:
                      {"embeds": embeds.embeds, "pooled": embeds.pooled, "uncond_embeds": embeds.uncond_embeds,
                       "uncond_pooled": embeds.uncond_pooled},
                      {"prompts": json.dumps(prompts), "model": "0123abcd"})
+    write_eval_prompt_embeds(out, backend)
+
+
+def write_eval_prompt_embeds(out: Path, backend) -> None:
+    """The eval_prompts stage's folder: 3 held-out prompts x 2 seeds in chunks of 4 images (2 files)."""
+    from types import SimpleNamespace as NS
+
+    from tpgrpo.policy.eval_embeds import write_eval_embeddings
+
+    cfg = NS(task=NS(eval_prompts=str(REPO / "data/prompts/compositional_eval.jsonl")),
+             eval=NS(num_prompts=3, samples_per_prompt=2), rollout=NS(batch_size=4),
+             params_hash=lambda keys: "0123abcd")
+    write_eval_embeddings(cfg, out, backend)
 
 
 def write_tables(out: Path, prompts: list[str]) -> None:
@@ -112,7 +125,8 @@ def test_every_artifact_is_byte_identical_across_processes(tmp_path, seeds):
     assert a.keys() == b.keys()
     expected = {"policy/pytorch_lora_weights.safetensors", "policy/adapter_config.json",
                 "policy/ema/pytorch_lora_weights.safetensors", "policy/training_state.pt",
-                "prompt_embeds.safetensors", "probe.parquet", "credit.parquet", "metrics.json",
+                "prompt_embeds.safetensors", "data/iters/eval_prompt_embeds/chunk_0001.safetensors",
+                "probe.parquet", "credit.parquet", "metrics.json",
                 "trajectories.zarr/zarr.json", "trajectories.zarr/log_probs/zarr.json"}
     assert expected <= a.keys()
     differing = sorted(name for name in a if a[name] != b[name])

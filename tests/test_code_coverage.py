@@ -41,7 +41,7 @@ def test_every_project_module_a_stage_imports_is_in_its_kinds_manifest(tmp_path,
     raw = yaml.safe_load((root / "params.yaml").read_text())
     raw["train"]["iterations"] = 1
     (root / "params.yaml").write_text(yaml.safe_dump(raw, sort_keys=False))
-    commands = [["rollout", "--iter", "1"], ["probe", "--iter", "1"], ["credit", "--iter", "1"],
+    commands = [["eval_prompts"], ["rollout", "--iter", "1"], ["probe", "--iter", "1"], ["credit", "--iter", "1"],
                 ["update", "--iter", "1"], ["eval", "--iter", "1"], ["baseline"], ["summary"]]
     for command in commands:
         out = tmp_path / f"{command[0]}.json"

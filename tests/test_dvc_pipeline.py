@@ -94,6 +94,10 @@ def test_repro_trains_then_reruns_only_what_changed(tiny_project):
     first = tpgrpo_run(root)
     assert first.returncode == 0, first.stdout[-3000:] + first.stderr[-3000:]
     assert (root / "data" / "metrics" / "history.csv").is_file()
+    # the held-out prompts were encoded once (eval_prompts) and every eval and the baseline read them
+    assert (root / "data" / "iters" / "eval_prompt_embeds" / "chunk_0000.safetensors").is_file()
+    assert {"eval_prompts", "baseline", "eval-0001"} <= ran(first.stdout)  # (the stages' output is captured)
+    assert "encoding chunk" not in first.stdout + first.stderr
     assert ran(repro(root)) == set()  # nothing changed: nothing runs
     check_user_views(root)
     # The by-hand credit re-run rewrote credit.parquet byte for byte and its log (an output) with a new wall

@@ -1,9 +1,9 @@
 """Every metric key the stages write is defined in docs/metrics.md.
 
-One tiny iteration (rollout, probe, credit, update, eval), the baseline eval and the summary run through the
-real CLI; every key of their JSON logs, of ``data/metrics/*.json`` and every column of the summary's CSVs must
-appear in the page's tables as ``key`` (nested keys as ``parent.child``; a list is one key), and every key the
-page lists must be one they wrote.
+The eval prompts' encoding, one tiny iteration (rollout, probe, credit, update, eval), the baseline eval and the
+summary run through the real CLI; every key of their JSON logs, of ``data/metrics/*.json`` and every column of
+the summary's CSVs must appear in the page's tables as ``key`` (nested keys as ``parent.child``; a list is one
+key), and every key the page lists must be one they wrote.
 """
 
 from __future__ import annotations
@@ -43,7 +43,8 @@ def ran(tmp_path_factory, tiny_model_dir) -> Path:
     params["train"]["iterations"] = 1
     (root / "params.yaml").write_text(yaml.safe_dump(params, sort_keys=False))
     runner = CliRunner()
-    for name, iteration in [*((s, 1) for s in STAGES), ("baseline", None), ("summary", None)]:
+    for name, iteration in [("eval_prompts", None), *((s, 1) for s in STAGES), ("baseline", None),
+                            ("summary", None)]:
         args = ["stage", name, "--params", str(root / "params.yaml")] + (["--iter", "1"] if iteration else [])
         result = runner.invoke(app, args)
         assert result.exit_code == 0, f"{name}: {result.output}"
@@ -63,6 +64,7 @@ def written(root: Path) -> dict[str, set[str]]:
     keys = {f"`data/iters/NNNN/{s}.json`": flat_keys(json.loads((iters / "0001" / f"{s}.json").read_text()))
             for s in STAGES}
     keys["`data/iters/baseline_eval.json`"] = flat_keys(json.loads((iters / "baseline_eval.json").read_text()))
+    keys["`data/iters/eval_prompts.json`"] = flat_keys(json.loads((iters / "eval_prompts.json").read_text()))
     metrics = root / "data" / "metrics"
     keys["`data/metrics/summary.json`"] = flat_keys(json.loads((metrics / "summary.json").read_text()))
     glance = set()

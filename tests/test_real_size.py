@@ -47,8 +47,9 @@ def test_real_widths_one_iteration_through_the_stage_commands(tmp_path):
     assert update["first_pass_ratio_max_dev"] <= 1e-3  # bf16 re-scores its own rollout
     for stage in ("rollout", "probe", "update", "eval"):  # every model stage loads the model
         assert rows[stage]["load_s"] > 0 and rows[stage]["peak_rss_gib"] > 0.5, rows[stage]
-    # The text encoders load where prompts are encoded (rollout, eval), not where embeddings are cached.
-    assert rows["rollout"]["text_load_s"] > 0 and rows["eval"]["text_load_s"] > 0
-    assert rows["probe"]["text_load_s"] == 0 and rows["update"]["text_load_s"] == 0
+    # The text encoders load where prompts are encoded (rollout; eval_prompts once per run for every eval), not
+    # where embeddings are cached (probe, update, eval).
+    assert rows["rollout"]["text_load_s"] > 0 and rows["eval_prompts"]["text_load_s"] > 0
+    assert rows["probe"]["text_load_s"] == rows["update"]["text_load_s"] == rows["eval"]["text_load_s"] == 0
     assert rows["credit"]["load_s"] == 0
     assert rows["rollout"]["artifacts_mib"] > 0 and rows["update"]["artifacts_mib"] > 0

@@ -47,6 +47,7 @@ def test_block_stage_is_the_union_of_its_stages_minus_what_the_block_makes_itsel
     inner = [st for i in block.iterations for st in iteration_stages(cfg, i).values()]
     outs = block_out_paths(cfg, block)
     assert "data/iters/0003/policy" in stage["deps"]  # the previous block's last adapter starts this block
+    assert "data/iters/eval_prompt_embeds" in stage["deps"]  # its evals read the once-per-run embeddings
     assert not set(stage["deps"]) & set(outs)  # its own intermediate products are not deps
     outside = {d for st in inner for d in st["deps"]} - set(outs)
     assert set(stage["deps"]) == outside

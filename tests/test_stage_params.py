@@ -34,7 +34,8 @@ def covered(read: str, declared: list[str]) -> bool:
 def test_every_param_a_stage_reads_is_declared_in_dvc_yaml(tiny_project):
     root = tiny_project
     cfg = load_config(root / "params.yaml")
-    plan = [("rollout", 1), ("probe", 1), ("credit", 1), ("update", 1), ("eval", 1), ("baseline", None)]
+    plan = [("eval_prompts", None), ("rollout", 1), ("probe", 1), ("credit", 1), ("update", 1), ("eval", 1),
+            ("baseline", None)]
     for name, iteration in plan:
         reads: set[str] = set()
         importlib.import_module(f"stages.{name}").run(Recorder(cfg, reads), iteration, root)

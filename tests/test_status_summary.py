@@ -121,9 +121,12 @@ def test_dvc_yaml_declares_only_the_summary_as_a_metric_and_named_plots():
     stages = render(cfg)["stages"]
     metrics = [m for stage in stages.values() for m in stage.get("metrics", [])]
     assert metrics == [{f"data/metrics/{name}.json": {"cache": False}} for name in GLANCE]
-    assert list(stages) == ["code", "baseline", *[f"{n}-{i:04d}" for i in (1, 2, 3)
+    assert list(stages) == ["code", "eval_prompts", "baseline", *[f"{n}-{i:04d}" for i in (1, 2, 3)
                                           for n in ("rollout", "probe", "credit", "update", "eval")], "summary"]
     assert "data/iters/0001/policy" in stages["rollout-0002"]["deps"]
+    for name in ("baseline", "eval-0001", "eval-0003"):  # the held-out prompts' embeddings, encoded once
+        assert "data/iters/eval_prompt_embeds" in stages[name]["deps"], name
+    assert stages["eval_prompts"]["outs"][0] == "data/iters/eval_prompt_embeds"  # DVC-cached
     assert not any(d.endswith("/policy") for d in stages["rollout-0001"]["deps"])  # iteration 1 samples the base
     names = [next(iter(p)) for p in render(cfg)["plots"]]
     assert names == [next(iter(p)) for p in PLOTS] and "held_out_reward" in names and "turning_point_rate" in names

@@ -71,6 +71,10 @@ def test_the_stage_graph_says_what_a_change_affects():
     assert {"update-0002", "rollout-0003", "probe-0003", "eval-0003"} <= after_credit
     assert not after_credit & {"rollout-0002", "probe-0002", "credit-0001", "baseline"}
     assert ua.stages_of(raw, {"eval", "baseline"}) == {"eval-0001", "eval-0002", "eval-0003", "baseline"}
+    # the held-out prompts' embeddings, once per run: every eval and the baseline read them
+    assert ua.downstream(raw, {"eval_prompts"}) == {"eval_prompts", "eval-0001", "eval-0002", "eval-0003",
+                                                    "baseline", "summary"}
+    assert ua.stages_of(raw, {"eval_prompts", "rollout"}, [2]) == {"eval_prompts", "rollout-0002"}
 
 
 def test_damage_is_in_place(tmp_path):

@@ -28,15 +28,17 @@ LEAF = {"eval.num_steps": [4, 3], "eval.samples_per_prompt": [2, 1], "task.eval_
 # The stage kinds that read each param (written here from the stages' code, not from dvcfile.STAGE_PARAMS,
 # so that a wrong declaration there shows up as a wrong re-run).
 READERS = {"update.lr": {"update"}, "sampling.noise_level": {"rollout", "eval", "baseline"},
-           "eval.num_steps": {"eval", "baseline"}, "eval.samples_per_prompt": {"eval", "baseline"},
+           "eval.num_steps": {"eval", "baseline"}, "eval.samples_per_prompt": {"eval", "baseline", "eval_prompts"},
            "task.eval_reward": {"eval", "baseline"}, "credit.mode": {"credit"}, "update.ema": {"update"},
            "probe.completion": {"probe"}}
-ALL_KINDS = {"rollout", "probe", "credit", "update", "eval", "baseline", "summary"}
+ALL_KINDS = {"rollout", "probe", "credit", "update", "eval", "eval_prompts", "baseline", "summary"}
+ONCE = {"eval_prompts", "baseline", "summary"}  # the stages a run has once, not per iteration
 # Code files each kind certainly runs on the tiny project (a comment appended must re-run those stages).
 CODE_TARGETS = {
     "stages/rollout.py": {"rollout"}, "stages/probe.py": {"probe"}, "stages/credit.py": {"credit"},
     "stages/update.py": {"update"}, "stages/eval.py": {"eval", "baseline"}, "stages/baseline.py": {"baseline"},
-    "stages/summary.py": {"summary"}, "tpgrpo/algo/seeds.py": {"rollout", "update"},
+    "stages/summary.py": {"summary"}, "stages/eval_prompts.py": {"eval_prompts"},
+    "tpgrpo/policy/eval_embeds.py": {"eval_prompts", "eval", "baseline"}, "tpgrpo/algo/seeds.py": {"rollout", "update"},
     "tpgrpo/algo/loss.py": {"update"}, "tpgrpo/algo/credit.py": {"credit"},
     "tpgrpo/algo/advantages.py": {"credit", "update"}, "tpgrpo/config.py": ALL_KINDS,
     "tpgrpo/pipeline/distributed.py": ALL_KINDS, "tpgrpo/io/artifacts.py": ALL_KINDS,
@@ -79,12 +81,14 @@ def n_iters(raw: dict) -> int:
 def stages_of(raw: dict, kinds: set[str], iters=None) -> set[str]:
     """Stage names of ``kinds`` over ``iters`` (default: the run's) under ``raw``."""
     iters = range(1, n_iters(raw) + 1) if iters is None else iters
-    per = {k for k in kinds if k not in ("baseline", "summary")}  # every credit mode has a probe stage
-    return {f"{k}-{i:04d}" for k in per for i in iters} | (kinds & {"baseline", "summary"})
+    per = kinds - ONCE  # every credit mode has a probe stage
+    return {f"{k}-{i:04d}" for k in per for i in iters} | (kinds & ONCE)
 
 
 def _children(raw: dict, name: str) -> set[str]:
     kind, _, num = name.partition("-")
+    if name == "eval_prompts":  # every eval and the baseline read its embeddings
+        return stages_of(raw, {"eval", "baseline", "summary"})
     if not num:
         return {"summary"} if name == "baseline" else set()
     i = int(num)
@@ -110,7 +114,7 @@ def block_stages(seq: Seq, raw: dict, i: int) -> set[str]:
     whole, by design), or none."""
     for first, last in h.sealed_blocks(seq.root):
         if first <= i <= last:
-            return stages_of(raw, ALL_KINDS - {"baseline", "summary"}, range(first, last + 1))
+            return stages_of(raw, ALL_KINDS - ONCE, range(first, last + 1))
     return set()
 
 
@@ -212,8 +216,11 @@ def rerun_other(seq: Seq) -> Plan:
                 may_refuse=seq.retained, failure=failure)
 
 
+EVAL_EMBEDS = "data/iters/eval_prompt_embeds"  # eval_prompts' output, once per run
+
+
 def _artifacts(seq: Seq, raw: dict) -> list[Path]:
-    found = []
+    found = [seq.root / EVAL_EMBEDS] if (seq.root / EVAL_EMBEDS).is_dir() else []
     for i in range(1, n_iters(raw) + 1):
         folder = seq.root / "data" / "iters" / f"{i:04d}"
         found += [folder / name for name in sorted(PRODUCER) if (folder / name).exists()]
@@ -221,6 +228,8 @@ def _artifacts(seq: Seq, raw: dict) -> list[Path]:
 
 
 def _affected(seq: Seq, raw: dict, artifact: Path) -> set[str]:
+    if artifact == seq.root / EVAL_EMBEDS:  # made again byte for byte (or restored): nothing reading it re-runs
+        return {"eval_prompts"} | ALWAYS
     i = int(artifact.parent.name)
     name = f"{PRODUCER[artifact.name]}-{i:04d}"
     return downstream(raw, {name}) | block_stages(seq, raw, i) | ALWAYS
@@ -270,7 +279,7 @@ def iterations(seq: Seq) -> Plan:
     h.write_params(seq.root, h.set_param(raw, "train.iterations", new))
     allowed = set(ALWAYS)
     if new > old:  # the new iterations only
-        allowed |= stages_of(raw, ALL_KINDS - {"baseline", "summary"}, range(old + 1, new + 1))
+        allowed |= stages_of(raw, ALL_KINDS - ONCE, range(old + 1, new + 1))
     return Plan(f"train.iterations {old} -> {new}", allowed, may_refuse=seq.retained, restore=before)
 
 

@@ -388,7 +388,7 @@ def stage_marks(root: Path) -> dict[str, tuple]:
     """Per stage, (mtime, content hash) of the log it writes when it runs: data/iters/NNNN/<stage>.json, the
     baseline's JSON, the summary, a manifest; under "" the time the marks were taken."""
     logs = {"baseline": root / "data/iters/baseline_eval.json", "summary": root / "data/metrics/summary.json",
-            "code": root / "data/code/rollout.json"}
+            "code": root / "data/code/rollout.json", "eval_prompts": root / "data/iters/eval_prompts.json"}
     for folder in sorted((root / "data/iters").glob("[0-9]" * 4)):
         for name in STAGE_LOGS:
             logs[f"{name}-{folder.name}"] = folder / f"{name}.json"

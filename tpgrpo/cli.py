@@ -109,6 +109,12 @@ def baseline_stage(params: ParamsOpt = Path("params.yaml")) -> None:
     _run_stage("baseline", None, params)
 
 
+@stage_app.command("eval_prompts")
+def eval_prompts_stage(params: ParamsOpt = Path("params.yaml")) -> None:
+    """Encode the held-out prompts once (data/iters/eval_prompt_embeds), for every eval and the baseline."""
+    _run_stage("eval_prompts", None, params)
+
+
 @stage_app.command("summary")
 def summary_stage(params: ParamsOpt = Path("params.yaml")) -> None:
     """Collect every iteration's metrics into data/metrics/history.csv and summary.json."""

@@ -11,6 +11,7 @@ Iterations are numbered 1..N; policy 0 is the base model. Layout under the proje
     data/iters/0003/policy/             update: policy 3 (LoRA adapter + optimizer state), what iteration 4 samples from
     data/iters/0003/eval.json           eval metrics
     data/iters/summary_log.json         the summary stage's seconds (a log, like the stage JSONs)
+    data/iters/eval_prompt_embeds/      eval_prompts: held-out prompt embeddings per eval chunk (eval, baseline)
     data/code/<kind>.json               the code stage: md5 of each file a kind of stage runs (its dependency)
 
 What a stage reads is checked before it is computed on: trajectory chunks carry a crc32c (a flipped byte
@@ -41,6 +42,8 @@ from tpgrpo.io.schemas import (EMBEDDING_CHECKSUM, TRAJECTORY_ARRAYS, ArtifactEr
 # damages the object named after the old md5 and DVC checks the damage out as "cached". A reflink is
 # copy-on-write and a copy is a copy: damage is a changed output, and its stage re-runs (or is restored).
 DVC_CACHE_TYPE = "reflink,copy"
+EVAL_EMBEDS = "data/iters/eval_prompt_embeds"  # the eval_prompts stage's output (a folder, DVC-cached)
+EVAL_EMBEDS_LOG = "data/iters/eval_prompts.json"  # its log (an output too, uncached like baseline_eval.json)
 MANIFEST_FILE = "sha256.json"  # in a folder a stage writes for later stages: {file name: sha256 of its bytes}
 
 

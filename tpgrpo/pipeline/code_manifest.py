@@ -33,10 +33,12 @@ KIND_STAGES: dict[str, list[str]] = {
     "credit": ["stages/credit.py"],
     "update": ["stages/update.py"],
     "eval": ["stages/eval.py", "stages/baseline.py"],
+    "eval_prompts": ["stages/eval_prompts.py"],
     "summary": ["stages/summary.py"],
 }
+# `tpgrpo stage NAME` -> the manifest it depends on
 STAGE_KIND = {"rollout": "rollout", "probe": "probe", "credit": "credit", "update": "update", "eval": "eval",
-              "baseline": "eval", "summary": "summary"}  # `tpgrpo stage NAME` -> the manifest it depends on
+              "baseline": "eval", "eval_prompts": "eval_prompts", "summary": "summary"}
 # The code stage depends on all of the code, folders whole (a new module is seen; .dvcignore drops byte code).
 ALL_CODE = ["stages", "tpgrpo"]
 # The params dvc.yaml's rendering reads (tpgrpo.pipeline.dvcfile.render; a test checks the list): the stages,

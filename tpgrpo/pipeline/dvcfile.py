@@ -18,6 +18,7 @@ from tpgrpo.pipeline.code_manifest import code_deps, code_stage, uses_code_files
 from tpgrpo.config import Config, ConfigError
 from tpgrpo.reports import figure_names  # not .figures: it imports stage_common, which imports this
 from tpgrpo.pipeline.blocks import Block, full_blocks, read_lock, seal_files, sealed_outs
+from tpgrpo.io.artifacts import EVAL_EMBEDS, EVAL_EMBEDS_LOG
 
 REWARD_PARAMS = ["reward_models", "remote_reward"]  # read by every stage that scores images
 
@@ -33,6 +34,9 @@ STAGE_PARAMS = {
     "update": ["model", "update", "train.seed"],
     "eval": ["model", "task", "sampling", "eval", "rollout.batch_size", "update.lora_rank",
              "update.lora_alpha", "update.ema", "train.seed", *REWARD_PARAMS],
+    # The held-out prompts' embeddings, once per run (tpgrpo.policy.eval_embeds): the chunks eval encodes.
+    "eval_prompts": ["model", "task.eval_prompts", "eval.num_prompts", "eval.samples_per_prompt",
+                     "rollout.batch_size"],
     "baseline": ["model", "task", "sampling", "eval", "rollout.batch_size", "update.lora_rank",
                  "update.lora_alpha", *REWARD_PARAMS],
     "summary": ["model", "task.eval_prompts", "sampling", "eval", "rollout.batch_size", "update.lora_rank",
@@ -129,7 +133,7 @@ def iteration_stages(cfg: Config, i: int, manifests: bool = True) -> dict[str, d
         f"eval-{i:04d}": {
             "cmd": cmd("eval"), "params": STAGE_PARAMS["eval"],
             "deps": [*code("eval"), *reward_folders(cfg, cfg.task.reward, cfg.task.eval_reward), *model,
-                     cfg.task.eval_prompts, f"{d}/policy"],
+                     cfg.task.eval_prompts, EVAL_EMBEDS, f"{d}/policy"],
             "outs": [_uncached(f"{d}/eval.parquet"), _uncached(f"{d}/eval.json")]},
     }
     return stages  # in pipeline order
@@ -183,10 +187,11 @@ def render(cfg: Config, root: Path | None = None, upto: int | None = None) -> di
     last = cfg.train.iterations if upto is None else upto
     manifests = not (root and uses_code_files(read_lock(root)))  # an older project keeps its layout
     stages: dict[str, dict] = {"code": code_stage()} if manifests else {}
+    stages["eval_prompts"] = eval_prompts_stage(cfg, manifests)
     stages["baseline"] = {
         "cmd": stage_command(cfg, "baseline"), "params": STAGE_PARAMS["baseline"],
         "deps": [*code_deps("eval", manifests), *reward_folders(cfg, cfg.task.reward, cfg.task.eval_reward),
-                 cfg.model.path, cfg.task.eval_prompts],
+                 cfg.model.path, cfg.task.eval_prompts, EVAL_EMBEDS],
         "outs": [_uncached("data/iters/baseline_eval.parquet"), _uncached("data/iters/baseline_eval.json")]}
     blocks = [b for b in full_blocks(cfg.train.block_size, cfg.train.iterations) if b.last <= last]
     if root:
@@ -201,6 +206,14 @@ def render(cfg: Config, root: Path | None = None, upto: int | None = None) -> di
     if last == cfg.train.iterations:
         stages["summary"] = summary_stage(cfg, open_iters, list(sealed), manifests)
     return {"stages": stages, "plots": PLOTS}
+
+
+def eval_prompts_stage(cfg: Config, manifests: bool = True) -> dict:
+    """The held-out prompts' text embeddings, encoded once per run; every eval and the baseline read them
+    (their text encoders never load). A DVC-cached folder: at real size (T5-XXL) it is large."""
+    return {"cmd": stage_command(cfg, "eval_prompts"), "params": STAGE_PARAMS["eval_prompts"],
+            "deps": [*code_deps("eval_prompts", manifests), cfg.model.path, cfg.task.eval_prompts],
+            "outs": [EVAL_EMBEDS, _uncached(EVAL_EMBEDS_LOG)]}
 
 
 def summary_stage(cfg: Config, open_iters: list[int], sealed: list[Block], manifests: bool = True) -> dict:

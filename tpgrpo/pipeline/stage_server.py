@@ -42,6 +42,7 @@ import traceback
 from pathlib import Path
 from typing import Iterator
 
+from tpgrpo.pipeline.code_manifest import STAGE_KIND
 from tpgrpo.pipeline.processes import CodeState, die_with_parent
 
 ENV_VAR = "TPGRPO_STAGE_SERVER"  # the socket's path, set by `tpgrpo run` for `dvc repro`
@@ -55,7 +56,7 @@ PRELOAD = ("tpgrpo.cli", "torch", "numpy", "pandas", "pyarrow.parquet", "zarr", 
            "diffusers:SD3Transformer2DModel", "diffusers:FlowMatchEulerDiscreteScheduler",
            "diffusers.loaders:SD3LoraLoaderMixin", "transformers:CLIPTextModel",
            "transformers:PreTrainedTokenizerFast", "tpgrpo.models.tiny", "tpgrpo.tasks.rewards", "dvc.utils.serialize",
-           *(f"stages.{s}" for s in ("rollout", "probe", "credit", "update", "eval", "baseline", "summary")))
+           *(f"stages.{s}" for s in STAGE_KIND))  # every `tpgrpo stage NAME`
 MAX_MESSAGE = 1 << 20
 
 

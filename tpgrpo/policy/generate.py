@@ -17,7 +17,8 @@ import numpy as np
 
 
 def sample_ode(backend, prompts: Sequence[str], seeds: Sequence[int], num_steps: int = 10,
-               guidance_scale: float = 4.5, shift: float = 1.0, batch_size: int = 64) -> np.ndarray:
+               guidance_scale: float = 4.5, shift: float = 1.0, batch_size: int = 64,
+               embeds=None) -> np.ndarray:
     """Images ``uint8 (N, H, W, 3)`` for ``prompts[i]`` started from the noise of ``seeds[i]``.
 
     Args:
@@ -27,6 +28,8 @@ def sample_ode(backend, prompts: Sequence[str], seeds: Sequence[int], num_steps:
         guidance_scale: classifier-free guidance scale (1 = conditional only).
         shift: schedule shift of ``flow_sigmas`` (1 for the tiny model, 3 for SD3.5-M).
         batch_size: samples per forward pass (x2 inside the model with guidance).
+        embeds: the ``PromptEmbeddings`` of ``prompts`` (N rows, e.g. read from a cache), used instead of
+            encoding each batch; with N <= batch_size they are used as given (one batch).
     """
     import torch
 
@@ -39,20 +42,32 @@ def sample_ode(backend, prompts: Sequence[str], seeds: Sequence[int], num_steps:
         raise ValueError(f"got {len(prompts)} prompts but {len(seeds)} seeds")
     if batch_size < 1:
         raise ValueError(f"batch_size must be >= 1, got {batch_size}")
+    if embeds is not None and len(embeds) != len(prompts):
+        raise ValueError(f"got {len(prompts)} prompts but embeddings of {len(embeds)}")
     sigmas = flow_sigmas(num_steps, shift).tolist()
     out = []
     with torch.no_grad():
         for start in range(0, len(prompts), batch_size):
             chunk = prompts[start:start + batch_size]
-            embeds = backend.encode_prompts(chunk)
+            cond = _batch_embeddings(backend, chunk, embeds, start, len(prompts) <= batch_size)
             x = backend.initial_noise(seeds[start:start + batch_size]).to(backend.device, torch.float32)
             for s, s_next in zip(sigmas[:-1], sigmas[1:]):
-                x = ode_step(x, velocity_at(backend, x, s, embeds, guidance_scale), s, s_next)
+                x = ode_step(x, velocity_at(backend, x, s, cond, guidance_scale), s, s_next)
             out.append(backend.decode(x))
     if not out:
         h, w = backend.latent_shape[1:]
         return np.zeros((0, h, w, 3), dtype=np.uint8)
     return np.concatenate(out)
+
+
+def _batch_embeddings(backend, chunk: list[str], embeds, start: int, whole: bool):
+    """The conditioning of one batch: ``chunk`` encoded, or rows ``start .. start + len(chunk)`` of the given
+    ``embeds`` (all of them when ``whole``)."""
+    if embeds is None:
+        return backend.encode_prompts(chunk)
+    if whole:
+        return embeds
+    return embeds.index(list(range(start, start + len(chunk))))
 
 
 def evaluation_seeds(seed: int, metas: Sequence[dict], samples_per_prompt: int = 1) -> list[int]:
