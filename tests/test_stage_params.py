@@ -3,6 +3,9 @@
 from __future__ import annotations
 
 import importlib
+from pathlib import Path
+
+import pytest
 
 from tpgrpo.config import load_config
 from tpgrpo.pipeline.dvcfile import STAGE_PARAMS
@@ -42,3 +45,17 @@ def test_every_param_a_stage_reads_is_declared_in_dvc_yaml(tiny_project):
         undeclared = sorted(r for r in reads if not covered(r, STAGE_PARAMS[name]))
         assert not undeclared, f"stage {name} reads {undeclared} but dvc.yaml does not list them"
         assert reads, name
+
+
+def test_the_committed_dvc_yaml_is_what_params_yaml_renders(tmp_path):
+    """A fresh clone's dvc.yaml (what `dvc dag` and `dvc status` read before any `tpgrpo run`) must be the
+    rendering of its params.yaml: it went stale once (an eval_prompts output missing) with no test noticing.
+    Rendered against an empty root (no sealed blocks), as in a clean clone."""
+    from tpgrpo.config import load_config
+    from tpgrpo.pipeline.dvcfile import dvc_yaml_text
+
+    repo = Path(__file__).resolve().parents[1]
+    if (repo / "data" / "iters").exists():
+        pytest.skip("this checkout has a run: `tpgrpo run` re-renders dvc.yaml for its sealed blocks")
+    expected = dvc_yaml_text(load_config(repo / "params.yaml"), tmp_path)
+    assert (repo / "dvc.yaml").read_text() == expected, "dvc.yaml is stale: run `tpgrpo dvc-yaml` and commit it"
