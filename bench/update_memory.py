@@ -30,7 +30,7 @@ from pathlib import Path
 import yaml
 
 REPO = Path(__file__).resolve().parents[1]
-CHUNK_ROWS = 64  # trajectories per stored chunk (tpgrpo.io.artifacts.write_zarr)
+CHUNK_ROWS = 64  # trajectories per stored chunk (tpgrpo.io.trajectories.write_zarr)
 
 
 def make_project(root: Path, prompts: int, group_size: int, micro_batch: int, processes: int) -> Path:
@@ -110,7 +110,7 @@ def paper_reads(workdir: Path, micro_batch: int, trajectories: int = 128, reads:
     import torch
     import zarr
 
-    from tpgrpo.io.artifacts import CheckedArray, _chunk_codecs
+    from tpgrpo.io.trajectories import CheckedArray, _chunk_codecs
     from tpgrpo.policy.states import LazyStates
 
     shape = (trajectories, 10, 16, 64, 64)
@@ -141,7 +141,7 @@ def states_memory(store: Path, how: str, micro_batch: int, reads: int = 40) -> d
     ``after``: ``LazyStates.verify()`` then ``pairs`` per micro-batch. MiB of VmRSS / VmHWM over the start."""
     import torch
 
-    from tpgrpo.io.artifacts import CheckedArray
+    from tpgrpo.io.trajectories import CheckedArray
     from tpgrpo.policy.states import LazyStates, state_pairs
 
     def status() -> dict:
@@ -168,7 +168,7 @@ def paper_memory(workdir: Path, micro_batch: int, trajectories: int = 256) -> di
     import numpy as np
     import zarr
 
-    from tpgrpo.io.artifacts import _chunk_codecs
+    from tpgrpo.io.trajectories import _chunk_codecs
 
     shape = (trajectories, 10, 16, 64, 64)
     store = workdir / "paper_memory.zarr"

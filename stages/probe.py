@@ -16,7 +16,8 @@ from pathlib import Path
 import numpy as np
 import pandas as pd
 
-from tpgrpo.io.artifacts import IterationPaths, read_trajectories, write_json, write_table
+from tpgrpo.io.artifacts import IterationPaths, write_json, write_table
+from tpgrpo.io.trajectories import read_trajectories
 from tpgrpo.config import Config
 from tpgrpo.pipeline.distributed import chunk_bar, current, row_chunks, local_device, run_chunks, warn_if_idle
 from tpgrpo.errors import PipelineError

@@ -13,7 +13,8 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from tpgrpo.io.artifacts import IterationPaths, write_json, write_zarr
+from tpgrpo.io.artifacts import IterationPaths, write_json
+from tpgrpo.io.trajectories import write_zarr
 from tpgrpo.config import Config
 from tpgrpo.pipeline.distributed import chunk_bar, current, row_chunks, run_chunks, warn_if_idle
 from tpgrpo.stage_common import (check_finite, load_policy, prompt_embeddings, provenance, sampler_spec, select_prompts,

@@ -190,7 +190,7 @@ def trajectory_arrays(n: int = 4, k: int = 2) -> tuple[dict, dict]:
 def test_trajectory_store_is_written_in_declared_dtypes_and_read_back_checked(tmp_path):
     import zarr
 
-    from tpgrpo.io.artifacts import CheckedArray, read_trajectories, write_zarr
+    from tpgrpo.io.trajectories import CheckedArray, read_trajectories, write_zarr
     from tpgrpo.io.schemas import TRAJECTORY_ARRAYS
 
     arrays, attrs = trajectory_arrays()
@@ -218,7 +218,7 @@ def test_trajectory_store_is_written_in_declared_dtypes_and_read_back_checked(tm
     (lambda a, t: a["states"].__setitem__((3, 0, 1, 1, 1), -1e6), "'states' has 1 values beyond +-10000"),
 ])
 def test_bad_trajectory_stores_are_refused_on_write(tmp_path, change, words):
-    from tpgrpo.io.artifacts import write_zarr
+    from tpgrpo.io.trajectories import write_zarr
     from tpgrpo.io.schemas import ArtifactError
 
     arrays, attrs = trajectory_arrays()

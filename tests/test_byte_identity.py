@@ -79,7 +79,8 @@ def write_tables(out: Path, prompts: list[str]) -> None:
     import pandas as pd
 
     from stages.credit import credit_table
-    from tpgrpo.io.artifacts import write_json, write_table, write_zarr
+    from tpgrpo.io.artifacts import write_json, write_table
+    from tpgrpo.io.trajectories import write_zarr
     from tpgrpo.config import Config
     from tpgrpo.io.schemas import CREDIT, PROBE
 

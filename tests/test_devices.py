@@ -329,7 +329,7 @@ def test_update_recomputes_log_probs_on_the_backend_device(kl_beta):
 def _lazy(states: torch.Tensor, store):
     import zarr
 
-    from tpgrpo.io.artifacts import CheckedArray, _chunk_codecs
+    from tpgrpo.io.trajectories import CheckedArray, _chunk_codecs
     from tpgrpo.policy.states import LazyStates
 
     arr = zarr.open_group(str(store), mode="w").create_array(

@@ -264,7 +264,7 @@ def test_flipped_bytes_anywhere_in_a_chunk_fail_to_decode(tmp_path, seed):
     """Zarr's default zstd has no checksum: 16 flipped bytes decoded to finite nonsense. Now any flip fails."""
     from test_artifacts import trajectory_arrays
 
-    from tpgrpo.io.artifacts import read_trajectories, write_zarr
+    from tpgrpo.io.trajectories import read_trajectories, write_zarr
     from tpgrpo.io.schemas import ArtifactError
 
     arrays, attrs = trajectory_arrays()
@@ -282,7 +282,7 @@ def test_a_store_written_before_checksums_still_reads(tmp_path):
     import zarr
     from test_artifacts import trajectory_arrays
 
-    from tpgrpo.io.artifacts import read_trajectories
+    from tpgrpo.io.trajectories import read_trajectories
     from tpgrpo.io.schemas import conform_arrays
 
     arrays, attrs = trajectory_arrays()

@@ -20,7 +20,7 @@ from typer.testing import CliRunner
 
 from tpgrpo.cli import app
 from tpgrpo.errors import PipelineError
-from tpgrpo.io.artifacts import read_trajectories
+from tpgrpo.io.trajectories import read_trajectories
 from tpgrpo.io.schemas import ArtifactError
 
 MICRO_BATCH = 2
@@ -113,7 +113,7 @@ def test_each_process_share_gives_the_same_gradient_bit_for_bit(ready, world):
 
     import zarr
 
-    from tpgrpo.io.artifacts import CheckedArray, _chunk_codecs
+    from tpgrpo.io.trajectories import CheckedArray, _chunk_codecs
     from tpgrpo.pipeline.distributed import Dist
     from tpgrpo.policy.lora import lora_parameters
     from tpgrpo.policy.states import LazyStates

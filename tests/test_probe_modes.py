@@ -290,7 +290,7 @@ def test_every_credit_mode_renders_the_same_stages_and_the_flow_grpo_probe_impor
 def test_x0_estimates_in_the_trajectory_store_are_checked_like_the_other_arrays(tmp_path):
     from test_artifacts import trajectory_arrays
 
-    from tpgrpo.io.artifacts import read_trajectories, write_zarr
+    from tpgrpo.io.trajectories import read_trajectories, write_zarr
     from tpgrpo.io.schemas import ArtifactError
 
     arrays, attrs = trajectory_arrays()

@@ -16,7 +16,7 @@ import numpy as np
 import torch
 
 from tpgrpo.errors import PipelineError
-from tpgrpo.io.artifacts import CheckedArray
+from tpgrpo.io.trajectories import CheckedArray
 
 
 class LazyStates:
