@@ -13,22 +13,15 @@ from __future__ import annotations
 import dataclasses
 import hashlib
 import json
-import math
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, get_type_hints
 
 import yaml
 
-
-class ConfigError(ValueError):
-    """A bad ``params.yaml``: the message names the key and what is expected."""
-
+from tpgrpo.config_values import RANGE_TEXT, RANGES, ConfigError, build_section  # noqa: F401 - re-exported
 
 MEMORY_KNOB = "A memory knob: results do not depend on it"
-# Bounds the loader checks: a tuple of choices, one of these ranges, or a value kind checked by its own code.
-RANGES = {"> 0": lambda v: v > 0, ">= 0": lambda v: v >= 0, "[0, 1]": lambda v: 0.0 <= v <= 1.0}
-RANGE_TEXT = {"> 0": "a value > 0", ">= 0": "a value >= 0", "[0, 1]": "a value in [0, 1]"}
 SPECIAL_BOUNDS = ("reward", "completion")  # a reward spec; a probe completion (tpgrpo.algo.probe_modes)
 
 
@@ -292,83 +285,6 @@ def param_fields() -> dict[str, dataclasses.Field]:
             for f in dataclasses.fields(get_type_hints(Config)[section.name])}
 
 
-def _coerce(key: str, value: Any, kind: type) -> Any:
-    """Check ``value`` against the annotated type; ints are accepted where floats are expected."""
-    if kind is bool:
-        ok = isinstance(value, bool)
-    elif kind is int:
-        ok = isinstance(value, int) and not isinstance(value, bool)
-    elif kind is float:
-        if isinstance(value, str):  # PyYAML reads `3e-4` (no dot) as a string: accept what float() reads
-            try:
-                value = float(value)
-            except ValueError:
-                pass
-        ok = isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
-        value = float(value) if ok else value
-    else:
-        ok = isinstance(value, kind)
-    if not ok:
-        raise ConfigError(f"params: {key} = {value!r}: expected {kind.__name__}")
-    return value
-
-
-def _check_range(key: str, value: Any, bounds: str | tuple[str, ...]) -> None:
-    """Check ``value`` against the field's declared ``bounds`` (see :func:`param`)."""
-    if bounds == "completion":
-        from tpgrpo.algo.probe_modes import EXPECTED, parse_completion  # no torch: a few pure functions
-
-        try:
-            parse_completion(value)
-        except ValueError:
-            raise ConfigError(f"params: {key} = {value!r}: expected {EXPECTED}") from None
-    elif isinstance(bounds, tuple) and value not in bounds:
-        raise ConfigError(f"params: {key} = {value!r}: expected one of {', '.join(bounds)}")
-    elif bounds in RANGES and not RANGES[bounds](value):
-        raise ConfigError(f"params: {key} = {value!r}: expected {RANGE_TEXT[bounds]}")
-
-
-def _build_section(name: str, cls: type, raw: Any) -> Any:
-    if not isinstance(raw, dict):
-        raise ConfigError(f"params: {name}: expected a mapping of keys, got {type(raw).__name__}")
-    hints = get_type_hints(cls)
-    fields = {f.name: f for f in dataclasses.fields(cls)}
-    for key in raw:
-        if key not in fields:
-            raise ConfigError(f"params: unknown key {name}.{key} (known: {', '.join(fields)})")
-    values = {}
-    for key, spec in fields.items():
-        if key not in raw:
-            raise ConfigError(f"params: missing key {name}.{key}")
-        bounds = spec.metadata["bounds"]
-        if bounds == "reward":
-            values[key] = _reward_spec(f"{name}.{key}", raw[key])
-            continue
-        values[key] = _coerce(f"{name}.{key}", raw[key], hints[key])
-        _check_range(f"{name}.{key}", values[key], bounds)
-    return cls(**values)
-
-
-def _reward_spec(key: str, value: Any) -> str | dict[str, float]:
-    """A reward name, or a non-empty mapping name -> finite weight; names from the reward registry."""
-    from tpgrpo.tasks.rewards import REWARD_NAMES  # lazy: the registry imports the task code
-
-    known = f"known rewards: {', '.join(REWARD_NAMES)}"
-    if isinstance(value, str):
-        if value not in REWARD_NAMES:
-            raise ConfigError(f"params: {key} = {value!r}: unknown reward ({known})")
-        return value
-    if not isinstance(value, dict) or not value:
-        raise ConfigError(f"params: {key} = {value!r}: expected a reward name or a mapping name -> weight "
-                          f"({known})")
-    spec = {}
-    for name, weight in value.items():
-        if name not in REWARD_NAMES:
-            raise ConfigError(f"params: {key}.{name}: unknown reward ({known})")
-        spec[name] = _coerce(f"{key}.{name}", weight, float)
-    return spec
-
-
 def _check_consistency(cfg: Config) -> None:
     if cfg.launch.num_processes == 0 and cfg.launch.launcher != "slurm":
         raise ConfigError(f"params: launch.num_processes = 0 with launch.launcher = {cfg.launch.launcher}: expected "
@@ -417,7 +333,7 @@ def config_from_dict(raw: Any) -> Config:
     for name, cls in hints.items():
         if name not in raw:
             raise ConfigError(f"params: missing section {name}")
-        sections[name] = _build_section(name, cls, raw[name])
+        sections[name] = build_section(name, cls, raw[name])
     cfg = Config(**sections)
     _check_consistency(cfg)
     return cfg
