@@ -15,9 +15,10 @@ Iterations are numbered 1..N; policy 0 is the base model. Layout under the proje
     data/code/<kind>.json               the code stage: md5 of each file a kind of stage runs (its dependency)
 
 What a stage reads is checked before it is computed on: trajectory chunks carry a crc32c (a flipped byte
-fails to decode) and ``states`` are checked finite and in range (:mod:`tpgrpo.io.trajectories`), and a folder a stage writes for later stages
-to load (the policy) carries ``sha256.json``, verified on load (:func:`verify_file`). DVC's cache never
-shares an inode with the workspace (:data:`DVC_CACHE_TYPE`), so damage in place is a changed output.
+fails to decode) and ``states`` are checked finite and in range (:mod:`tpgrpo.io.trajectories`), and a
+folder a stage writes for later stages to load (the policy) carries ``sha256.json``, verified on load
+(:func:`verify_file`). DVC's cache never shares an inode with the workspace (:data:`DVC_CACHE_TYPE`), so
+damage in place is a changed output.
 """
 
 from __future__ import annotations
