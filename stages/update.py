@@ -23,8 +23,8 @@ from tpgrpo.policy.lora import LoraEMA
 from tpgrpo.policy.states import LazyStates
 from tpgrpo.io.schemas import CREDIT
 from tpgrpo.algo.seeds import sample_seed
-from tpgrpo.policy.update import (FIRST_PASS_RATIO_TOLERANCE, TransitionBatch, load_training_state, make_optimizer,
-                                  save_policy, update_policy)
+from tpgrpo.policy.checkpoint import load_training_state, save_policy
+from tpgrpo.policy.update import FIRST_PASS_RATIO_TOLERANCE, TransitionBatch, make_optimizer, update_policy
 
 
 def advantage_matrix(credit, n: int, k: int) -> torch.Tensor:

@@ -35,7 +35,7 @@ def write_model_artifacts(out: Path, prompts: list[str]) -> None:
     from tpgrpo.policy import lora as policy
     from tpgrpo.io.artifacts import write_embeddings
     from tpgrpo.models.tiny import TinyConfig, build_tiny
-    from tpgrpo.policy.update import save_policy
+    from tpgrpo.policy.checkpoint import save_policy
 
     torch.set_num_threads(1)
     tiny = TinyConfig(image_size=16, patch_size=4, num_layers=2, num_heads=2, head_dim=8, text_layers=1,

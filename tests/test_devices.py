@@ -353,7 +353,8 @@ def test_ema_resumed_from_disk_updates_beside_gpu_weights(tmp_path, monkeypatch)
     ``update.ema`` iteration 2 on a GPU. The fake backend's weights stay on the CPU, so the LoRA state
     dict is tagged as cuda here, as a real GPU model's would be."""
     from tpgrpo.policy import lora
-    from tpgrpo.policy.update import load_training_state, make_optimizer, save_training_state
+    from tpgrpo.policy.checkpoint import load_training_state, save_training_state
+    from tpgrpo.policy.update import make_optimizer
 
     backend = _tiny()
     lora.attach_lora(backend, 4, 8)

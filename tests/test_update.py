@@ -14,8 +14,8 @@ from tpgrpo.errors import PipelineError
 from tpgrpo.models.tiny import TinyConfig, build_tiny
 from tpgrpo.algo.sampling import ode_step, stochastic_step
 from tpgrpo.algo.schedule import flow_sigmas
-from tpgrpo.policy.update import (TransitionBatch, load_training_state, make_optimizer, save_policy,
-                           select_transitions, update_policy)
+from tpgrpo.policy.checkpoint import load_training_state, save_policy
+from tpgrpo.policy.update import TransitionBatch, make_optimizer, select_transitions, update_policy
 
 TINY = TinyConfig(image_size=16, patch_size=4, num_layers=2, num_heads=2, head_dim=8, text_layers=1,
                   text_hidden=16, text_heads=2, text_intermediate=32, max_length=8)

@@ -21,7 +21,7 @@ from tpgrpo.io.artifacts import IterationPaths, atomic_path, first_line, verify_
 from tpgrpo.errors import PipelineError
 from tpgrpo.policy.lora import CONFIG_FILE, PREFIX, WEIGHTS_FILE
 
-EMA_FOLDER = "ema"  # tpgrpo.policy.update.EMA_FOLDER (not imported: that module pulls in torch maths)
+EMA_FOLDER = "ema"  # in a policy folder: the EMA adapter (tpgrpo.policy.checkpoint writes it)
 
 
 def adapter_folder(root: Path, iteration: int, ema: bool = False) -> Path:
