@@ -190,7 +190,9 @@ def collect(out: Path, n_boot: int = N_BOOT) -> dict[str, pd.DataFrame]:
     folder = out / RESULTS
     for name, frame in tables.items():
         with atomic_path(folder / f"{name}.csv") as tmp:
-            frame.to_csv(tmp, index=False)
+            # 12 significant digits: interval ends differed in the 16th between an Intel and an AMD CPU (the
+            # same archives, the same code), so the full repr made the committed CSVs machine-dependent
+            frame.to_csv(tmp, index=False, float_format="%.12g")
         if name in ("curves", "tp_rates"):
             with atomic_path(folder / f"{name}.parquet") as tmp:
                 frame.to_parquet(tmp, index=False)
