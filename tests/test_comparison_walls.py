@@ -132,6 +132,30 @@ def test_more_seeds_join_an_archive_and_pool_with_its_runs(tmp_path):
         add_to_archive(unfinished, dest)
 
 
+def test_a_key_the_archived_runs_predate_pools_at_its_default_only(tmp_path):
+    """Runs archived before a params key existed ran with its default: a later run at the default pools with
+    them (the jpeg seeds of 2026-12-02 carry launch.launcher/num_nodes, added by issue 23, at their defaults),
+    one at another value does not. Fails on a check that counts a missing key as a difference."""
+    import yaml
+
+    first, dest = tmp_path / "cmp", tmp_path / "docs" / "cmp"
+    make_comparison(first)
+    for params_file in first.glob("*/seed*/params.yaml"):  # as written by code without the launch keys
+        params = yaml.safe_load(params_file.read_text())
+        params["launch"] = {k: v for k, v in params["launch"].items() if k not in ("launcher", "num_nodes")}
+        params_file.write_text(yaml.safe_dump(params, sort_keys=False))
+    write_archive(first, dest)
+    base = noisy(0.3, 0)
+    later = tmp_path / "more"
+    fake_run(later, "tp", "tp", 2, {0: base, 2: noisy(0.5, 40), 4: noisy(0.7, 41)}, 4, scale=2.0)
+    assert add_to_archive(later, dest)["runs"] == 1
+    other = tmp_path / "other"
+    fake_run(other, "tp", "tp", 3, {0: base, 2: noisy(0.5, 42), 4: noisy(0.7, 43)}, 4,
+             overrides={"launch.launcher": "torchrun"})
+    with pytest.raises(PipelineError, match="launch.launcher differ"):
+        add_to_archive(other, dest)
+
+
 def test_load_cost_times_the_model_load_in_a_run_folder(tmp_path, tiny_model_dir):
     from tpgrpo.comparison.loadcost import measure
 

@@ -91,12 +91,16 @@ def write_archive(root: Path, dest: Path) -> dict:
 def _params_mismatch(run: dict, existing: list[dict]) -> str:
     """Why ``run`` would not pool with the archive's runs of its variant ("" if it does)."""
     from tpgrpo.comparison.runs import NEUTRAL_KEYS, flatten
+    from tpgrpo.config import param_fields
 
     same = [r for r in existing if r["variant"] == run["variant"]]
     if not same:
         return f"variant {run['variant']} is not in the archive"
     new, old = flatten(run["params"]), flatten(same[0]["params"])
-    differ = sorted(k for k in set(new) | set(old) if k not in POOLED_KEYS | NEUTRAL_KEYS and new.get(k) != old.get(k))
+    # A key one side lacks was added to params.yaml after that run's code: it ran with the key's default.
+    defaults = {key: spec.default for key, spec in param_fields().items()}
+    differ = sorted(k for k in set(new) | set(old) if k not in POOLED_KEYS | NEUTRAL_KEYS
+                    and new.get(k, defaults.get(k)) != old.get(k, defaults.get(k)))
     return f"{run['variant']}/seed{run['seed']}: {', '.join(differ)} differ from the archived runs" if differ else ""
 
 
