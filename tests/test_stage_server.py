@@ -197,12 +197,12 @@ def test_tpgrpo_run_forks_every_stage_and_writes_what_it_writes_without_the_serv
         assert done.returncode == 0, done.stderr[-2000:]
         runs[server] = root
     forked = [line.split(": ", 1)[1] for line in log_lines(runs[True]) if line.startswith("forked")]
-    expected = ["stage code", "stage baseline", *(f"stage {s} --iter {i}" for i in (1, 2)
+    expected = ["stage code", "stage eval_prompts", "stage baseline", *(f"stage {s} --iter {i}" for i in (1, 2)
                                     for s in ("rollout", "probe", "credit", "update", "eval")), "stage summary"]
     assert forked == expected  # every stage DVC ran went through the server, none was refused
     assert not (runs[False] / ".dvc" / "tmp" / "stage_server.log").exists()
-    for name in ("baseline_eval.parquet", "0002/probe.parquet", "0002/credit.parquet", "0002/eval.parquet",
-                 "0002/policy"):
+    for name in ("eval_prompt_embeds", "baseline_eval.parquet", "0002/probe.parquet", "0002/credit.parquet",
+                 "0002/eval.parquet", "0002/policy"):
         a, b = (runs[s] / "data" / "iters" / name for s in (True, False))
         assert (digest(a) if a.is_dir() else a.read_bytes()) == (digest(b) if b.is_dir() else b.read_bytes()), name
 
