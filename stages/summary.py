@@ -16,7 +16,7 @@ import pandas as pd
 
 from tpgrpo.io.artifacts import IterationPaths, atomic_path, read_json, write_json
 from tpgrpo.config import Config
-from tpgrpo.pipeline.dvcfile import GLANCE
+from tpgrpo.stage_params import GLANCE
 from tpgrpo.reports.figures import make_figures
 from tpgrpo.stage_common import stopwatch
 

@@ -38,7 +38,7 @@ def _fail(message: str) -> None:
 def _run_stage(name: str, iteration: int | None, params: Path) -> None:
     from tpgrpo.pipeline import distributed
     from tpgrpo.config import ConfigError, load_config
-    from tpgrpo.pipeline.dvcfile import MULTI_PROCESS_STAGES
+    from tpgrpo.stage_params import MULTI_PROCESS_STAGES
     from tpgrpo.errors import PipelineError
     from tpgrpo.pipeline.code_manifest import check_stage_code
     from tpgrpo.pipeline.params_read import note_params_read

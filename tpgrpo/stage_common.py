@@ -151,7 +151,7 @@ def provenance(cfg: Config, iteration: int, stage: str) -> dict[str, str]:
     declares in dvc.yaml), with which versions."""
     from importlib.metadata import version
 
-    from tpgrpo.pipeline.dvcfile import STAGE_PARAMS
+    from tpgrpo.stage_params import STAGE_PARAMS
 
     return {
         "tpgrpo_version": __version__, "stage": stage, "iteration": str(iteration),

@@ -112,7 +112,7 @@ def stage_params(params: Path, name: str, missing_ok: bool = False) -> dict | No
     PyYAML a string). ``missing_ok``: None when params.yaml is missing or unreadable."""
     from dvc.utils.serialize import parse_yaml
 
-    from tpgrpo.pipeline.dvcfile import STAGE_PARAMS
+    from tpgrpo.stage_params import STAGE_PARAMS
 
     try:
         raw = parse_yaml(Path(params).read_text(), str(params))
