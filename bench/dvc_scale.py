@@ -110,7 +110,7 @@ def build(source: Path, folder: Path, n: int, block_size: int) -> tuple[Path, fl
     src_lock = read_lock(source)["stages"]
     policy = next(o for o in src_lock["update-0001"]["outs"] if o["path"].endswith("/policy"))
     for name in ("data/iters/baseline_eval.parquet", "data/iters/baseline_eval.json", "data/metrics",
-                 "data/reports", "data/code"):
+                 "data/reports", "data/code", "data/iters/eval_prompt_embeds", "data/iters/eval_prompts.json"):
         copy_any(source / name, root / name)
     for i in range(1, n + 1):
         shutil.copytree(source / "data/iters/0001", root / f"data/iters/{i:04d}")
@@ -118,7 +118,7 @@ def build(source: Path, folder: Path, n: int, block_size: int) -> tuple[Path, fl
     shutil.rmtree(root / ".dvc" / "cache", ignore_errors=True)
     sh(root, "cp", "-al", str(source / ".dvc" / "cache"), str(root / ".dvc" / "cache"))
     cfg = load_config(root / "params.yaml")
-    stages = {name: src_lock[name] for name in ("code", "baseline", "summary")}
+    stages = {name: src_lock[name] for name in ("code", "eval_prompts", "baseline", "summary")}
     write_lock(root, {"schema": "2.0", "stages": stages})
     write_dvc_yaml(cfg, root, 0)
     dvc(root, "commit", "--force", "--quiet", "code")  # its params.yaml dep differs from the source's

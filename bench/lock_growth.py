@@ -59,12 +59,13 @@ def block_entry(entries: list[dict], first: int, last: int) -> dict:
             "params": {"params.yaml": params}, "outs": [o for e in entries for o in e["outs"]]}
 
 
-def lock_at(src: dict, n: int, block_size: int) -> dict:
-    """The lock while iteration n's last stage is written: flat (block_size 0) or block by block."""
+def lock_at(src: dict, n: int, block_size: int, own_files: bool = False) -> dict:
+    """The root lock while iteration n's last stage is written: flat (block_size 0) or block by block, the
+    sealed blocks' entries in it (before) or, ``own_files``, each in its own lock file (not in this one)."""
     policy = next(o for o in src["update-0001"]["outs"] if o["path"].endswith("/policy"))
     sealed_through = (n - 1) // block_size * block_size if block_size else 0
     stages = {name: src[name] for name in ("code", "baseline") if name in src}  # `code`: since the manifests
-    for first in range(1, sealed_through + 1, block_size or 1):
+    for first in range(1, 0 if own_files else sealed_through + 1, block_size or 1):
         last = first + block_size - 1
         inner = [e for i in range(first, last + 1) for e in iteration_entries(src, i, policy).values()]
         stages[f"iters-{first:04d}-{last:04d}"] = block_entry(inner, first, last)
@@ -91,13 +92,15 @@ def time_rewrite(lock: dict, repeats: int) -> tuple[float, int]:
         return best, os.path.getsize(path)
 
 
-def run_total(src: dict, n: int, block_size: int, fit: tuple[float, float]) -> float:
-    """Estimated rewrite seconds over a run of n iterations: per stage a + b * (lock bytes then)."""
+def run_total(src: dict, n: int, block_size: int, fit: tuple[float, float], own_files: bool = False) -> float:
+    """Estimated rewrite seconds over a run of n iterations: per stage a + b * (lock bytes then); with
+    ``own_files`` a sealed block adds nothing to the root lock."""
     sizes = {name: len(yaml.safe_dump({name: e})) for name, e in lock_at(src, 1, 0)["stages"].items()}
     per_iter = sum(v for k, v in sizes.items() if k.endswith("-0001"))
     per_stage = per_iter / len(STEMS)
     sealed_block = len(yaml.safe_dump(lock_at(src, block_size + 1, block_size)["stages"])) if block_size else 0
     sealed_block -= (sizes["baseline"] + sizes["summary"] + per_iter) if block_size else 0
+    sealed_block = 0 if own_files else sealed_block
     total, a, b = 0.0, *fit
     for i in range(1, n + 1):
         sealed = (i - 1) // block_size if block_size else 0
@@ -111,7 +114,8 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--from", dest="source", type=Path, help="project whose iteration 1 finished")
     ap.add_argument("--flat", default="12,25,100,300", help="iterations measured in the flat layout")
-    ap.add_argument("--blocks", default="12,25,100,300,1000", help="iterations measured block by block")
+    ap.add_argument("--blocks", default="12,25,100,300,1000", help="iterations measured block by block, sealed "
+                    "blocks in the root lock (before) and in their own lock files (now)")
     ap.add_argument("--block-size", type=int, default=25)
     ap.add_argument("--repeats", type=int, default=2)
     ap.add_argument("--work", type=Path, default=Path("/tmp/tpgrpo_lock_growth"))
@@ -126,9 +130,10 @@ def main() -> None:
     print(f"threads: OMP_NUM_THREADS={os.environ.get('OMP_NUM_THREADS', 'unset')}, cpus {os.cpu_count()}; "
           f"entries from {source}", flush=True)
     rows, points = [], []
-    for layout, sizes, bs in (("flat", args.flat, 0), ("blocks", args.blocks, args.block_size)):
+    for layout, sizes, bs in (("flat", args.flat, 0), ("blocks", args.blocks, args.block_size),
+                              ("own files", args.blocks, args.block_size)):
         for n in map(int, sizes.split(",")):
-            lock = lock_at(src, n, bs)
+            lock = lock_at(src, n, bs, own_files=layout == "own files")
             seconds, size = time_rewrite(lock, args.repeats if size_hint(lock) < 2e6 else 1)
             points.append((len(yaml.safe_dump(lock["stages"])), seconds))  # the bytes run_total counts
             rows.append({"layout": layout, "iterations": n, "entries": len(lock["stages"]), "lock KB": size / 1e3,
@@ -137,15 +142,21 @@ def main() -> None:
     fit = least_squares(points)
     print(f"fit: rewrite s = {fit[0]:.4f} + {fit[1] * 1e6:.3f} s per MB of YAML (the totals below are estimates)")
     measured = {(r["layout"], r["iterations"]): r for r in rows}
-    print("| iterations | dvc.lock KB at N: flat / blocks | one rewrite s at N, measured: flat / blocks | all "
-          "rewrites of the run, s, estimated: flat / blocks | flat / blocks |")
-    print("|---|---|---|---|---|")
+    print("| iterations | root dvc.lock KB at N: flat / blocks / own files | one rewrite s at N, measured: flat / "
+          "blocks / own files | all rewrites of the run, s, estimated: flat / blocks / own files |")
+    print("|---|---|---|---|")
+    layouts = ("flat", "blocks", "own files")
     for n in sorted({r["iterations"] for r in rows}):
-        flat, blocks = measured.get(("flat", n)), measured.get(("blocks", n))
-        kb = " / ".join(f"{r['lock KB']:.0f}" if r else "-" for r in (flat, blocks))
-        one = " / ".join(f"{r['one rewrite s']:.2f}" if r else "-" for r in (flat, blocks))
-        est = run_total(src, n, 0, fit), run_total(src, n, args.block_size, fit)
-        print(f"| {n} | {kb} | {one} | {est[0]:.0f} / {est[1]:.0f} | {est[0] / est[1]:.1f}x |")
+        found = [measured.get((layout, n)) for layout in layouts]
+        kb = " / ".join(f"{r['lock KB']:.0f}" if r else "-" for r in found)
+        one = " / ".join(f"{r['one rewrite s']:.2f}" if r else "-" for r in found)
+        est = (run_total(src, n, 0, fit), run_total(src, n, args.block_size, fit),
+               run_total(src, n, args.block_size, fit, own_files=True))
+        print(f"| {n} | {kb} | {one} | {' / '.join(f'{e:.0f}' for e in est)} |")
+    own = {r["iterations"]: r["one rewrite s"] for r in rows if r["layout"] == "own files"}
+    if len(own) > 1:
+        lo, hi = min(own), max(own)
+        print(f"own files: one rewrite at {hi} iterations / at {lo}: {own[hi] / own[lo]:.2f}x (measured in this run)")
 
 
 def compare_layouts(old: Path, new: Path, sizes: list[int], repeats: int) -> None:

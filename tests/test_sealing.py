@@ -12,9 +12,10 @@ from conftest import tiny_params
 
 from tpgrpo.config import ConfigError, config_from_dict
 from tpgrpo.errors import PipelineError
-from tpgrpo.pipeline.dvcfile import STAGE_PARAMS, block_out_paths, block_stage, iteration_stages, render
+from tpgrpo.pipeline.dvcfile import STAGE_PARAMS, block_out_paths, block_stage, iteration_stages, render, write_block_dvcfile
 from tpgrpo.pipeline.sealing import kept_outs, repro_ends, retain, sealable, stage_names, unseal_changed
-from tpgrpo.pipeline.blocks import (Block, current_entries, disagreements, full_blocks, param_values, read_lock,
+from tpgrpo.pipeline.blocks import (Block, current_entries, disagreements, full_blocks, param_values, read_as_dvc, read_lock,
+                                    write_block_entry,
                                     read_seal, write_lock, write_yaml)
 
 
@@ -60,8 +61,9 @@ def test_block_stage_is_the_union_of_its_stages_minus_what_the_block_makes_itsel
     assert [o if isinstance(o, str) else next(iter(o)) for o in block_stage(cfg, block, kept)["outs"]] == kept
 
 
-def _seal(root: Path, cfg, block: Block, lock: dict) -> None:
-    """Seal by hand what `seal_finished` would: a seal file and a lock entry for the block stage."""
+def _seal(root: Path, cfg, block: Block, lock: dict, old_layout: bool = False) -> None:
+    """Seal by hand what `seal_finished` would: a seal file, the block's pipeline file and its lock entry
+    (``old_layout``: the entry in the root lock ``lock``, as sealing wrote it before)."""
     names = stage_names(cfg, block)
     entries = {n: {"cmd": n, "outs": []} for n in names}
     write_yaml(block.entries_path(root), entries)
@@ -69,8 +71,13 @@ def _seal(root: Path, cfg, block: Block, lock: dict) -> None:
                                        "outs": block_out_paths(cfg, block)})
     params = block_stage(cfg, block)["params"]
     raw = yaml.safe_load((root / "params.yaml").read_text())
-    lock["stages"][block.name] = {"cmd": "x", "params": {"params.yaml": param_values(raw, params)},
-                                  "outs": [{"path": p, "md5": "0"} for p in block_out_paths(cfg, block)]}
+    entry = {"cmd": "x", "params": {"params.yaml": param_values(raw, params)},
+             "outs": [{"path": p, "md5": "0"} for p in block_out_paths(cfg, block)]}
+    if old_layout:  # sealed before blocks had their own pipeline files: the entry in the root dvc.lock
+        lock["stages"][block.name] = entry
+    else:
+        write_block_entry(root, block, entry)
+        write_block_dvcfile(cfg, root, block)
 
 
 def _project(tmp_path: Path, **train) -> Path:
@@ -81,7 +88,8 @@ def _project(tmp_path: Path, **train) -> Path:
 
 
 def test_dvc_yaml_work_stays_bounded_as_sealed_blocks_pile_up(tmp_path):
-    """The number of (stage, dep) pairs DVC checks grows with blocks, not with per-stage entries."""
+    """The root dvc.yaml and dvc.lock do not grow with sealed blocks: each block is one stage in its own
+    pipeline file with its own lock (DVC rewrites only the lock of the file whose stage ran)."""
     counts = {}
     for n in (20, 200):
         root = _project(tmp_path / str(n), iterations=n, block_size=20)
@@ -90,11 +98,14 @@ def test_dvc_yaml_work_stays_bounded_as_sealed_blocks_pile_up(tmp_path):
         for block in full_blocks(20, n):
             _seal(root, cfg, block, lock)
         stages = render(cfg, root)["stages"]
-        assert not any(name.startswith("rollout-") for name in stages)
+        assert not any(name.startswith(("rollout-", "iters-")) for name in stages)
         counts[n] = (len(stages), sum(len(st["deps"]) for st in stages.values()))
+        blocks = sorted((root / "data" / "seals").glob("*/dvc.yaml"))
+        assert len(blocks) == n // 20 and all(len(yaml.safe_load(f.read_text())["stages"]) == 1 for f in blocks)
+        assert not lock["stages"]  # nothing of the blocks in the root lock
     flat = render(_cfg(iterations=200, block_size=0))["stages"]
     flat_deps = sum(len(st["deps"]) for st in flat.values())
-    assert counts[200][0] == counts[20][0] + 9  # one stage per block
+    assert counts[200][0] == counts[20][0]  # no stage per block in the root file
     assert counts[200][1] < flat_deps / 10, (counts, flat_deps)
     summary = render(cfg, root)["stages"]["summary"]
     assert len(summary["deps"]) < 30  # not one dep per iteration's logs
@@ -110,7 +121,8 @@ def test_a_run_is_reproduced_block_by_block_each_rendered_through_its_end(tmp_pa
     _seal(root, cfg, Block(1, 2), lock)
     assert repro_ends(root, cfg) == [4, 5]
     second = render(cfg, root, upto=4)["stages"]
-    assert "iters-0001-0002" in second and "rollout-0001" not in second and "rollout-0005" not in second
+    assert "rollout-0001" not in second and "rollout-0003" in second and "rollout-0005" not in second
+    assert "iters-0001-0002" in yaml.safe_load(Block(1, 2).dvcfile(root).read_text())["stages"]
     assert render(cfg, root, upto=5) == render(cfg, root)  # the last repro sees the whole run
     assert "summary" in render(cfg, root)["stages"]
     assert repro_ends(root, _cfg(iterations=5, block_size=0)) == [5]  # sealing off: one repro
@@ -137,16 +149,54 @@ def _four_iterations_sealed(tmp_path: Path):
 
 def test_changed_params_unseal_a_block_and_bring_its_per_stage_entries_back(tmp_path):
     root, cfg, lock = _four_iterations_sealed(tmp_path)
-    del lock["stages"]["iters-0003-0004"]  # e.g. interrupted between writing the seal and `dvc commit`
+    write_block_entry(root, Block(3, 4), None)  # e.g. interrupted between writing the seal and `dvc commit`
     write_lock(root, lock)
     raw = yaml.safe_load((root / "params.yaml").read_text())
-    assert unseal_changed(root, cfg, raw) == [Block(3, 4)]  # no lock entry: unsealed
+    assert unseal_changed(root, cfg, raw) == {Block(3, 4): "it has no dvc.lock entry"}
     assert "credit-0003" in read_lock(root)["stages"] and not Block(3, 4).seal_path(root).exists()
-    assert unseal_changed(root, cfg, raw) == []  # the matching block stays sealed
+    assert not Block(3, 4).folder(root).exists()  # its pipeline file went with the seal
+    assert unseal_changed(root, cfg, raw) == {}  # the matching block stays sealed
     raw["credit"]["mode"] = "incremental"
-    assert unseal_changed(root, config_from_dict(raw), raw) == [Block(1, 2)]
+    assert unseal_changed(root, config_from_dict(raw), raw) == {Block(1, 2): "params changed: credit.mode"}
     stages = read_lock(root)["stages"]
     assert set(stage_names(cfg, Block(1, 2))) <= set(stages) and "iters-0001-0002" not in stages
+
+
+def test_a_sealed_block_unseals_as_a_repro_reaches_it_and_names_the_real_reason(tmp_path):
+    root, cfg, lock = _four_iterations_sealed(tmp_path)
+    write_lock(root, lock)
+    raw = yaml.safe_load((root / "params.yaml").read_text())
+    raw["credit"]["mode"] = "incremental"
+    changed = config_from_dict(raw)
+    assert unseal_changed(root, changed, raw, upto=0) == {}  # not structural: not before a repro reaches it
+    assert repro_ends(root, changed, {Block(1, 2), Block(3, 4)}) == [2, 4]
+    assert unseal_changed(root, changed, raw, upto=2) == {Block(1, 2): "params changed: credit.mode"}
+    assert Block(3, 4).seal_path(root).is_file()  # the root lock holds one block's stages at a time
+    # a code manifest the block recorded that differs from today's file: only that kind's stages re-run
+    entry = read_as_dvc(Block(3, 4).lockfile(root))["stages"]["iters-0003-0004"]
+    entry["params"]["params.yaml"]["credit"]["mode"] = "incremental"
+    entry["deps"] = [{"path": "data/code/eval.json", "md5": "old"}]
+    write_block_entry(root, Block(3, 4), entry)
+    (root / "data" / "code").mkdir(parents=True)
+    (root / "data" / "code" / "eval.json").write_text("{}")
+    assert unseal_changed(root, changed, raw) == {Block(3, 4): "code changed: data/code/eval.json"}
+
+
+def test_blocks_sealed_in_the_root_lock_move_into_their_own_files_unchanged(tmp_path):
+    root = _project(tmp_path, iterations=4, block_size=2)
+    cfg = _cfg(iterations=4, block_size=2)
+    lock = {"schema": "2.0", "stages": {"credit-0005": {"cmd": "y"}}}
+    for block in full_blocks(2, 4):
+        _seal(root, cfg, block, lock, old_layout=True)
+    write_lock(root, lock)
+    entries = {name: dict(entry) for name, entry in lock["stages"].items()}
+    raw = yaml.safe_load((root / "params.yaml").read_text())
+    assert unseal_changed(root, cfg, raw) == {}  # nothing to unseal, but the entries moved
+    assert read_lock(root)["stages"] == {"credit-0005": {"cmd": "y"}}
+    for block in full_blocks(2, 4):
+        assert read_as_dvc(block.lockfile(root))["stages"] == {block.name: entries[block.name]}
+        assert block.dvcfile(root).is_file()
+    assert "iters-0001-0002" not in (root / "dvc.yaml").read_text()
 
 
 def test_unsealing_restores_each_stage_as_the_blocks_last_run_recorded_it():
@@ -183,9 +233,9 @@ def test_a_block_beyond_a_lowered_iteration_count_stays_sealed_for_later(tmp_pat
     root, cfg, lock = _four_iterations_sealed(tmp_path)
     write_lock(root, lock)
     raw = _raw(iterations=2, block_size=2)
-    assert unseal_changed(root, config_from_dict(raw), raw) == []
+    assert unseal_changed(root, config_from_dict(raw), raw) == {}
     raw = _raw(iterations=4, block_size=4)  # another block size: the old blocks no longer fit
-    assert sorted(unseal_changed(root, config_from_dict(raw), raw)) == [Block(1, 2), Block(3, 4)]
+    assert sorted(unseal_changed(root, config_from_dict(raw), raw, upto=0)) == [Block(1, 2), Block(3, 4)]
 
 
 def test_lowering_the_iteration_count_into_a_block_unseals_it_and_rendering_alone_refuses(tmp_path):
@@ -195,11 +245,11 @@ def test_lowering_the_iteration_count_into_a_block_unseals_it_and_rendering_alon
     lowered = config_from_dict(raw)
     with pytest.raises(ConfigError, match=r"do not fit sealed block iters-0003-0004 \(data/seals/0003-0004.yaml\)"):
         render(lowered, root)  # iteration 3 would render without its lock entries: DVC would re-run it
-    assert unseal_changed(root, lowered, raw) == [Block(3, 4)]
+    assert list(unseal_changed(root, lowered, raw, upto=0)) == [Block(3, 4)]  # structural: at once
     stages = read_lock(root)["stages"]
     assert "credit-0003" in stages and "credit-0004" in stages and "iters-0003-0004" not in stages
     rendered = render(lowered, root)["stages"]
-    assert "iters-0001-0002" in rendered and "rollout-0003" in rendered and "rollout-0004" not in rendered
+    assert Block(1, 2).dvcfile(root).is_file() and "rollout-0003" in rendered and "rollout-0004" not in rendered
 
 
 def test_a_block_retention_thinned_is_never_unsealed(tmp_path):
@@ -271,9 +321,9 @@ def test_retain_drops_files_from_the_workspace_the_block_outs_and_the_lock(tmp_p
                                "data/iters/0001/trajectories.zarr", "data/iters/0002/prompt_embeds.safetensors",
                                "data/iters/0002/trajectories.zarr"]
     assert not any((root / p).exists() for p in dropped) and (root / "data/iters/0002/policy").exists()
-    entry = read_lock(root)["stages"]["iters-0001-0002"]
+    entry = read_as_dvc(Block(1, 2).lockfile(root))["stages"]["iters-0001-0002"]
     assert {o["path"] for o in entry["outs"]} == set(read_seal(Block(1, 2).seal_path(root))["outs"])
-    rendered = yaml.safe_load((root / "dvc.yaml").read_text())["stages"]["iters-0001-0002"]["outs"]
+    rendered = yaml.safe_load(Block(1, 2).dvcfile(root).read_text())["stages"]["iters-0001-0002"]["outs"]
     assert [o if isinstance(o, str) else next(iter(o)) for o in rendered] == [o["path"] for o in entry["outs"]]
     assert retain(root, cfg, gc=False) == []  # applied twice: nothing more
 
@@ -334,7 +384,9 @@ def test_sealed_run_keeps_dvc_guarantees_retention_and_sharing_through_a_remote(
     # block by block: the first block was sealed before iteration 3 ran, so dvc.lock never held both
     assert first.index("sealed iters-0001-0002") < first.index("Running stage 'rollout-0003'")
     stages = yaml.safe_load((root / "dvc.yaml").read_text())["stages"]
-    assert "iters-0001-0002" in stages and "rollout-0003" in stages and "rollout-0001" not in stages
+    assert "rollout-0003" in stages and "rollout-0001" not in stages and "iters-0001-0002" not in stages
+    assert "iters-0001-0002" in yaml.safe_load(Block(1, 2).dvcfile(root).read_text())["stages"]  # its own file
+    assert "iters-0001-0002" not in (root / "dvc.lock").read_text() and Block(1, 2).lockfile(root).is_file()
     _clean(root)
     cached = [p for i in (1, 3) for name in ("policy", "trajectories.zarr")
               for p in (root / "data" / "iters" / f"{i:04d}" / name).rglob("*") if p.is_file()]

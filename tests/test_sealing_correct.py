@@ -88,7 +88,7 @@ def test_yaml_1_2_values_a_second_run_unseals_nothing_and_runs_nothing(run_copy)
     raw_pyyaml = yaml.safe_load((root / "params.yaml").read_text())
     assert raw_pyyaml["update"]["lr"] == "1e-4"  # the hazard: YAML 1.1 reads a string
     assert read_as_dvc(root / "params.yaml")["update"]["clip_range"] == 1e-5
-    assert "clip_range: 1e-05" in (root / "dvc.lock").read_text()  # as DVC records it
+    assert "clip_range: 1e-05" in BLOCK.lockfile(root).read_text()  # as DVC records it
     lock_before = (root / "dvc.lock").read_bytes()
     out = _tpgrpo(root, "run").stdout
     assert "unsealed" not in out and "sealed" not in out and _ran(out) == []
@@ -103,7 +103,7 @@ def _unseal_by_hand(root: Path) -> dict:
     other = json.loads(json.dumps(params))
     other["credit"]["adv_clip"] = 4.0
     cfg = load_config(root / "params.yaml")
-    assert unseal_changed(root, cfg, other) == [BLOCK]
+    assert list(unseal_changed(root, cfg, other)) == [BLOCK]
     write_dvc_yaml(cfg, root)
     assert stale_stages(root, stage_names(cfg, BLOCK)) == {}  # (the summary's deps changed with the layout)
     return read_lock(root)
@@ -184,22 +184,25 @@ def test_lowering_the_iteration_count_into_a_sealed_block_re_runs_nothing(run_co
 @pytest.mark.slow
 def test_a_params_edit_after_a_code_change_re_runs_only_the_stages_it_touches(run_copy):
     root = run_copy
-    with open(root / "stages/credit.py", "a") as f:
-        f.write("\n# a code change only the credit stages import\n")
+    with open(root / "stages/eval.py", "a") as f:
+        f.write("\n# a code change only the eval stages import\n")
     out = _tpgrpo(root, "run").stdout
-    assert BLOCK.name in _ran(out) and BLOCK.seal_path(root).is_file()  # the sealed block re-ran whole
+    # before: the sealed block re-ran whole (`tpgrpo block`: rollouts, probes, updates included)
+    assert "unsealed iters-0001-0002 (code changed: data/code/eval.json)" in out, out
+    ran = {name.rsplit("-", 1)[0] for name in _ran(out)}
+    assert ran <= {"code", "eval", "baseline", "summary"} and {"eval-0001", "eval-0002"} <= set(_ran(out)), out
+    assert BLOCK.name not in _ran(out) and "sealed iters-0001-0002" in out and BLOCK.seal_path(root).is_file()
     _edit_params(root, "num_steps: 4\n  num_prompts", "num_steps: 3\n  num_prompts")  # eval.num_steps
     out = _tpgrpo(root, "run").stdout
-    assert "unsealed iters-0001-0002" in out
+    assert "unsealed iters-0001-0002 (params changed: eval.num_steps)" in out, out
     ran = {name.rsplit("-", 1)[0] for name in _ran(out)}
-    # before the block's entries were refreshed on unsealing, every stage of the block re-ran here
     assert ran <= {"code", "eval", "baseline", "summary"}, _ran(out)
     assert {"eval-0001", "eval-0002"} <= set(_ran(out)) and _dvc_status(root) == {}
 
 
 def _dropped_dirs(root: Path) -> tuple[dict, dict]:
     """The block's lock outs (path -> entry) before retention, and its per-stage entries."""
-    outs = {o["path"]: o for o in read_lock(root)["stages"][BLOCK.name]["outs"]}
+    outs = {o["path"]: o for o in read_as_dvc(BLOCK.lockfile(root))["stages"][BLOCK.name]["outs"]}
     return outs, read_seal(BLOCK.entries_path(root))
 
 
@@ -301,3 +304,30 @@ def test_retain_refuses_while_a_dvc_process_holds_the_lock(tmp_path):
     time.sleep(0.1)
     assert "dropped 3 artifacts" in _tpgrpo(root, "retain").stdout  # the stage is gone: retain goes ahead
     assert not (root / "data/iters/0001/policy").exists()
+
+
+BLOCK_STAGE = f"{BLOCK.address}"
+
+
+@pytest.mark.slow
+def test_a_resume_checks_sealed_blocks_by_their_files_and_a_damaged_one_still_re_runs(run_copy):
+    """A no-op `tpgrpo run` has DVC check only the open stages while every sealed block's files are as DVC last
+    found them (tpgrpo.pipeline.seal_cache); any change to them sends the repro through DVC's full check."""
+    root = run_copy
+    out = _tpgrpo(root, "run").stdout  # the first run after the copy: inode changed, so DVC checks everything
+    assert _ran(out) == [] and f"'{BLOCK_STAGE}' didn't change" in out, out
+    out = _tpgrpo(root, "run").stdout  # vouched: the block is not even looked at
+    assert _ran(out) == [] and BLOCK_STAGE not in out and "'summary' didn't change" in out, out
+    stamp = time.time() - 3600
+    os.utime(root / "data/iters/0001/probe.parquet", (stamp, stamp))  # a touch: checked again, nothing runs
+    out = _tpgrpo(root, "run").stdout
+    assert _ran(out) == [] and f"'{BLOCK_STAGE}' didn't change" in out, out
+    table = root / "data/iters/0002/credit.parquet"
+    original = table.read_bytes()
+    table.write_bytes(original[:-8] + b"\0" * 8)  # damaged in place, same size
+    out = _tpgrpo(root, "run").stdout
+    assert BLOCK_STAGE in _ran(out) and table.read_bytes() == original, out  # re-run whole, as before
+    assert _dvc_status(root) == {}
+    table.unlink()
+    out = _tpgrpo(root, "run").stdout
+    assert BLOCK_STAGE in _ran(out) and table.read_bytes() == original and _dvc_status(root) == {}, out

@@ -170,12 +170,13 @@ def plot_command(params: ParamsOpt = Path("params.yaml")) -> None:
 def dvc_yaml_command(params: ParamsOpt = Path("params.yaml")) -> None:
     """Render dvc.yaml from params.yaml (one set of stages per iteration)."""
     from tpgrpo.config import ConfigError, load_config
+    from tpgrpo.errors import PipelineError
     from tpgrpo.pipeline.dvcfile import write_dvc_yaml
 
     try:
         cfg = load_config(params)
         changed = write_dvc_yaml(cfg, Path(params).resolve().parent)
-    except ConfigError as exc:
+    except (ConfigError, PipelineError) as exc:
         _fail(str(exc))
     typer.echo("dvc.yaml updated" if changed else "dvc.yaml up to date")
 
@@ -189,35 +190,33 @@ def run_command(params: ParamsOpt = Path("params.yaml")) -> None:
     from tpgrpo.pipeline.dvcfile import RENDER_UPTO_ENV
     from tpgrpo.pipeline.dvclock import clear_stale_lock
     from tpgrpo.errors import PipelineError
-    from tpgrpo.pipeline.sealing import dvc_env, repro_ends, seal_finished, unseal_changed
+    from tpgrpo.pipeline.sealing import (check_records, dvc_env, repro_ends, seal_finished, stale_seals,
+                                         unseal_changed)
     from tpgrpo.pipeline.blocks import read_as_dvc
+    from tpgrpo.pipeline.code_manifest import refresh_manifests
     from tpgrpo.pipeline.repro import repro_checked
 
     root = Path(params).resolve().parent
     try:
         cfg = load_config(params)
-        unsealed = unseal_changed(root, cfg, read_as_dvc(Path(params)))  # values as DVC reads them
+        raw = read_as_dvc(Path(params))  # values as DVC reads them
+        refresh_manifests(root)  # a code edit shows in the manifests before the blocks are checked against them
+        _echo_unsealed(unseal_changed(root, cfg, raw, upto=0))  # structural changes (block size, length) at once
+        pending = set(stale_seals(root, cfg, raw))  # the rest block by block, as the repros reach them
+        check_records(root, pending)  # a block that cannot be unsealed stops the run before anything runs
     except (ConfigError, PipelineError) as exc:
         _fail(str(exc))
-    if unsealed:
-        typer.echo(f"unsealed {', '.join(b.name for b in unsealed)} (params changed since sealing)")
     dvc_yaml_command(params)
     note = clear_stale_lock(root)  # a killed, not yet reaped run's lock would block `dvc repro`
     if note:
         typer.echo(note)
     env = dvc_env()
     if not (root / ".dvc").is_dir():
-        scm = [] if (root / ".git").exists() else ["--no-scm"]
-        subprocess.run([sys.executable, "-m", "dvc", "init", "-q", *scm], cwd=root, env=env, check=True)
-        # never a hard link or symlink: damage in place would damage the cache object too (DVC_CACHE_TYPE)
-        from tpgrpo.io.artifacts import DVC_CACHE_TYPE
-
-        for key, value in (("core.analytics", "false"), ("core.check_update", "false"),
-                           ("cache.type", DVC_CACHE_TYPE)):
-            subprocess.run([sys.executable, "-m", "dvc", "config", key, value], cwd=root, env=env, check=True)
+        _dvc_init(root, env)
     with stage_server.running(root, stage_server.wanted(cfg)) as server_env:
-        for upto in repro_ends(root, cfg):  # block by block: dvc.lock stays about one block long
+        for upto in repro_ends(root, cfg, pending):  # block by block: dvc.lock stays about one block long
             try:
+                _echo_unsealed(unseal_changed(root, cfg, raw, upto=upto))
                 repro_checked(root, cfg, upto, {**env, **server_env, RENDER_UPTO_ENV: str(upto)}, typer.echo)
                 sealed = seal_finished(root, cfg, upto, note=typer.echo)
             except PipelineError as exc:
@@ -225,6 +224,22 @@ def run_command(params: ParamsOpt = Path("params.yaml")) -> None:
             if sealed:
                 typer.echo(f"sealed {', '.join(b.name for b in sealed)} (one DVC stage per block from now on)")
 
+
+def _echo_unsealed(unsealed: dict) -> None:
+    for block, why in unsealed.items():
+        typer.echo(f"unsealed {block.name} ({why})")
+
+
+def _dvc_init(root: Path, env: dict) -> None:
+    """``dvc init`` a project folder with this project's settings."""
+    scm = [] if (root / ".git").exists() else ["--no-scm"]
+    subprocess.run([sys.executable, "-m", "dvc", "init", "-q", *scm], cwd=root, env=env, check=True)
+    # never a hard link or symlink: damage in place would damage the cache object too (DVC_CACHE_TYPE)
+    from tpgrpo.io.artifacts import DVC_CACHE_TYPE
+
+    for key, value in (("core.analytics", "false"), ("core.check_update", "false"),
+                       ("cache.type", DVC_CACHE_TYPE)):
+        subprocess.run([sys.executable, "-m", "dvc", "config", key, value], cwd=root, env=env, check=True)
 
 
 @app.command("block")

@@ -7,7 +7,10 @@ be unsealed exactly:
 - ``outs``: the block's artifact paths DVC still tracks (all of them at sealing; fewer after
   ``tpgrpo retain``), in dvc.yaml order;
 - beside it, ``0001-0025.stages``: the per-stage ``dvc.lock`` entries of its iterations at sealing time
-  (read only to unseal: rendering dvc.yaml reads the small files alone).
+  (read only to unseal: rendering dvc.yaml reads the small files alone);
+- and the folder ``0001-0025/``: the block's own pipeline file (``dvc.yaml``, its one stage) and its own
+  ``dvc.lock``, which DVC collects like any other pipeline file. DVC rewrites a lock file whole after every
+  stage it runs, so the root ``dvc.lock`` holds only the open stages: its rewrite does not grow with the run.
 
 Every file here is read as DVC reads it (YAML 1.2, DVC's parser) and written so that DVC reads back the same
 values (:func:`write_yaml`). Pure file handling; :mod:`tpgrpo.pipeline.sealing` does the DVC side.
@@ -62,6 +65,21 @@ class Block:
     def entries_path(self, root: Path) -> Path:
         return root / SEALS / f"{self.first:04d}-{self.last:04d}.stages"
 
+    def folder(self, root: Path) -> Path:
+        """The folder of the block's pipeline file and lock file."""
+        return root / SEALS / f"{self.first:04d}-{self.last:04d}"
+
+    def dvcfile(self, root: Path) -> Path:
+        return self.folder(root) / "dvc.yaml"
+
+    def lockfile(self, root: Path) -> Path:
+        return self.folder(root) / "dvc.lock"
+
+    @property
+    def address(self) -> str:
+        """Its DVC address (``dvc commit``, ``dvc status`` targets), relative to the project root."""
+        return f"{SEALS.as_posix()}/{self.first:04d}-{self.last:04d}/dvc.yaml:{self.name}"
+
 
 def full_blocks(block_size: int, iterations: int) -> list[Block]:
     """The complete blocks of ``block_size`` iterations inside 1..iterations (none when block_size is 0)."""
@@ -85,16 +103,71 @@ def seal_files(root: Path) -> dict[Block, Path]:
 
 
 def read_seal(path: Path) -> dict:
-    return read_as_dvc(path)
+    """A seal file (``first``, ``last``, ``outs``) or a block's ``.stages`` file; PipelineError (one line) when it
+    is missing, damaged or not what sealing writes."""
+    if not path.is_file():
+        raise _error(f"{path}: missing (a sealed block's record); restore it from git, or delete the block's "
+                     f"seal files ({path.with_suffix('')}.*) to re-run the block whole")
+    data = read_as_dvc(path)
+    shape_ok = isinstance(data, dict) and (path.suffix != ".yaml" or isinstance(data.get("outs"), list)) and \
+        all(isinstance(v, dict) for v in (data.values() if path.suffix == ".stages" else []))
+    if not shape_ok:
+        raise _error(f"{path}: not a seal file (expected a mapping with first, last and a list of outs)"
+                     if path.suffix == ".yaml" else f"{path}: not a block's stage entries (expected a mapping of "
+                     "stage name -> dvc.lock entry)")
+    return data
+
+
+def _error(message: str):
+    from tpgrpo.errors import PipelineError
+
+    return PipelineError(message)
+
+
+def block_entry(root: Path, block: Block) -> dict | None:
+    """The sealed block's own lock entry (what DVC recorded for its stage), None when there is none."""
+    entry = ((read_as_dvc(block.lockfile(root)) or {}).get("stages") or {}).get(block.name)
+    return entry if isinstance(entry, dict) else None
+
+
+def write_block_entry(root: Path, block: Block, entry: dict | None) -> None:
+    """Replace the block's lock entry (``None``: remove its lock file, DVC then sees a stage never run)."""
+    if entry is None:
+        block.lockfile(root).unlink(missing_ok=True)
+    else:
+        write_yaml(block.lockfile(root), {"schema": "2.0", "stages": {block.name: entry}})
+
+
+def remove_block_files(root: Path, block: Block) -> None:
+    """Delete what sealing wrote for ``block``: seal file, stage entries, pipeline and lock file."""
+    import shutil
+
+    block.seal_path(root).unlink(missing_ok=True)
+    block.entries_path(root).unlink(missing_ok=True)
+    shutil.rmtree(block.folder(root), ignore_errors=True)
 
 
 def write_yaml(path: Path, data: dict) -> None:
-    """Write through a temporary sibling and rename: a reader never sees half a file. Values read by
-    :func:`read_as_dvc` come back the same through DVC's parser (strings it could misread are quoted)."""
+    """Write through a temporary sibling of a unique name and rename: a reader never sees half a file, and two
+    writers never share a temporary file. Values read by :func:`read_as_dvc` come back the same through DVC's
+    parser (strings it could misread are quoted)."""
+    write_text_atomic(path, yaml.dump(data, Dumper=_Dumper, sort_keys=False, default_flow_style=False, width=120))
+
+
+def write_text_atomic(path: Path, text: str) -> None:
+    """``text`` to ``path`` through a uniquely named temporary sibling, renamed over it."""
+    import os
+    import tempfile
+
     path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(f".{path.name}.tmp")
-    tmp.write_text(yaml.dump(data, Dumper=_Dumper, sort_keys=False, default_flow_style=False, width=120))
-    tmp.replace(path)
+    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
+    try:
+        with os.fdopen(fd, "w") as handle:
+            handle.write(text)
+        os.replace(tmp, path)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
 
 
 def sealed_outs(root: Path, blocks: list[Block]) -> dict[Block, list[str]]:
@@ -107,7 +180,11 @@ def read_lock(root: Path) -> dict:
     """``dvc.lock`` as a mapping, as DVC reads it (an empty one when there is none yet). Read with PyYAML, DVC's
     ``1e-05`` would come back a string, and written back by :func:`write_yaml` a quoted one DVC no longer
     matches; about 1.6 times PyYAML's C loader (a second per MB)."""
-    return read_as_dvc(root / "dvc.lock") or {"schema": "2.0", "stages": {}}
+    lock = read_as_dvc(root / "dvc.lock") or {"schema": "2.0", "stages": {}}
+    if not isinstance(lock, dict) or not isinstance(lock.setdefault("stages", {}), dict):
+        raise _error(f"{root / 'dvc.lock'}: not a DVC lock file (expected a mapping with a 'stages' mapping); "
+                     "restore it from git")
+    return lock
 
 
 def write_lock(root: Path, lock: dict) -> None:
@@ -120,7 +197,15 @@ def read_as_dvc(path: Path) -> dict:
     DVC's. Empty when there is no file."""
     from dvc.utils.serialize import parse_yaml
 
-    return parse_yaml(path.read_text(), str(path)) if path.is_file() else {}
+    if not path.is_file():
+        return {}
+    try:
+        data = parse_yaml(path.read_text(), str(path))
+    except Exception as exc:  # DVC's YAMLFileCorruptedError, a decode error: one line, not 35 frames
+        cause = str(getattr(exc, "__cause__", None) or exc).strip().splitlines()
+        raise _error(f"{path}: not readable as YAML ({cause[-1] if cause else type(exc).__name__}); restore it "
+                     "from git or a backup") from None
+    return data if data is not None else {}
 
 
 def param_values(raw: dict, keys: list[str]) -> dict:
@@ -241,8 +326,8 @@ def committed_oids(root: Path) -> set[tuple[bool, str]]:
     for commit in commits:
         for line in git("ls-tree", "-r", commit, "--", "dvc.lock", str(SEALS)).splitlines():
             meta, _, path = line.partition("\t")
-            if path == "dvc.lock" or path.endswith(".stages"):
-                blobs.add((meta.split()[2], path == "dvc.lock"))
+            if path.endswith("dvc.lock") or path.endswith(".stages"):
+                blobs.add((meta.split()[2], path.endswith("dvc.lock")))
     from dvc.utils.serialize import parse_yaml
 
     found: set[tuple[bool, str]] = set()

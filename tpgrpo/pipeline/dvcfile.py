@@ -17,7 +17,8 @@ from tpgrpo.pipeline.block_logs import digest_path
 from tpgrpo.pipeline.code_manifest import code_deps, code_stage, uses_code_files
 from tpgrpo.config import Config, ConfigError
 from tpgrpo.reports import figure_names  # not .figures: it imports stage_common, which imports this
-from tpgrpo.pipeline.blocks import Block, full_blocks, read_lock, seal_files, sealed_outs
+from tpgrpo.pipeline.blocks import (Block, full_blocks, read_lock, seal_files, sealed_outs,
+                                    write_text_atomic)
 from tpgrpo.io.artifacts import EVAL_EMBEDS, EVAL_EMBEDS_LOG
 from tpgrpo.stage_params import (GLANCE, MULTI_PROCESS_STAGES, REWARD_PARAMS, STAGE_LOGS,  # noqa: F401 - re-exported
                                  STAGE_PARAMS)
@@ -157,7 +158,8 @@ def _refuse_misfit_seals(cfg: Config, root: Path, last: int) -> None:
 
 
 def render(cfg: Config, root: Path | None = None, upto: int | None = None) -> dict:
-    """The whole ``dvc.yaml`` as a mapping; blocks sealed under ``root`` appear as one stage each. With
+    """The whole ``dvc.yaml`` as a mapping; blocks sealed under ``root`` are left out: each is one stage in its
+    own pipeline file (:func:`write_block_dvcfile`), which DVC collects with this one. With
     ``upto`` < train.iterations: only iterations 1..upto and no summary (``tpgrpo run`` trains block by
     block, sealing each before the next, so that DVC's dvc.lock, rewritten after every stage, stays small)."""
     last = cfg.train.iterations if upto is None else upto
@@ -173,9 +175,7 @@ def render(cfg: Config, root: Path | None = None, upto: int | None = None) -> di
     if root:
         _refuse_misfit_seals(cfg, root, last)
     sealed = sealed_outs(root, blocks) if root else {}
-    in_sealed = {i for block in sealed for i in block.iterations}
-    for block, outs in sealed.items():
-        stages[block.name] = block_stage(cfg, block, outs, manifests)
+    in_sealed = {i for block in sealed for i in block.iterations}  # each in its own pipeline file (block_dvcfile)
     open_iters = [i for i in iterations(cfg) if i not in in_sealed and i <= last]
     for i in open_iters:
         stages.update(iteration_stages(cfg, i, manifests))
@@ -229,15 +229,39 @@ def dvc_yaml_text(cfg: Config, root: Path, upto: int | None = None) -> str:
 
 
 def write_dvc_yaml(cfg: Config, root: Path, upto: int | None = None) -> bool:
-    """Write ``dvc.yaml`` (through iteration ``upto``: see :func:`render`) if its content changed; returns
-    whether it did."""
+    """Write ``dvc.yaml`` (through iteration ``upto``: see :func:`render`) if its content changed, and each
+    sealed block's pipeline file (:func:`write_block_dvcfile`); returns whether ``dvc.yaml`` changed."""
     text = dvc_yaml_text(cfg, root, upto)
+    last = cfg.train.iterations if upto is None else upto
+    blocks = [b for b in full_blocks(cfg.train.block_size, cfg.train.iterations) if b.last <= last]
+    for block, outs in sealed_outs(root, blocks).items():
+        write_block_dvcfile(cfg, root, block, outs)
     path = root / "dvc.yaml"
     if path.exists() and path.read_text() == text:
         return False
-    tmp = path.with_name(".dvc.yaml.tmp")
-    tmp.write_text(text)
-    tmp.replace(path)
+    write_text_atomic(path, text)
+    return True
+
+
+BLOCK_HEADER = ("# A sealed block of iterations, written by `tpgrpo run` (tpgrpo.pipeline.dvcfile); its own dvc.lock\n"
+                "# lies beside it. Paths are the project root's (wdir).\n")
+
+
+def block_dvcfile_text(cfg: Config, block: Block, outs: list[str] | None = None, manifests: bool = True) -> str:
+    """The pipeline file of a sealed block: its one stage (:func:`block_stage`), run from the project root."""
+    stage = {"wdir": "../../..", **block_stage(cfg, block, outs, manifests)}
+    return BLOCK_HEADER + yaml.dump({"stages": {block.name: stage}}, Dumper=_NoAliasDumper, sort_keys=False,
+                                    default_flow_style=False, width=120)
+
+
+def write_block_dvcfile(cfg: Config, root: Path, block: Block, outs: list[str] | None = None) -> bool:
+    """Write ``data/seals/NNNN-MMMM/dvc.yaml`` if its content changed; returns whether it did."""
+    manifests = not uses_code_files(read_lock(root))  # an older project keeps its layout
+    text = block_dvcfile_text(cfg, block, outs, manifests)
+    path = block.dvcfile(root)
+    if path.is_file() and path.read_text() == text:
+        return False
+    write_text_atomic(path, text)
     return True
 
 

@@ -10,6 +10,7 @@ is gone or a zombie; a live PID (even one reused by an unrelated process) keeps 
 from __future__ import annotations
 
 import json
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Callable
 
@@ -63,3 +64,40 @@ def clear_stale_lock(root: Path, state: Callable[[int], str | None] = pid_state)
     path.unlink(missing_ok=True)
     return (f"removed stale DVC lock {RWLOCK} (PID {', '.join(map(str, pids))} no longer running: "
             "a killed run's leftovers)")
+
+
+@contextmanager
+def dvc_lock_held(root: Path):
+    """Hold DVC's repository lock (``.dvc/tmp/lock``) while dvc.lock is edited outside DVC; yields DVC's
+    Repo (None where ``root`` has no DVC yet). Refuses with one line while a DVC command holds that lock, or
+    while ``.dvc/tmp/rwlock`` names a live process (``dvc repro`` releases the repository lock while a stage
+    runs; the rwlock names it)."""
+    if not (root / ".dvc").is_dir():
+        yield None
+        return
+    from dvc.lock import LockError
+    from dvc.repo import Repo
+
+    from tpgrpo.errors import PipelineError
+
+    repo = Repo(str(root))
+    try:
+        try:
+            repo.lock.lock()
+        except LockError:
+            raise PipelineError(".dvc/tmp/lock: a DVC command is running in this project (it holds DVC's lock); "
+                                "retry when it has finished") from None
+        try:
+            try:
+                rw = json.loads((root / RWLOCK).read_text()) if (root / RWLOCK).is_file() else {}
+            except ValueError:
+                raise PipelineError(f"{RWLOCK}: not readable as DVC's lock (expected JSON)") from None
+            live = [pid for pid in lock_pids(rw) if pid_state(pid) not in (None, "Z")]
+            if live:
+                raise PipelineError(f"{RWLOCK}: DVC process {', '.join(map(str, live))} is running a stage in this "
+                                    "project; retry when it has finished")
+            yield repo
+        finally:
+            repo.lock.unlock()
+    finally:
+        repo.close()

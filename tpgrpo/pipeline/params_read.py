@@ -17,7 +17,8 @@ import re
 import shutil
 from pathlib import Path
 
-from tpgrpo.pipeline.blocks import read_lock, write_lock
+from tpgrpo.pipeline.blocks import Block, block_entry, read_lock, seal_files, write_block_entry, write_lock
+from tpgrpo.pipeline.dvclock import dvc_lock_held
 from tpgrpo.pipeline.status import flat_params
 
 NOTES = Path(".dvc") / "tmp" / "tpgrpo_params_read"
@@ -52,26 +53,47 @@ def entry_name(stages: dict, stage: str) -> str | None:
     return blocks[0] if blocks else None
 
 
+def _entries(root: Path) -> tuple[dict, dict[str, Block]]:
+    """Every lock entry a note may name: the root dvc.lock's stages and each sealed block's own entry
+    (``{name: entry}``), and the blocks by name (their entries live in their own lock files)."""
+    stages = dict(read_lock(root).get("stages", {}))
+    blocks = {}
+    for block in seal_files(root):
+        entry = block_entry(root, block)
+        if entry is not None:
+            stages[block.name], blocks[block.name] = entry, block
+    return stages, blocks
+
+
 def drop_disagreeing(root: Path) -> list[str]:
-    """Drop each dvc.lock entry whose params differ from what a stage it records noted it read (DVC then
-    re-runs that stage or block); clears the notes. Returns ``entry (stage: key)`` for each entry dropped."""
+    """Drop each lock entry whose params differ from what a stage it records noted it read (DVC then
+    re-runs that stage or block); clears the notes. Returns ``entry (stage: key)`` for each entry dropped.
+    Edits the lock files with DVC's lock held."""
     folder = root / NOTES
     notes = sorted(folder.glob("*.json")) if folder.is_dir() else []
-    lock = read_lock(root)
-    stages = lock.get("stages", {})
-    dropped: dict[str, str] = {}
-    for note in notes:
-        name = entry_name(stages, note.stem)
-        if name is None or name in dropped:
-            continue
-        recorded = flat_params((stages[name].get("params") or {}).get("params.yaml") or {})
-        recorded = json.loads(json.dumps(recorded, default=str))  # compared as the note stored them
-        changed = [k for k, v in sorted(json.loads(note.read_text()).items()) if k in recorded and recorded[k] != v]
-        if changed:
-            dropped[name] = f"{note.stem}: {changed[0]}"
-    for name in dropped:
-        del stages[name]
-    if dropped:
-        write_lock(root, lock)
-    clear_notes(root)
+    if not notes:
+        return []
+    with dvc_lock_held(root):
+        stages, blocks = _entries(root)
+        dropped: dict[str, str] = {}
+        for note in notes:
+            name = entry_name(stages, note.stem)
+            if name is None or name in dropped:
+                continue
+            recorded = flat_params((stages[name].get("params") or {}).get("params.yaml") or {})
+            recorded = json.loads(json.dumps(recorded, default=str))  # compared as the note stored them
+            changed = [k for k, v in sorted(json.loads(note.read_text()).items())
+                       if k in recorded and recorded[k] != v]
+            if changed:
+                dropped[name] = f"{note.stem}: {changed[0]}"
+        root_drops = [n for n in dropped if n not in blocks]
+        if root_drops:
+            lock = read_lock(root)
+            for name in root_drops:
+                lock["stages"].pop(name, None)
+            write_lock(root, lock)
+        for name in dropped:
+            if name in blocks:
+                write_block_entry(root, blocks[name], None)
+        clear_notes(root)
     return [f"{name} ({why})" for name, why in dropped.items()]

@@ -27,23 +27,23 @@ from __future__ import annotations
 
 import json
 import os
-import shutil
 import subprocess
 import sys
-from contextlib import contextmanager
 from pathlib import Path
 from typing import Callable
 
 from tpgrpo.config import Config
 from tpgrpo.errors import PipelineError
 from tpgrpo.pipeline.block_logs import write_digest
-from tpgrpo.pipeline.blocks import (Block, committed_oids, current_entries, disagreements, entry_oids, full_blocks,
-                                    param_values, read_as_dvc, read_lock, read_seal, seal_files, unreferenced,
-                                    write_lock, write_yaml)
+from tpgrpo.pipeline.blocks import (Block, block_entry, current_entries, disagreements, full_blocks, param_values,
+                                    read_as_dvc, read_lock, read_seal, remove_block_files, seal_files,
+                                    write_block_entry, write_lock, write_yaml)
+from tpgrpo.pipeline.code_manifest import CODE_DIR
 from tpgrpo.pipeline.dvcfile import block_out_paths, block_stage, iteration_stages, stage_command, write_dvc_yaml
-
-DROPPABLE = {"trajectories.zarr": "trajectories", "prompt_embeds.safetensors": "trajectories",
-             "policy": "adapter"}  # everything else (tables, metrics) is kept forever
+from tpgrpo.pipeline.dvclock import dvc_lock_held
+from tpgrpo.pipeline.seal_cache import vouch
+from tpgrpo.pipeline.retention import (DROPPABLE, dropped_outs, free_cache, kept_outs, remove_path,  # noqa: F401
+                                       retain)  # (re-exported: retention's home was this module)
 
 
 def dvc_env() -> dict[str, str]:
@@ -66,14 +66,15 @@ def stage_names(cfg: Config, block: Block) -> list[str]:
     return [name for i in block.iterations for name in iteration_stages(cfg, i)]
 
 
-def repro_ends(root: Path, cfg: Config) -> list[int]:
+def repro_ends(root: Path, cfg: Config, pending: set[Block] | frozenset = frozenset()) -> list[int]:
     """The iterations ``tpgrpo run`` renders dvc.yaml through, one ``dvc repro`` each: the end of every full
-    block not yet sealed, then the run's last. DVC rewrites the whole dvc.lock after every stage it runs,
-    so a run repro'd in one piece pays for every earlier stage's entry again at each stage (quadratic in
-    the run's length); block by block, with each block sealed before the next, the lock stays about one
-    block's stages long (bench/lock_growth.py)."""
+    block not yet sealed or to be unsealed (``pending``), then the run's last. DVC rewrites the whole dvc.lock
+    after every stage it runs, so a run repro'd in one piece pays for every earlier stage's entry again at
+    each stage (quadratic in the run's length); block by block, with each block sealed before the next, the
+    lock stays about one block's stages long (bench/lock_growth.py)."""
     sealed = seal_files(root)
-    ends = [b.last for b in full_blocks(cfg.train.block_size, cfg.train.iterations) if b not in sealed]
+    ends = [b.last for b in full_blocks(cfg.train.block_size, cfg.train.iterations)
+            if b not in sealed or b in pending]
     return [e for e in ends if e < cfg.train.iterations] + [cfg.train.iterations]
 
 
@@ -131,27 +132,33 @@ def seal_finished(root: Path, cfg: Config, upto: int | None = None,
                   note: Callable[[str], None] | None = None) -> list[Block]:
     """Seal every complete, not yet sealed block (ending by ``upto``) whose stages all have a ``dvc.lock``
     entry that DVC finds up to date (:func:`up_to_date`; ``note`` hears of each one that is not). Call after
-    a successful ``dvc repro`` of dvc.yaml rendered through ``upto``. Returns the blocks sealed."""
-    lock, sealed = read_lock(root), seal_files(root)
-    stages = lock.setdefault("stages", {})
-    new = up_to_date(root, cfg, sealable(cfg, stages, sealed, upto), note)
-    for block in new:
-        names = stage_names(cfg, block)
-        write_digest(root, block)  # an output of the block's stage: `dvc commit` records it
-        write_yaml(block.entries_path(root), {n: stages[n] for n in names})
-        write_yaml(block.seal_path(root), {"first": block.first, "last": block.last,
-                                           "outs": block_out_paths(cfg, block)})
-        for n in names:
-            del stages[n]
-    if new:
+    a successful ``dvc repro`` of dvc.yaml rendered through ``upto``. Each sealed block moves into its own
+    pipeline file with its own lock (``data/seals/NNNN-MMMM/``); the root ``dvc.lock`` keeps the open stages
+    only. Returns the blocks sealed."""
+    new = up_to_date(root, cfg, sealable(cfg, read_lock(root)["stages"], seal_files(root), upto), note)
+    if not new:
+        return []
+    with dvc_lock_held(root):  # no `tpgrpo retain` or DVC command edits the lock files meanwhile
+        lock = read_lock(root)
+        stages = lock["stages"]
+        for block in new:  # records of the block first: an interruption leaves a seal with no entry (unsealed)
+            names = stage_names(cfg, block)
+            write_digest(root, block)  # an output of the block's stage: `dvc commit` records it
+            write_yaml(block.entries_path(root), {n: stages[n] for n in names})
+            write_yaml(block.seal_path(root), {"first": block.first, "last": block.last,
+                                               "outs": block_out_paths(cfg, block)})
+            write_block_entry(root, block, None)
+            for n in names:
+                del stages[n]
         write_lock(root, lock)
-        write_dvc_yaml(cfg, root, upto)
-        # the summary's deps list changed with the blocks (it ran just now, so it is up to date); before
-        # the last block's repro dvc.yaml has no summary
-        summary = ["summary"] if upto in (None, cfg.train.iterations) else []
-        dvc(root, "commit", "--force", "--quiet", *[b.name for b in new], *summary)
-        new = _undo_changed_while_sealing(root, cfg, new, upto, note)
-    return new
+        write_dvc_yaml(cfg, root, upto)  # and the blocks' own pipeline files
+    # the summary's deps list changed with the blocks (it ran just now, so it is up to date); before
+    # the last block's repro dvc.yaml has no summary
+    summary = ["summary"] if upto in (None, cfg.train.iterations) else []
+    dvc(root, "commit", "--force", "--quiet", *[b.address for b in new], *summary)
+    sealed = _undo_changed_while_sealing(root, cfg, new, upto, note)
+    vouch(root, sealed)  # DVC just hashed their files: later runs trust them while their stats stay
+    return sealed
 
 
 def _undo_changed_while_sealing(root: Path, cfg: Config, blocks: list[Block], upto: int | None,
@@ -160,19 +167,19 @@ def _undo_changed_while_sealing(root: Path, cfg: Config, blocks: list[Block], up
     found the stages up to date: a params edit in between would be recorded as what the block ran with. Any
     block whose new entry disagrees with its stages' own entries is unsealed again (its stages' entries back,
     named in one ``note`` line), so the next repro re-runs what changed. Returns the blocks that stay sealed."""
-    lock = read_lock(root)
-    stages = lock["stages"]
-    bad = {b: d for b in blocks if (d := disagreements(read_seal(b.entries_path(root)), stages.get(b.name)))}
-    for block, found in bad.items():
-        stages.pop(block.name, None)
-        stages.update(read_seal(block.entries_path(root)))
-        block.seal_path(root).unlink()
-        block.entries_path(root).unlink()
-        if note is not None:
-            note(f"not sealed: {block.name}: {found[0]} changed while it was being sealed; the next `tpgrpo run` "
-                 "re-runs what changed")
-    if bad:
-        write_lock(root, lock)
+    with dvc_lock_held(root):
+        bad = {b: d for b in blocks if (d := disagreements(read_seal(b.entries_path(root)), block_entry(root, b)))}
+        if not bad:
+            return blocks
+        lock = read_lock(root)
+        for block, found in bad.items():
+            lock["stages"].update(read_seal(block.entries_path(root)))
+            if note is not None:
+                note(f"not sealed: {block.name}: {found[0]} changed while it was being sealed; the next `tpgrpo "
+                     "run` re-runs what changed")
+        write_lock(root, lock)  # the stages' entries back first, then the block's records go
+        for block in bad:
+            remove_block_files(root, block)
         write_dvc_yaml(cfg, root, upto)
     return [b for b in blocks if b not in bad]
 
@@ -189,11 +196,15 @@ def changed_keys(recorded: dict, now: dict) -> list[str]:
     return out
 
 
-def unseal_reason(cfg: Config, block: Block, entry: dict | None, params: dict) -> str | None:
+STRUCTURAL = ("train.block_size", "train.iterations")  # reasons that unseal at once (render needs it)
+
+
+def unseal_reason(cfg: Config, block: Block, entry: dict | None, params: dict, root: Path | None = None) -> str | None:
     """Why the sealed ``block`` must be unsealed under ``cfg`` (``params``: params.yaml as DVC reads it;
-    ``entry``: its dvc.lock entry), or None. A block wholly beyond the run stays sealed for when
-    train.iterations is raised again; one the run now ends inside is unsealed, and its iterations come
-    back as stages with their lock entries: nothing re-runs."""
+    ``entry``: its lock entry), or None. A block wholly beyond the run stays sealed for when train.iterations
+    is raised again; one the run now ends inside is unsealed, and its iterations come back as stages with their
+    lock entries: nothing re-runs. With ``root``, a code manifest (``data/code/*.json``) the block recorded
+    that differs from today's file also unseals it: DVC then re-runs only the stages of that kind's code."""
     size, n = cfg.train.block_size, cfg.train.iterations
     if block.first > n:
         return None
@@ -205,49 +216,114 @@ def unseal_reason(cfg: Config, block: Block, entry: dict | None, params: dict) -
         return "it has no dvc.lock entry"
     recorded = (entry.get("params") or {}).get("params.yaml") or {}
     changed = changed_keys(recorded, param_values(params, block_stage(cfg, block)["params"]))
-    return f"params changed: {', '.join(changed[:3])}{', ...' if len(changed) > 3 else ''}" if changed else None
+    if changed:
+        return f"params changed: {', '.join(changed[:3])}{', ...' if len(changed) > 3 else ''}"
+    code = changed_code(root, entry) if root is not None else []
+    return f"code changed: {', '.join(code)}" if code else None
 
 
-def dropped_outs(root: Path, block: Block, entries: dict | None = None) -> list[str]:
-    """The outputs of a sealed block's stages (``entries``: its per-stage lock entries at sealing) that its
-    seal no longer tracks: what ``tpgrpo retain`` deleted."""
-    entries = read_seal(block.entries_path(root)) if entries is None else entries
-    kept = set(read_seal(block.seal_path(root))["outs"])
-    return [o["path"] for e in entries.values() for o in e.get("outs") or [] if o["path"] not in kept]
+def changed_code(root: Path, entry: dict) -> list[str]:
+    """The code manifests a block's lock ``entry`` records with an md5 other than today's file's."""
+    import hashlib
+
+    found = []
+    for dep in entry.get("deps") or []:
+        path = str(dep.get("path", ""))
+        if path.startswith(CODE_DIR + "/") and (root / path).is_file() and \
+                hashlib.md5((root / path).read_bytes()).hexdigest() != dep.get("md5"):
+            found.append(path)
+    return found
 
 
-def unseal_changed(root: Path, cfg: Config, raw_params: dict | None = None) -> list[Block]:
-    """Unseal the sealed blocks this config no longer matches (:func:`unseal_reason`; ``raw_params``:
-    params.yaml's values, read from the file as DVC reads it when None). Restores their per-stage lock
-    entries, as the block's own entry last recorded them (:func:`current_entries`); returns the blocks
-    unsealed. Refuses (PipelineError, one line, nothing changed) when one of them was thinned by ``tpgrpo
-    retain``: its restored stages would miss outputs and DVC would re-run them."""
-    files = seal_files(root)
-    if not files:
-        return []
+def stale_seals(root: Path, cfg: Config, params: dict, upto: int | None = None) -> dict[Block, str]:
+    """The sealed blocks to unseal now and why (:func:`unseal_reason`): a structural reason at once, any other
+    only for blocks ending by ``upto`` (the block the next repro reaches: the root lock then holds about one
+    block's stages, even when a change reaches the whole history)."""
+    from tpgrpo.pipeline.seal_cache import summary
+
+    found = {}
+    for block in seal_files(root):
+        known = summary(root, block)  # the block's params and code md5s, without parsing its lock each time
+        entry = None if known is None else {"params": {"params.yaml": known["params"]},
+                                            "deps": [{"path": p, "md5": m} for p, m in known["deps"].items()]}
+        why = unseal_reason(cfg, block, entry, params, root)
+        if why and (upto is None or block.last <= upto or why.startswith(STRUCTURAL)):
+            found[block] = why
+    return found
+
+
+def unseal_changed(root: Path, cfg: Config, raw_params: dict | None = None,
+                   upto: int | None = None) -> dict[Block, str]:
+    """Unseal the sealed blocks this config no longer matches (:func:`stale_seals`; ``raw_params``: params.yaml's
+    values, read from the file as DVC reads it when None). Restores their per-stage lock entries into the root
+    ``dvc.lock``, as the block's own entry last recorded them (:func:`current_entries`); returns ``{block:
+    why}``. Refuses (PipelineError, one line, nothing written) when a block's records are missing or damaged, or
+    when one was thinned by ``tpgrpo retain``: its restored stages would miss outputs and DVC would re-run them.
+    Holds DVC's lock while it edits the lock files (:func:`dvc_lock_held`)."""
+    if not seal_files(root):
+        return {}
     params = read_as_dvc(root / "params.yaml") if raw_params is None else raw_params
+    if not stale_seals(root, cfg, params, upto) and not _unmigrated(root):
+        return {}  # nothing to edit: no need for DVC's lock
+    with dvc_lock_held(root):
+        migrate_sealed_entries(root, cfg)
+        todo = stale_seals(root, cfg, params, upto)
+        check_records(root, todo)
+        entries = {b: current_entries(read_seal(b.entries_path(root)), block_entry(root, b)) for b in todo}
+        for block, why in todo.items():
+            _refuse_thinned(root, block, why, entries[block])
+        if todo:
+            lock = read_lock(root)
+            for block in todo:
+                lock["stages"].update(entries[block])
+            write_lock(root, lock)  # the stages' entries first: an interruption leaves a seal to unseal again
+            for block in todo:
+                remove_block_files(root, block)
+    return todo
+
+
+def check_records(root: Path, blocks) -> None:
+    """Refuse (PipelineError, one line) when a block to be unsealed has a missing or damaged seal file or
+    stage entries file: unsealing restores its stages from them, and without them the block's iterations would
+    lose every lock entry (DVC would re-run them all). Reads only."""
+    for block in blocks:
+        read_seal(block.seal_path(root))
+        read_seal(block.entries_path(root))
+
+
+def _refuse_thinned(root: Path, block: Block, why: str, entries: dict) -> None:
+    gone = dropped_outs(root, block, entries)
+    if gone:
+        stem = block.seal_path(root).relative_to(root).with_suffix("")
+        raise PipelineError(
+            f"{stem}.yaml: block {block.name} would have to be unsealed ({why}), but `tpgrpo retain` dropped "
+            f"{len(gone)} of its outputs (first: {gone[0]}), so DVC would re-run iterations {block.first}-"
+            f"{block.last} from their rollouts; undo the change, or delete {stem}.yaml, {stem}.stages and "
+            f"{stem}/ to re-run the block whole")
+
+
+def _unmigrated(root: Path, lock: dict | None = None) -> list[Block]:
+    """Sealed blocks whose entry is still in the root dvc.lock (sealed before blocks had their own files)."""
+    files = seal_files(root)
+    if not files or all(b.lockfile(root).is_file() for b in files):
+        return []
+    stages = (read_lock(root) if lock is None else lock)["stages"]
+    return [b for b in files if b.name in stages and not b.lockfile(root).is_file()]
+
+
+def migrate_sealed_entries(root: Path, cfg: Config) -> list[Block]:
+    """Projects sealed before blocks had their own pipeline files keep each block's stage in the root
+    dvc.yaml and its entry in the root dvc.lock: move each such entry into the block's own lock, beside its
+    pipeline file, and re-render dvc.yaml without it (DVC sees the same stage with the same record: nothing
+    re-runs). Call with DVC's lock held. Returns the blocks moved."""
     lock = read_lock(root)
-    stages = lock.setdefault("stages", {})
-    todo = {b: why for b in files if (why := unseal_reason(cfg, b, stages.get(b.name), params))}
-    entries = {b: current_entries(read_seal(b.entries_path(root)), stages.get(b.name)) for b in todo}
-    for block, why in todo.items():
-        gone = dropped_outs(root, block, entries[block])
-        if gone:
-            stem = block.seal_path(root).relative_to(root).with_suffix("")
-            raise PipelineError(
-                f"{stem}.yaml: block {block.name} would have to be unsealed ({why}), but `tpgrpo retain` dropped "
-                f"{len(gone)} of its outputs (first: {gone[0]}), so DVC would re-run iterations {block.first}-"
-                f"{block.last} from their rollouts; undo the change, or delete {stem}.yaml and {stem}.stages "
-                "to re-run the block whole")
-    for block in todo:
-        stages.pop(block.name, None)
-        stages.update(entries[block])
-    if todo:
+    moved = _unmigrated(root, lock)
+    for block in moved:
+        write_block_entry(root, block, lock["stages"].pop(block.name))
+    if moved:
         write_lock(root, lock)
-        for block in todo:
-            block.seal_path(root).unlink()
-            block.entries_path(root).unlink()
-    return list(todo)
+        write_dvc_yaml(cfg, root)
+    return moved
 
 
 def run_block(root: Path, cfg: Config, block: Block) -> None:
@@ -264,134 +340,6 @@ def run_block(root: Path, cfg: Config, block: Block) -> None:
     kept = set(read_seal(seal)["outs"]) if seal.is_file() else None
     for path in block_out_paths(cfg, block):
         if kept is not None and path not in kept:
-            _remove(root / path)
+            remove_path(root / path)
 
 
-def _remove(path: Path) -> None:
-    if path.is_dir():
-        shutil.rmtree(path)
-    elif path.exists():
-        path.unlink()
-
-
-def kept_outs(cfg: Config, block: Block, outs: list[str], last_done: int) -> list[str]:
-    """Which of a sealed block's ``outs`` the retention policy keeps (tables always; trajectories of the
-    last ``keep_trajectories`` finished iterations; adapters of every m-th iteration and the block's last,
-    which the next block starts from)."""
-    keep_t, every = cfg.retention.keep_trajectories, cfg.retention.keep_adapter_every
-    kept = []
-    for path in outs:
-        iteration, name = int(Path(path).parent.name), Path(path).name
-        kind = DROPPABLE.get(name)
-        if kind == "trajectories" and keep_t and iteration <= last_done - keep_t:
-            continue
-        if kind == "adapter" and every and iteration % every and iteration != block.last:
-            continue
-        kept.append(path)
-    return kept
-
-
-def last_finished(cfg: Config, lock: dict, sealed: list[Block]) -> int:
-    """The highest iteration whose update has a lock entry or that a sealed block holds (0 if none)."""
-    stages = lock.get("stages", {})
-    done = [i for i in range(1, cfg.train.iterations + 1) if f"update-{i:04d}" in stages]
-    return max([*done, *(b.last for b in sealed)], default=0)
-
-
-@contextmanager
-def dvc_lock_held(root: Path):
-    """Hold DVC's repository lock (``.dvc/tmp/lock``) while dvc.lock is edited outside DVC; yields DVC's
-    Repo (None where ``root`` has no DVC yet). Refuses with one line while a DVC command holds that lock, or
-    while ``.dvc/tmp/rwlock`` names a live process (``dvc repro`` releases the repository lock while a stage
-    runs; the rwlock names it)."""
-    if not (root / ".dvc").is_dir():
-        yield None
-        return
-    from dvc.lock import LockError
-    from dvc.repo import Repo
-
-    from tpgrpo.pipeline.dvclock import RWLOCK, lock_pids, pid_state
-
-    repo = Repo(str(root))
-    try:
-        try:
-            repo.lock.lock()
-        except LockError:
-            raise PipelineError(".dvc/tmp/lock: a DVC command is running in this project (it holds DVC's lock); "
-                                "retry when it has finished") from None
-        try:
-            try:
-                rw = json.loads((root / RWLOCK).read_text()) if (root / RWLOCK).is_file() else {}
-            except ValueError:
-                raise PipelineError(f"{RWLOCK}: not readable as DVC's lock (expected JSON)") from None
-            live = [pid for pid in lock_pids(rw) if pid_state(pid) not in (None, "Z")]
-            if live:
-                raise PipelineError(f"{RWLOCK}: DVC process {', '.join(map(str, live))} is running a stage in this "
-                                    "project; retry when it has finished")
-            yield repo
-        finally:
-            repo.lock.unlock()
-    finally:
-        repo.close()
-
-
-def free_cache(root: Path, repo, lock: dict, gone: list[dict]) -> tuple[int, int] | None:
-    """Remove the cache objects of the dropped outs ``gone`` (their dvc.lock out entries) that nothing else
-    references: this dvc.lock (``lock``, already without them), the per-stage entries of every sealed block
-    (but the outputs retention dropped from it), and every dvc.lock and block entries git holds in any commit
-    or DVC experiment (:func:`tpgrpo.pipeline.blocks.committed_oids`). Returns (objects, bytes) removed;
-    None, removing nothing, where ``cache.dir`` is set (a cache other projects may share: this project cannot
-    see their needs).
-    Unlike ``dvc gc --workspace`` it leaves what experiments, other commits and other projects stored (an
-    experiment's files that were never committed to git, e.g. a queued one's, are not seen)."""
-    if repo is None or repo.config.get("cache", {}).get("dir"):
-        return None
-    cache = Path(repo.cache.local.path).parents[1]  # <cache>/files/md5 -> <cache>
-    kept = entry_oids(lock.get("stages", {}).values()) | committed_oids(root)
-    for block in seal_files(root):
-        if block.entries_path(root).is_file():
-            entries = read_seal(block.entries_path(root))
-            kept |= entry_oids(entries.values(), skip=set(dropped_outs(root, block, entries)))
-    paths = unreferenced(cache, entry_oids([{"outs": gone}]), kept)
-    size = sum(p.stat().st_size for p in paths)
-    for path in paths:
-        path.unlink()
-    return len(paths), size
-
-
-def retain(root: Path, cfg: Config, gc: bool = True, note: Callable[[str], None] | None = None) -> list[str]:
-    """Apply ``retention`` to the sealed blocks: drop the artifacts it does not keep from the workspace,
-    the blocks' outs and their lock entries (so ``dvc status`` stays clean), then (``gc``) their cache
-    objects nothing else references (:func:`free_cache`; ``note`` hears how many). Holds DVC's lock
-    throughout (:func:`dvc_lock_held`). Returns the dropped paths."""
-    with dvc_lock_held(root) as repo:
-        lock, files = read_lock(root), seal_files(root)
-        stages = lock.setdefault("stages", {})
-        blocks = [b for b in full_blocks(cfg.train.block_size, cfg.train.iterations) if b in files]
-        last_done = last_finished(cfg, lock, blocks)
-        dropped: list[str] = []
-        gone: list[dict] = []
-        for block in blocks:
-            if block.name not in stages:
-                raise PipelineError(f"{files[block]}: block {block.name} has no dvc.lock entry; run `tpgrpo run` "
-                                    "first (it unseals or re-records the block)")
-            seal = read_seal(files[block])
-            kept = kept_outs(cfg, block, seal["outs"], last_done)
-            if kept == seal["outs"]:
-                continue
-            keep = set(kept)
-            gone += [o for o in stages[block.name]["outs"] if o["path"] not in keep]
-            stages[block.name]["outs"] = [o for o in stages[block.name]["outs"] if o["path"] in keep]
-            dropped += [p for p in seal["outs"] if p not in keep]
-            seal["outs"] = kept
-            write_yaml(files[block], seal)
-        if dropped:  # records first: an interruption leaves untracked files behind, never a dangling out
-            write_lock(root, lock)
-            write_dvc_yaml(cfg, root)
-            for path in dropped:
-                _remove(root / path)
-            freed = free_cache(root, repo, lock, gone) if gc else None
-            if note is not None and gc:
-                note(f"freed {freed[0]} cache objects ({freed[1] / 1e6:.1f} MB)" if freed else
-                     "cache.dir is set (a cache other projects may share): nothing removed from it")
-    return dropped

@@ -163,14 +163,15 @@ def check_params_unchanged(params: Path, name: str, label: str, read: dict) -> N
                             f"{', ...' if len(changed) > 3 else ''}): its outputs are not recorded; run again")
 
 
-def check_outputs_cached(root: Path, env: dict[str, str]) -> None:
-    """After ``dvc repro``: every output DVC recorded is in its cache and the workspace (``dvc status``).
-    DVC that cannot store an output (a full disk: it logs "failed to transfer") still records the stage and
-    goes on; this fails with one line naming the first such output instead. About one ``dvc status``."""
+def check_outputs_cached(root: Path, env: dict[str, str], targets: list[str] | None = None) -> None:
+    """After ``dvc repro``: every output DVC recorded is in its cache and the workspace (``dvc status`` of
+    ``targets``, e.g. ``dvc.yaml`` when only its stages ran; all when empty). DVC that cannot store an output
+    (a full disk: it logs "failed to transfer") still records the stage and goes on; this fails with one line
+    naming the first such output instead. About one ``dvc status``."""
     import subprocess
     import sys
 
-    done = subprocess.run([sys.executable, "-m", "dvc", "status", "--json"], cwd=root, env=env,
+    done = subprocess.run([sys.executable, "-m", "dvc", "status", "--json", *(targets or [])], cwd=root, env=env,
                           capture_output=True, text=True)
     try:
         report = json.loads(done.stdout or "{}") if done.returncode == 0 else None
