@@ -13,7 +13,7 @@ from pathlib import Path
 
 from tpgrpo.config import Config
 from tpgrpo.io.artifacts import write_json
-from tpgrpo.policy.eval_embeds import EVAL_EMBEDS_LOG, write_eval_embeddings
+from tpgrpo.policy.eval_embeds import EVAL_EMBEDS_LOG, held_out, write_eval_embeddings
 from tpgrpo.stage_common import resolve, stopwatch
 
 
@@ -25,6 +25,7 @@ def run(cfg: Config, iteration: int | None, root: Path) -> dict:  # noqa: ARG001
     if not is_main_process():  # a single-process stage; should a launcher start several, one writes
         return metrics
     with stopwatch(metrics):
+        held_out(cfg, root)  # a bad eval.num_prompts: one line before the model loads, not after
         backend = load_backend(cfg.model.kind, resolve(root, cfg.model.path), cfg.model.device, cfg.model.dtype,
                                resolution=cfg.model.resolution)
         metrics.update(write_eval_embeddings(cfg, root, backend))

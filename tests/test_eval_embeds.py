@@ -139,3 +139,34 @@ def test_sd3_eval_never_loads_the_text_encoders_with_the_cache(sd3_model_dir, tm
     monkeypatch.setattr(SD3Backend, "_text_pipeline", refuse)
     ok(root, "baseline")
     assert table.read_bytes() == encoded
+
+
+def _held_out_project(root, num_prompts):
+    import shutil
+
+    from conftest import REPO
+
+    shutil.copytree(REPO / "data" / "prompts", root / "data" / "prompts")
+    (root / "params.yaml").write_text(yaml.safe_dump(tiny_params(eval={"num_prompts": num_prompts}),
+                                                     sort_keys=False))
+    return root
+
+
+def test_more_eval_prompts_than_the_file_holds_is_one_line(tmp_path):
+    """The compositional eval file holds 108 prompts: 108 are evaluated, 109 is an error naming the key, the
+    file and both counts (was: cut to 108 in silence), raised by eval_prompts before any model loads (there is
+    none in this project)."""
+    from tpgrpo.config import load_config
+    from tpgrpo.errors import PipelineError
+    from tpgrpo.policy.eval_embeds import held_out
+
+    root = _held_out_project(tmp_path, 108)
+    metas, _ = held_out(load_config(root / "params.yaml"), root)
+    assert len(metas) == 108 * 2 and len({m["id"] for m in metas}) == 108
+    _held_out_project(tmp_path / "over", 109)
+    expected = ("eval.num_prompts = 109 but task.eval_prompts data/prompts/compositional_eval.jsonl has 108 "
+                "prompts: expected at most 108")
+    with pytest.raises(PipelineError, match="^" + expected.replace(".", r"\.") + "$"):
+        held_out(load_config(tmp_path / "over" / "params.yaml"), tmp_path / "over")
+    result = stage(tmp_path / "over", "eval_prompts")
+    assert result.exit_code == 2 and result.output.strip().splitlines()[-1] == "error: " + expected

@@ -5,9 +5,11 @@ The launched runs themselves (torchrun, srun over simulated nodes) are in test_c
 
 from __future__ import annotations
 
+import json
 import os
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 import yaml
@@ -19,7 +21,7 @@ from tpgrpo.errors import PipelineError
 from tpgrpo.pipeline import stage_server
 from tpgrpo.pipeline.code_manifest import RENDER_PARAMS, kind_code
 from tpgrpo.pipeline.dvcfile import MULTI_PROCESS_STAGES, STAGE_PARAMS
-from tpgrpo.pipeline.launch import LAUNCHED_ENV, launch_argv, slurm_shape
+from tpgrpo.pipeline.launch import LAUNCHED_ENV, OWN_CONFIG_PATH, launch_argv, slurm_shape
 
 ARGS = ["stage", "rollout", "--iter", "3", "--params", "params.yaml"]
 ALLOCATION = {"SLURM_JOB_ID": "77", "SLURM_NNODES": "2", "SLURM_JOB_NODELIST": "localhost"}
@@ -40,6 +42,7 @@ def test_one_process_and_launched_processes_run_the_stage_here(tmp_path):
 
 
 def test_accelerate_and_torchrun_commands(tmp_path):
+    (tmp_path / ".dvc").mkdir()  # our accelerate config then goes under .dvc/tmp, not the system temp folder
     argv = launch_argv(cfg_with(num_processes=4), tmp_path, ARGS, {})
     assert argv[:3] == [sys.executable, "-m", "accelerate.commands.launch"]
     assert argv[argv.index("--num_processes") + 1] == "4" and argv[-8:] == ["-m", "tpgrpo", *ARGS]
@@ -67,6 +70,69 @@ def test_slurm_command_spans_the_allocation(tmp_path):
     assert host and int(port) > 0 and argv[-8:] == ["-m", "tpgrpo", *ARGS]
     one_node = launch_argv(cfg_with(launcher="slurm", num_nodes=1), tmp_path, ARGS, env)
     assert "--nodes=1" in one_node and one_node[one_node.index("--nnodes") + 1] == "1"
+
+
+# Default accelerate configs a user may have (`accelerate config` on another machine): gpu_ids '0' failed every
+# multi-process stage; '0,1' hides GPUs (and turns debug mode on); a value accelerate cannot parse stops it.
+HOSTILE = {
+    "one gpu": {"compute_environment": "LOCAL_MACHINE", "distributed_type": "MULTI_GPU", "gpu_ids": "0",
+                "num_processes": 7, "num_machines": 1, "mixed_precision": "fp16"},
+    "two gpus": {"compute_environment": "LOCAL_MACHINE", "distributed_type": "MULTI_GPU", "gpu_ids": "0,1",
+                 "num_processes": 7, "num_machines": 1, "mixed_precision": "fp16", "debug": True,
+                 "main_training_function": "nope"},
+    "unparsable": {"distributed_type": "NOT_A_TYPE", "gpu_ids": "0"},
+}
+# Run in every launched process (Python imports sitecustomize from PYTHONPATH): what the launcher gave it.
+SPY = """import json, os
+if "LOCAL_RANK" in os.environ:
+    keys = ("CUDA_VISIBLE_DEVICES", "ACCELERATE_MIXED_PRECISION", "ACCELERATE_DEBUG_MODE", "WORLD_SIZE")
+    with open(os.path.join(os.environ["SPY_DIR"], os.environ["LOCAL_RANK"] + ".json"), "w") as f:
+        json.dump({k: os.environ.get(k) for k in keys}, f)
+"""
+
+
+@pytest.mark.parametrize("hostile", sorted(HOSTILE))
+def test_the_users_default_accelerate_config_changes_nothing(tmp_path, hostile):
+    """A real 2-process CPU launch through our argv (each process runs `python -m tpgrpo --help`), with a
+    hostile default config in HF_HOME: both processes run, on every GPU, without mixed precision or debug."""
+    hf_home, spy = tmp_path / "hf", tmp_path / "spy"
+    (hf_home / "accelerate").mkdir(parents=True)
+    (hf_home / "accelerate" / "default_config.yaml").write_text(yaml.safe_dump(HOSTILE[hostile]))
+    spy.mkdir()
+    (spy / "sitecustomize.py").write_text(SPY)
+    (tmp_path / ".dvc").mkdir()  # a DVC project: our config is written under .dvc/tmp
+    argv = launch_argv(cfg_with(num_processes=2), tmp_path, ["--help"], {})
+    assert argv[argv.index("--gpu_ids") + 1] == "all"
+    assert argv[argv.index("--config_file") + 1] == str(tmp_path / OWN_CONFIG_PATH)
+    env = {k: v for k, v in os.environ.items() if k not in ("WORLD_SIZE", LAUNCHED_ENV, "CUDA_VISIBLE_DEVICES")}
+    env.update(HF_HOME=str(hf_home), PYTHONPATH=str(spy), SPY_DIR=str(spy), OMP_NUM_THREADS="1")
+    out = subprocess.run(argv, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert out.stdout.count("Usage:") == 2  # two processes, not the config's 7
+    seen = [json.loads((spy / f"{rank}.json").read_text()) for rank in (0, 1)]
+    assert seen == [{"CUDA_VISIBLE_DEVICES": None, "ACCELERATE_MIXED_PRECISION": "no",
+                     "ACCELERATE_DEBUG_MODE": None, "WORLD_SIZE": "2"}] * 2
+
+
+def test_our_accelerate_config_is_one_file_per_project(tmp_path):
+    """Every stage of a DVC project names the same file; accelerate reads it as one machine, every GPU."""
+    from accelerate.commands.config.config_args import load_config_from_file
+
+    (tmp_path / ".dvc").mkdir()
+    first = launch_argv(cfg_with(num_processes=2), tmp_path, ARGS, {})
+    again = launch_argv(cfg_with(num_processes=8), tmp_path, ARGS, {})
+    path = first[first.index("--config_file") + 1]
+    assert again[again.index("--config_file") + 1] == path and list((tmp_path / ".dvc" / "tmp").iterdir()) == \
+        [tmp_path / OWN_CONFIG_PATH]
+    config = load_config_from_file(path)
+    assert (config.gpu_ids, config.num_machines, config.mixed_precision, config.distributed_type.value) == \
+        ("all", 1, "no", "MULTI_GPU")
+    plain = tmp_path / "not a dvc project"  # a stage run by hand: a temp file, no .dvc folder made there
+    plain.mkdir()
+    argv = launch_argv(cfg_with(num_processes=2), plain, ARGS, {})
+    elsewhere = Path(argv[argv.index("--config_file") + 1])
+    assert not (plain / ".dvc").exists() and elsewhere.read_text() == Path(path).read_text()
+    elsewhere.unlink()
 
 
 @pytest.mark.parametrize("launch, env, expected", [

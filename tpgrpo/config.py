@@ -69,7 +69,9 @@ class TaskConfig:
 class RewardModelsConfig:
     """Local folders of the reward models (nothing is downloaded) and how they run; "" = not configured."""
 
-    device: str = param("cpu", "torch device of the reward models (cuda on a GPU machine); they run in fp32")
+    device: str = param("cpu", "torch device of the reward models (cuda on a GPU machine); they run in fp32",
+                        note="With several processes, cuda and cuda:N mean each process's own GPU, as for "
+                             "model.device")
     batch_size: int = param(32, "images per reward-model forward pass", "images", "> 0", note=MEMORY_KNOB)
     pickscore_path: str = param("", "PickScore_v1: a CLIP save_pretrained folder (config.json + weights)",
                                 "path")

@@ -157,6 +157,13 @@ def local_device(device: str, dist: Dist) -> str:
     return device
 
 
+def reward_device(device: str) -> str:
+    """This process's device for the reward models (``reward_models.device``), resolved as ``model.device`` is:
+    read as written, ``cuda:1`` put every rank's reward models on GPU 1 (8 copies on one GPU, beside its own
+    policy). Uses the ``Dist`` the CLI set up (one process when none, as in ``tpgrpo serve-reward``)."""
+    return local_device(device, current())
+
+
 def init(device: str = "cpu", timeout_s: float = DEFAULT_TIMEOUT_S, label: str = "stage") -> Dist:
     """Set up this process's ``Dist`` from the environment the launcher provides (accelerate, torchrun).
 

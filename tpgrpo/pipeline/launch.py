@@ -5,7 +5,8 @@ the ``launch`` params ask for more than one process and it is not itself one of 
 (``exec``) by the launcher, which starts the stage's processes, each running the same command:
 
 - one process (``accelerate`` or ``torchrun`` with ``launch.num_processes`` 1): the stage runs right here;
-- ``accelerate``: ``accelerate launch --multi_gpu --num_processes N`` on this machine, or
+- ``accelerate``: ``accelerate launch --multi_gpu --num_processes N --gpu_ids all`` on this machine, with a config
+  file of ours so that the user's default accelerate config is never read (``own_accelerate_config``), or
   ``accelerate launch --config_file FILE`` (DeepSpeed, a hand-started multi-node run);
 - ``torchrun``: ``torchrun --standalone --nproc-per-node N`` on this machine (c10d rendezvous on localhost);
 - ``slurm``: ``srun --nodes M --ntasks-per-node 1 torchrun --nnodes M --nproc-per-node N --rdzv-backend c10d
@@ -24,14 +25,23 @@ import os
 import shutil
 import socket
 import sys
+import tempfile
 from importlib.util import find_spec
 from pathlib import Path
 from typing import Mapping
+
+import yaml
 
 from tpgrpo.config import Config, ConfigError, LaunchConfig
 from tpgrpo.errors import PipelineError
 
 LAUNCHED_ENV = "TPGRPO_LAUNCHED"  # set for the launched processes: they run the stage, never launch again
+# What ``accelerate launch`` reads instead of the user's default config when launch.config_file is "": one machine,
+# every GPU (CUDA_VISIBLE_DEVICES still applies), no mixed precision (the stages choose their dtypes themselves).
+OWN_ACCELERATE_CONFIG = {"compute_environment": "LOCAL_MACHINE", "distributed_type": "MULTI_GPU", "num_machines": 1,
+                         "machine_rank": 0, "gpu_ids": "all", "mixed_precision": "no", "use_cpu": False,
+                         "debug": False}
+OWN_CONFIG_PATH = Path(".dvc") / "tmp" / "tpgrpo_accelerate.yaml"
 
 
 def launched(env: Mapping[str, str]) -> bool:
@@ -77,8 +87,35 @@ def _accelerate_how(launch: LaunchConfig, root: Path) -> list[str]:
                               "(expected an accelerate config file, path relative to the project root)")
         return ["--config_file", str(root / launch.config_file)]
     # one machine: torchrun under accelerate (gloo on the CPU), a free port so runs can share a machine
-    return ["--multi_gpu", "--num_machines", "1", "--num_processes", str(launch.num_processes),
-            "--mixed_precision", "no", "--dynamo_backend", "no", "--main_process_port", "0"]
+    return ["--config_file", str(own_accelerate_config(root)), "--multi_gpu", "--num_machines", "1",
+            "--num_processes", str(launch.num_processes), "--gpu_ids", "all", "--mixed_precision", "no",
+            "--dynamo_backend", "no", "--main_process_port", "0"]
+
+
+def own_accelerate_config(root: Path) -> Path:
+    """The file ``--config_file`` names in a one-machine accelerate launch: ``OWN_ACCELERATE_CONFIG``.
+
+    Why: without ``--config_file``, ``accelerate launch`` reads the user's default config
+    (``$HF_HOME/accelerate/default_config.yaml``) for every setting the command line leaves out (gpu_ids,
+    machine_rank, main_process_ip, rdzv_backend, debug, ...) and stops with a traceback on one it cannot
+    parse: ``gpu_ids: '0'`` there failed every multi-process stage, ``gpu_ids: '0,1'`` would hide six GPUs of
+    eight. Given a file, accelerate never opens the default. The content is constant, so one file serves every
+    stage: ``.dvc/tmp/tpgrpo_accelerate.yaml`` in a DVC project (every stage DVC runs); outside one (a
+    stage run by hand) a new temp file, as nothing of ours may create a ``.dvc`` folder there.
+    """
+    text = yaml.safe_dump(OWN_ACCELERATE_CONFIG, sort_keys=True)
+    if not (root / ".dvc").is_dir():
+        fd, name = tempfile.mkstemp(prefix="tpgrpo-accelerate-", suffix=".yaml")
+        with os.fdopen(fd, "w") as f:
+            f.write(text)
+        return Path(name)
+    path = root / OWN_CONFIG_PATH
+    if not path.is_file() or path.read_text() != text:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")  # renamed: a concurrent stage never reads half
+        tmp.write_text(text)
+        tmp.replace(path)
+    return path
 
 
 def _torchrun() -> list[str]:

@@ -30,14 +30,21 @@ def held_out(cfg, root: Path) -> tuple[list[dict], list[tuple[int, int]]]:
     """``(image_metas, chunks)``: one prompt meta per evaluated image (each of the first ``eval.num_prompts``
     held-out prompts ``eval.samples_per_prompt`` times in a row) and the chunks ``[(first, end), ...]`` of at
     most ``rollout.batch_size`` images (whole prompts when one fits) that eval samples, encodes and scores
-    together, the same on any process count."""
+    together, the same on any process count. More prompts asked than the file holds is a one-line
+    ``PipelineError`` (as ``rollout.prompts_per_iter`` is): cut silently, the eval would report a mean over
+    fewer prompts than the params say."""
+    from tpgrpo.errors import PipelineError
     from tpgrpo.io.artifacts import require
     from tpgrpo.pipeline.distributed import row_chunks
     from tpgrpo.stage_common import resolve
     from tpgrpo.tasks.prompts import load_prompts
 
     metas = load_prompts(require(resolve(root, cfg.task.eval_prompts), "task.eval_prompts"))
-    metas = metas[:cfg.eval.num_prompts]
+    n = cfg.eval.num_prompts
+    if n > len(metas):
+        raise PipelineError(f"eval.num_prompts = {n} but task.eval_prompts {cfg.task.eval_prompts} has "
+                            f"{len(metas)} prompts: expected at most {len(metas)}")
+    metas = metas[:n]
     S = cfg.eval.samples_per_prompt
     image_metas = [m for m in metas for _ in range(S)]
     return image_metas, row_chunks(len(image_metas), S, cfg.rollout.batch_size)

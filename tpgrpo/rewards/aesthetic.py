@@ -14,6 +14,7 @@ from pathlib import Path
 
 import numpy as np
 
+from tpgrpo.pipeline.distributed import reward_device
 from tpgrpo.rewards.folders import check_file, check_folder, load_error
 from tpgrpo.rewards.pickscore import MODEL_FILES, PROCESSOR_FILES, load_clip
 from tpgrpo.tasks.rewards import Reward
@@ -66,7 +67,7 @@ class AestheticReward(Reward):
         clip = check_folder("reward_models.aesthetic_clip_path", rm.aesthetic_clip_path, root, WHAT_CLIP,
                             MODEL_FILES + PROCESSOR_FILES)
         head = check_file("reward_models.aesthetic_head_path", rm.aesthetic_head_path, root, WHAT_HEAD)
-        return cls(clip, head, rm.device, rm.batch_size)
+        return cls(clip, head, reward_device(rm.device), rm.batch_size)
 
     def _score(self, images: np.ndarray, metas: list[dict]) -> tuple[np.ndarray, None]:
         import torch

@@ -22,6 +22,7 @@ from pathlib import Path
 
 import numpy as np
 
+from tpgrpo.pipeline.distributed import reward_device
 from tpgrpo.rewards.folders import check_folder, load_error
 from tpgrpo.tasks import geneval
 from tpgrpo.tasks.detect import Detection, DetectorConfig, classify_pixels
@@ -215,7 +216,8 @@ class GenEvalDetectorReward(Reward):
         """Check the configured folder now; the detector loads on the first call."""
         rm = cfg.reward_models
         path = check_folder("reward_models.geneval_detector_path", rm.geneval_detector_path, root, WHAT, FILES)
-        return cls(ObjectDetector(path, rm.device, rm.batch_size, cls.name), rm.geneval_detector_threshold)
+        detector = ObjectDetector(path, reward_device(rm.device), rm.batch_size, cls.name)
+        return cls(detector, rm.geneval_detector_threshold)
 
     def detections(self, images: np.ndarray, metas: list[dict]) -> list[Detection]:
         """The rules' view of each image: its selected boxes as objects."""

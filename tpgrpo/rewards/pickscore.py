@@ -16,6 +16,7 @@ from pathlib import Path
 
 import numpy as np
 
+from tpgrpo.pipeline.distributed import reward_device
 from tpgrpo.rewards.folders import check_folder, load_error
 from tpgrpo.tasks.rewards import Reward
 
@@ -65,7 +66,7 @@ class PickScoreReward(Reward):
         else:
             check_folder("reward_models.pickscore_path", rm.pickscore_path, root,
                          WHAT_PROCESSOR + " (or set reward_models.pickscore_processor_path)", PROCESSOR_FILES)
-        return cls(model, processor, rm.pickscore_divisor, rm.device, rm.batch_size)
+        return cls(model, processor, rm.pickscore_divisor, reward_device(rm.device), rm.batch_size)
 
     def raw_scores(self, images: np.ndarray, prompts: list[str]) -> np.ndarray:
         """logit_scale.exp() * cos(text, image) per (image, prompt) pair: (N,) float64.
