@@ -130,10 +130,15 @@ def main() -> None:
     print(f"threads: OMP_NUM_THREADS={os.environ.get('OMP_NUM_THREADS', 'unset')}, cpus {os.cpu_count()}; "
           f"entries from {source}", flush=True)
     rows, points = [], []
+    worst = f"{args.block_size},{args.block_size * 40}"  # a block's last iteration, early and late in a run
     for layout, sizes, bs in (("flat", args.flat, 0), ("blocks", args.blocks, args.block_size),
-                              ("own files", args.blocks, args.block_size)):
+                              ("own files", args.blocks, args.block_size), ("own files, block end", worst,
+                                                                            args.block_size)):
         for n in map(int, sizes.split(",")):
-            lock = lock_at(src, n, bs, own_files=layout == "own files")
+            # own files: measured while iteration n + 1 runs after n finished (n a multiple of the block size:
+            # every block sealed), and at a block's last iteration (its largest root lock) in the rows below
+            at = n + 1 if layout == "own files" else n
+            lock = lock_at(src, at, bs, own_files=layout.startswith("own files"))
             seconds, size = time_rewrite(lock, args.repeats if size_hint(lock) < 2e6 else 1)
             points.append((len(yaml.safe_dump(lock["stages"])), seconds))  # the bytes run_total counts
             rows.append({"layout": layout, "iterations": n, "entries": len(lock["stages"]), "lock KB": size / 1e3,
@@ -142,10 +147,11 @@ def main() -> None:
     fit = least_squares(points)
     print(f"fit: rewrite s = {fit[0]:.4f} + {fit[1] * 1e6:.3f} s per MB of YAML (the totals below are estimates)")
     measured = {(r["layout"], r["iterations"]): r for r in rows}
-    print("| iterations | root dvc.lock KB at N: flat / blocks / own files | one rewrite s at N, measured: flat / "
-          "blocks / own files | all rewrites of the run, s, estimated: flat / blocks / own files |")
+    print("| iterations N | root dvc.lock KB: flat at N / blocks in the root lock at N / own files after N "
+          "finished / own files at a block's end | one rewrite s, measured: same four | all rewrites of an "
+          "N-iteration run, s, estimated: flat / blocks / own files |")
     print("|---|---|---|---|")
-    layouts = ("flat", "blocks", "own files")
+    layouts = ("flat", "blocks", "own files", "own files, block end")
     for n in sorted({r["iterations"] for r in rows}):
         found = [measured.get((layout, n)) for layout in layouts]
         kb = " / ".join(f"{r['lock KB']:.0f}" if r else "-" for r in found)
@@ -153,10 +159,17 @@ def main() -> None:
         est = (run_total(src, n, 0, fit), run_total(src, n, args.block_size, fit),
                run_total(src, n, args.block_size, fit, own_files=True))
         print(f"| {n} | {kb} | {one} | {' / '.join(f'{e:.0f}' for e in est)} |")
-    own = {r["iterations"]: r["one rewrite s"] for r in rows if r["layout"] == "own files"}
-    if len(own) > 1:
-        lo, hi = min(own), max(own)
-        print(f"own files: one rewrite at {hi} iterations / at {lo}: {own[hi] / own[lo]:.2f}x (measured in this run)")
+    for layout in layouts[2:]:
+        own = {r["iterations"]: r["one rewrite s"] for r in rows if r["layout"] == layout}
+        if len(own) > 1:
+            lo, hi = min(own), max(own)
+            print(f"{layout}: one rewrite at {hi} iterations / at {lo}: {own[hi] / own[lo]:.2f}x (measured in this run)")
+    flat12 = measured.get(("flat", min(r["iterations"] for r in rows)))
+    if flat12:
+        for layout in layouts[2:]:
+            big = max((r for r in rows if r["layout"] == layout), key=lambda r: r["iterations"])
+            print(f"{layout} at {big['iterations']} / flat at {flat12['iterations']}: "
+                  f"{big['one rewrite s'] / flat12['one rewrite s']:.2f}x")
 
 
 def compare_layouts(old: Path, new: Path, sizes: list[int], repeats: int) -> None:

@@ -173,8 +173,11 @@ def dvc_yaml_command(params: ParamsOpt = Path("params.yaml")) -> None:
     from tpgrpo.errors import PipelineError
     from tpgrpo.pipeline.dvcfile import write_dvc_yaml
 
+    from tpgrpo.pipeline.sealing import migrate_if_needed
+
     try:
         cfg = load_config(params)
+        migrate_if_needed(Path(params).resolve().parent, cfg)  # a block sealed in the root lock moves out first
         changed = write_dvc_yaml(cfg, Path(params).resolve().parent)
     except (ConfigError, PipelineError) as exc:
         _fail(str(exc))

@@ -311,6 +311,16 @@ def _unmigrated(root: Path, lock: dict | None = None) -> list[Block]:
     return [b for b in files if b.name in stages and not b.lockfile(root).is_file()]
 
 
+def migrate_if_needed(root: Path, cfg: Config) -> list[Block]:
+    """:func:`migrate_sealed_entries` under DVC's lock, when a sealed block still has its entry in the root lock
+    (rendering dvc.yaml without it would leave the block's own pipeline file with no record: DVC would re-run
+    it)."""
+    if not _unmigrated(root):
+        return []
+    with dvc_lock_held(root):
+        return migrate_sealed_entries(root, cfg)
+
+
 def migrate_sealed_entries(root: Path, cfg: Config) -> list[Block]:
     """Projects sealed before blocks had their own pipeline files keep each block's stage in the root
     dvc.yaml and its entry in the root dvc.lock: move each such entry into the block's own lock, beside its
