@@ -90,6 +90,19 @@ def train_one(work: Path) -> Path:
     return root
 
 
+def refresh_code(source: Path) -> None:
+    """Give the source project this checkout's code: copy it in, rewrite the code manifests, and record every
+    stage as up to date with them (``dvc commit --force``). For a bookkeeping bench only: the artifacts stay
+    those the older code made, which the bench never compares."""
+    for code in ("stages", "tpgrpo"):
+        shutil.rmtree(source / code)
+        shutil.copytree(REPO / code, source / code, ignore=shutil.ignore_patterns("__pycache__"))
+    tpgrpo(source, "dvc-yaml")
+    sh(source, sys.executable, "-c", "from pathlib import Path; from tpgrpo.pipeline.code_manifest import "
+                                     "write_manifests; write_manifests(Path('.').resolve())")
+    dvc(source, "commit", "--force", "--quiet")
+
+
 def renumbered(entry: dict, i: int, prev_policy: dict | None) -> dict:
     """Iteration 1's lock entry as iteration i's: paths and --iter renumbered, policy i - 1 as a dep."""
     text = json.dumps(entry).replace("data/iters/0001/", f"data/iters/{i:04d}/").replace("--iter 1", f"--iter {i}")
@@ -204,12 +217,15 @@ def main() -> None:
     ap.add_argument("--work", type=Path, default=Path("/tmp/tpgrpo_dvc_scale"))
     ap.add_argument("--from", dest="source", type=Path, help="project that finished 1 iteration")
     ap.add_argument("--out", type=Path, default=REPO / "bench" / "results" / "dvc_scale.json")
+    ap.add_argument("--refresh-code", action="store_true", help="give the --from project this checkout's code first")
     ap.add_argument("--no-one-more", action="store_true", help="skip training one more iteration per project")
     args = ap.parse_args()
     global ONE_MORE
     ONE_MORE = not args.no_one_more
     args.work.mkdir(parents=True, exist_ok=True)
     source = args.source.resolve() if args.source else train_one(args.work)
+    if args.refresh_code:
+        refresh_code(source)
     sharing = cache_sharing(source)
     print(json.dumps(sharing), flush=True)
     rows = []

@@ -87,6 +87,8 @@ def summary(root: Path, block: Block) -> dict | None:
 
 
 def _write(root: Path, block: Block, data: dict) -> None:
+    if not (root / ".dvc").is_dir():
+        return  # not a DVC project (yet): creating .dvc/tmp here would make `tpgrpo run` skip `dvc init`
     try:
         write_text_atomic(_cache_file(root, block), json.dumps(data))
     except OSError:

@@ -1,0 +1,65 @@
+"""The sealed blocks' stat cache (tpgrpo.pipeline.seal_cache): any change to a block's files or lock is seen."""
+
+from __future__ import annotations
+
+import os
+import time
+
+from test_sealing import _four_iterations_sealed
+
+from tpgrpo.pipeline import seal_cache
+from tpgrpo.pipeline.blocks import Block, block_entry, write_block_entry, write_lock
+
+BLOCK = Block(1, 2)
+
+
+def _sealed_with_files(tmp_path):
+    root, cfg, lock = _four_iterations_sealed(tmp_path)
+    write_lock(root, lock)
+    (root / ".dvc").mkdir()
+    for path in seal_cache.summary(root, BLOCK)["paths"]:
+        (root / path).parent.mkdir(parents=True, exist_ok=True)
+        if path.endswith((".zarr", "policy")):
+            (root / path).mkdir(exist_ok=True)
+            (root / path / "part").write_text("x")
+        else:
+            (root / path).write_text("x")
+    return root
+
+
+def test_a_block_is_trusted_only_after_dvc_vouched_and_until_any_file_of_it_changes(tmp_path):
+    root = _sealed_with_files(tmp_path)
+    assert not seal_cache.unchanged(root, [BLOCK])  # never vouched for (a fresh clone): DVC checks it
+    seal_cache.vouch(root, [BLOCK])
+    assert seal_cache.unchanged(root, [BLOCK])
+    inner = root / "data/iters/0001/trajectories.zarr/part"
+    changes = [
+        lambda: os.utime(inner, (time.time() + 60, time.time() + 60)),  # a touch
+        lambda: inner.write_text("y"),  # an in-place write, same size
+        lambda: (inner.unlink(), inner.write_text("x")),  # a new file of the same content (new inode)
+        lambda: inner.unlink(),  # a delete inside a folder output
+        lambda: (root / "data/iters/0002/credit.parquet").unlink(),  # a delete of a file output
+    ]
+    for change in changes:
+        seal_cache.vouch(root, [BLOCK])
+        assert seal_cache.unchanged(root, [BLOCK])
+        change()
+        assert not seal_cache.unchanged(root, [BLOCK])
+
+
+def test_a_rewritten_lock_invalidates_what_was_cached_of_it(tmp_path):
+    root = _sealed_with_files(tmp_path)
+    seal_cache.vouch(root, [BLOCK])
+    entry = block_entry(root, BLOCK)
+    entry["params"]["params.yaml"]["credit"]["mode"] = "incremental"
+    write_block_entry(root, BLOCK, entry)  # e.g. DVC re-ran the block, or retention thinned it
+    assert not seal_cache.unchanged(root, [BLOCK])
+    assert seal_cache.summary(root, BLOCK)["params"]["credit"]["mode"] == "incremental"
+    (root / seal_cache.CACHE / "0001-0002.json").write_text("{not json")  # a damaged cache is no cache
+    assert not seal_cache.unchanged(root, [BLOCK])
+    assert seal_cache.summary(root, BLOCK)["params"]["credit"]["mode"] == "incremental"
+
+
+def test_no_cache_is_written_outside_a_dvc_project(tmp_path):
+    root, cfg, lock = _four_iterations_sealed(tmp_path)
+    assert seal_cache.summary(root, BLOCK) is not None and not (root / ".dvc").exists()
