@@ -189,7 +189,7 @@ def one_more(root: Path, n: int) -> dict:
             "stages run": len(ran)}
 
 
-def measure(root: Path, n: int) -> dict:
+def measure(root: Path, n: int, train_one_more: bool) -> dict:
     lines = (root / "dvc.yaml").read_text().count("\n")
     row = {"dvc.yaml lines": lines, "stages": len(yaml.safe_load((root / "dvc.yaml").read_text())["stages"])}
     row["dvc status s"], out = dvc(root, "status")
@@ -202,7 +202,7 @@ def measure(root: Path, n: int) -> dict:
     assert "Running stage" not in out, out[-500:]
     row["tpgrpo status s"], _ = tpgrpo(root, "status")
     row["MB/iter"] = workspace_mb(root, n)
-    if ONE_MORE:
+    if ONE_MORE and train_one_more:
         row.update(one_more(root, n))
     return row
 
@@ -241,7 +241,9 @@ def main() -> None:
                 (root / "params.yaml").write_text(yaml.safe_dump(params, sort_keys=False))
                 built, _ = tpgrpo(root, "retain")
                 dvc(root, "commit", "--force", "--quiet", "code")  # params.yaml changed: what `tpgrpo run` re-runs
-            row = {"iterations": n, "layout": layout, "build/retain s": built, **measure(root, n)}
+            done = n + 1 if ONE_MORE and layout == "retained" else n  # the sealed project trained one more
+            row = {"iterations": done, "layout": layout, "build/retain s": built,
+                   **measure(root, done, train_one_more=layout != "retained")}
             rows.append(row)
             print(json.dumps({k: round(v, 2) if isinstance(v, float) else v for k, v in row.items()}), flush=True)
             if layout in ("flat", "retained"):
