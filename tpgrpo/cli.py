@@ -173,7 +173,7 @@ def dvc_yaml_command(params: ParamsOpt = Path("params.yaml")) -> None:
     from tpgrpo.errors import PipelineError
     from tpgrpo.pipeline.dvcfile import write_dvc_yaml
 
-    from tpgrpo.pipeline.sealing import migrate_if_needed
+    from tpgrpo.pipeline.migrate import migrate_if_needed
 
     try:
         cfg = load_config(params)

@@ -94,7 +94,7 @@ def retain(root: Path, cfg: Config, gc: bool = True, note: Callable[[str], None]
     throughout (:func:`dvc_lock_held`). Returns the dropped paths."""
     from tpgrpo.pipeline.dvcfile import write_block_dvcfile
 
-    from tpgrpo.pipeline.sealing import migrate_sealed_entries
+    from tpgrpo.pipeline.migrate import migrate_sealed_entries
 
     with dvc_lock_held(root) as repo:
         migrate_sealed_entries(root, cfg)  # a block sealed before blocks had their own files

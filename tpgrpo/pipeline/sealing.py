@@ -41,6 +41,7 @@ from tpgrpo.pipeline.blocks import (Block, block_entry, current_entries, disagre
 from tpgrpo.pipeline.code_manifest import CODE_DIR
 from tpgrpo.pipeline.dvcfile import block_out_paths, block_stage, iteration_stages, stage_command, write_dvc_yaml
 from tpgrpo.pipeline.dvclock import dvc_lock_held
+from tpgrpo.pipeline.migrate import _unmigrated, migrate_if_needed, migrate_sealed_entries  # noqa: F401
 from tpgrpo.pipeline.seal_cache import vouch
 from tpgrpo.pipeline.retention import (DROPPABLE, dropped_outs, free_cache, kept_outs, remove_path,  # noqa: F401
                                        retain)  # (re-exported: retention's home was this module)
@@ -300,40 +301,6 @@ def _refuse_thinned(root: Path, block: Block, why: str, entries: dict) -> None:
             f"{len(gone)} of its outputs (first: {gone[0]}), so DVC would re-run iterations {block.first}-"
             f"{block.last} from their rollouts; undo the change, or delete {stem}.yaml, {stem}.stages and "
             f"{stem}/ to re-run the block whole")
-
-
-def _unmigrated(root: Path, lock: dict | None = None) -> list[Block]:
-    """Sealed blocks whose entry is still in the root dvc.lock (sealed before blocks had their own files)."""
-    files = seal_files(root)
-    if not files or all(b.lockfile(root).is_file() for b in files):
-        return []
-    stages = (read_lock(root) if lock is None else lock)["stages"]
-    return [b for b in files if b.name in stages and not b.lockfile(root).is_file()]
-
-
-def migrate_if_needed(root: Path, cfg: Config) -> list[Block]:
-    """:func:`migrate_sealed_entries` under DVC's lock, when a sealed block still has its entry in the root lock
-    (rendering dvc.yaml without it would leave the block's own pipeline file with no record: DVC would re-run
-    it)."""
-    if not _unmigrated(root):
-        return []
-    with dvc_lock_held(root):
-        return migrate_sealed_entries(root, cfg)
-
-
-def migrate_sealed_entries(root: Path, cfg: Config) -> list[Block]:
-    """Projects sealed before blocks had their own pipeline files keep each block's stage in the root
-    dvc.yaml and its entry in the root dvc.lock: move each such entry into the block's own lock, beside its
-    pipeline file, and re-render dvc.yaml without it (DVC sees the same stage with the same record: nothing
-    re-runs). Call with DVC's lock held. Returns the blocks moved."""
-    lock = read_lock(root)
-    moved = _unmigrated(root, lock)
-    for block in moved:
-        write_block_entry(root, block, lock["stages"].pop(block.name))
-    if moved:
-        write_lock(root, lock)
-        write_dvc_yaml(cfg, root)
-    return moved
 
 
 def run_block(root: Path, cfg: Config, block: Block) -> None:
