@@ -146,7 +146,7 @@ def test_the_main_process_waits_for_a_part_another_node_renames_late(tmp_path):
     import threading
     import time
 
-    from tpgrpo.pipeline.distributed import _wait_for
+    from tpgrpo.distributed import _wait_for
 
     late = tmp_path / "chunk-00001.npz"
     threading.Timer(0.3, late.write_bytes, args=(b"part",)).start()

@@ -36,7 +36,7 @@ def _fail(message: str) -> None:
 
 
 def _run_stage(name: str, iteration: int | None, params: Path) -> None:
-    from tpgrpo.pipeline import distributed
+    from tpgrpo import distributed
     from tpgrpo.config import ConfigError, load_config
     from tpgrpo.stage_params import MULTI_PROCESS_STAGES
     from tpgrpo.errors import PipelineError

@@ -72,7 +72,7 @@ def load_policy(cfg: Config, root: Path, iteration: int, trainable: bool = False
     """
     import torch
 
-    from tpgrpo.pipeline.distributed import current, local_device
+    from tpgrpo.distributed import current, local_device
     from tpgrpo.models import load_backend
     from tpgrpo.policy.lora import attach_lora
 
@@ -126,7 +126,7 @@ def prompt_embeddings(cfg: Config, root: Path, iteration: int, backend, prompts:
     text encoders never load there; otherwise they encode again (the same numbers: encoding is
     deterministic). After encoding, a backend that can free its text encoders does.
     """
-    from tpgrpo.pipeline.distributed import current
+    from tpgrpo.distributed import current
 
     path = IterationPaths(root, iteration).prompt_embeds
     key = {"prompts": json.dumps(list(prompts)), "model": cfg.params_hash(["model"])}

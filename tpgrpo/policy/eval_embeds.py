@@ -32,7 +32,7 @@ def held_out(cfg, root: Path) -> tuple[list[dict], list[tuple[int, int]]]:
     most ``rollout.batch_size`` images (whole prompts when one fits) that eval samples, encodes and scores
     together, the same on any process count."""
     from tpgrpo.io.artifacts import require
-    from tpgrpo.pipeline.distributed import row_chunks
+    from tpgrpo.distributed import row_chunks
     from tpgrpo.stage_common import resolve
     from tpgrpo.tasks.prompts import load_prompts
 
