@@ -5,7 +5,7 @@ import sys
 
 def main() -> None:
     """Hand a stage command to the stage server when `tpgrpo run` started one; otherwise run the CLI here."""
-    from tpgrpo.pipeline.stage_server import run_via_server
+    from tpgrpo.pipeline.stage_client import run_via_server
 
     code = run_via_server(sys.argv)
     if code is not None:
