@@ -162,30 +162,42 @@ def test_a_project_locked_with_code_files_keeps_that_layout(tmp_path):
 
 @pytest.mark.slow
 def test_a_code_change_reruns_the_stages_of_its_kind_only(tmp_path, tiny_model_dir):
-    """Real DVC: after a run, a comment added to tpgrpo/algo/loss.py (update's code) re-runs the code stage and
-    the updates, and nothing of the rollout, probe, credit or baseline; one added to tpgrpo/reports/figures.py re-runs
-    the summary only (besides the code stage)."""
-    from test_dvc_pipeline import env, ran, repro, tpgrpo_run
+    """Real DVC, the project's code first on PYTHONPATH (what its manifests hash is what runs): after a run,
+    `tpgrpo run` after an edit to the CLI's help, `tpgrpo status`'s code and the docs re-runs the code stage
+    only; a comment added to tpgrpo/algo/loss.py (update's code) re-runs the code stage and the updates, and
+    nothing of the rollout, probe, credit or baseline; one added to tpgrpo/reports/figures.py re-runs the
+    summary only (besides the code stage)."""
+    from test_dvc_pipeline import env, ran
 
     root = make_tiny_project(tmp_path / "project", tiny_model_dir)
-    first = tpgrpo_run(root)
-    assert first.returncode == 0, first.stdout[-3000:] + first.stderr[-3000:]
+    own = dict(env(), PYTHONPATH=str(root))
+
+    def run(*command: str) -> subprocess.CompletedProcess:
+        done = subprocess.run([sys.executable, "-m", *command], cwd=root, env=own, capture_output=True, text=True)
+        assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+        return done
+
+    run("tpgrpo", "run")
     lock = yaml.safe_load((root / "dvc.lock").read_text())
     assert not uses_code_files(lock) and "code" in lock["stages"]
-    assert ran(repro(root)) == set()
+    assert ran(run("dvc", "repro").stdout) == set()
 
-    with open(root / "tpgrpo" / "algo" / "loss.py", "a") as f:
-        f.write("# a comment\n")
-    rerun = ran(repro(root))
+    cli = root / "tpgrpo" / "cli.py"
+    cli.write_text(cli.read_text().replace('"""One screen: iterations done', '"""One screen (edited): iterations done'))
+    _append(root / "tpgrpo" / "pipeline" / "status.py")
+    (root / "docs").mkdir()
+    (root / "docs" / "notes.md").write_text("# notes\n")
+    again = run("tpgrpo", "run")
+    assert ran(again.stdout) == {"code"}, again.stdout[-3000:]
+
+    _append(root / "tpgrpo" / "algo" / "loss.py")
+    rerun = ran(run("dvc", "repro").stdout)
     assert {"code", "update-0001"} <= rerun, rerun
     assert not any(n.startswith(("rollout-0001", "probe-", "credit-", "baseline")) for n in rerun), rerun
 
-    with open(root / "tpgrpo" / "reports" / "figures.py", "a") as f:
-        f.write("# a comment\n")
-    assert ran(repro(root)) == {"code", "summary"}
-    status = subprocess.run([sys.executable, "-m", "dvc", "status"], cwd=root, env=env(), capture_output=True,
-                            text=True)
-    assert status.returncode == 0 and "up to date" in status.stdout, status.stdout
+    _append(root / "tpgrpo" / "reports" / "figures.py")
+    assert ran(run("dvc", "repro").stdout) == {"code", "summary"}
+    assert "up to date" in run("dvc", "status").stdout
 
 
 def test_the_code_stage_lists_every_param_the_rendering_reads():
