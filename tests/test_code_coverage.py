@@ -166,3 +166,17 @@ def test_under_dvc_a_stage_refuses_modules_that_are_not_the_projects_code(tmp_pa
 
     own = _stage_as_dvc_runs_it(root, root)  # the project's code first: what the manifest records runs
     assert own.returncode == 2 and "probe.parquet" in own.stderr and "records" not in own.stderr, own.stderr
+
+
+def test_a_project_without_its_own_code_is_refused_in_one_line(tmp_path, tiny_model_dir):
+    """The manifests hash the project's copy of the code; a project folder without one (its manifests copied
+    from elsewhere) has nothing they could match: one line naming the missing file, exit 2."""
+    import shutil
+
+    root = make_tiny_project(tmp_path / "project", tiny_model_dir)
+    write_manifests(root)
+    shutil.rmtree(root / "stages")
+    done = _stage_as_dvc_runs_it(root, None)
+    message = done.stderr.strip()
+    assert done.returncode == 2 and message.count("\n") == 0, done.stderr
+    assert message.startswith("error: code path stages/") and "not found under" in message, message
