@@ -45,7 +45,7 @@ from typing import Iterator
 
 from tpgrpo.pipeline.code_manifest import STAGE_KIND
 from tpgrpo.pipeline.processes import CodeState, die_with_parent
-from tpgrpo.pipeline.stage_client import COMMANDS, ENV_VAR, MAX_MESSAGE, fingerprint  # noqa: F401 - ENV_VAR re-exported
+from tpgrpo.pipeline.stage_client import COMMANDS, ENV_VAR, MAX_MESSAGE, fingerprint
 
 # the stage runner first: it sets OMP_WAIT_POLICY, which the OpenMP runtime reads when torch loads it.
 PRELOAD = ("tpgrpo.pipeline.stage_runner", "torch", "numpy", "pandas", "pyarrow.parquet", "zarr", "safetensors.torch", "peft", "typer",
