@@ -161,7 +161,8 @@ def test_under_dvc_a_stage_refuses_modules_that_are_not_the_projects_code(tmp_pa
     message = other.stderr.strip()
     assert other.returncode == 2 and message.count("\n") == 0, other.stderr
     assert message.startswith("error: the code that runs is not the code data/code/credit.json records"), message
-    assert "tpgrpo/algo/credit.py" in message and f"PYTHONPATH={root}" in message and "--temp" in message
+    assert "tpgrpo/algo/credit.py differs" in message and f"PYTHONPATH={root}" in message
+    assert "`PYTHONPATH=. dvc exp run --temp`" in message
     assert not (root / "data" / "iters" / "0001" / "credit.parquet").exists()
 
     own = _stage_as_dvc_runs_it(root, root)  # the project's code first: what the manifest records runs

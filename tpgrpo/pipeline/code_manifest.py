@@ -198,9 +198,10 @@ def check_running_code(root: Path, kind: str) -> None:
 
         raise PipelineError(
             f"the code that runs is not the code {manifest_path(kind)} records: tpgrpo is imported from {running}, "
-            f"whose {', '.join(differ[:3])}{', ...' if len(differ) > 3 else ''} differ from {root}'s copy; put the "
-            f"project's code first (PYTHONPATH={root}); `dvc exp run --temp` runs a copy of the project with the "
-            "installed package: run it without --temp")
+            f"whose {', '.join(differ[:3])}{', ...' if len(differ) > 3 else ''} "
+            f"{'differs' if len(differ) == 1 else 'differ'} from {root}'s copy; put the project's code first "
+            f"(PYTHONPATH={root}); `dvc exp run --temp` runs a copy of the project with the installed package: "
+            "run `PYTHONPATH=. dvc exp run --temp`")
 
 
 def code_stage() -> dict:
