@@ -23,7 +23,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 def scored_table(cfg, root: Path, iteration: int):
     """Per-image eval table of policy ``iteration`` (0: the base model) under ``cfg``'s eval params."""
     from stages.eval import eval_images
-    from tpgrpo.stage_common import policy_to_score
+    from tpgrpo.policy.loading import policy_to_score
 
     backend = policy_to_score(cfg, root, iteration)[0]
     with tempfile.TemporaryDirectory() as tmp:  # chunk part files: never inside the run folder

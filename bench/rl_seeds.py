@@ -114,7 +114,7 @@ def extra_evaluations(results: dict, folders: dict, eval_seeds: list[int]) -> No
     sys.path.insert(0, str(REPO))
     from stages.eval import evaluate
     from tpgrpo.config import load_config
-    from tpgrpo.stage_common import load_policy
+    from tpgrpo.policy.loading import load_policy
 
     scratch = Path(tempfile.mkdtemp()) / "eval.json"  # where evaluate() keeps its part files
     base: dict[int, float] = {}

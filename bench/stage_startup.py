@@ -4,7 +4,7 @@ Usage: ``python bench/stage_startup.py [--model data/base] [--repeat 3]``. In a 
 repo's params.yaml it runs iteration 1's rollout, probe and credit once, then times (best of ``--repeat``,
 fresh processes, 1 torch thread): ``tpgrpo --help``; ``tpgrpo stage credit``; ``tpgrpo stage credit`` with
 credit.mode flow_grpo (no probe: R_fin from the rollout); the rollout stage; and, in a fresh process, importing
-the libraries and loading the policy (``tpgrpo.stage_common.load_policy``); then the same stage commands through the stage
+the libraries and loading the policy (``tpgrpo.policy.loading.load_policy``); then the same stage commands through the stage
 server ``tpgrpo run`` starts (``launch.stage_server``). "start-up" = command wall - the stage's
 ``wall_seconds`` (which already counts model loading inside the stage).
 """
@@ -29,7 +29,7 @@ from tpgrpo.pipeline.stage_server import running  # noqa: E402
 REPO = Path(__file__).resolve().parents[1]
 TPGRPO = [sys.executable, "-m", "tpgrpo"]
 LOAD = ("import time, sys; t = time.perf_counter(); from pathlib import Path; from tpgrpo.config import load_config; "
-        "from tpgrpo.stage_common import load_policy; load_policy(load_config(sys.argv[1]), Path(sys.argv[1]).parent, "
+        "from tpgrpo.policy.loading import load_policy; load_policy(load_config(sys.argv[1]), Path(sys.argv[1]).parent, "
         "int(sys.argv[2])); "
         "print(time.perf_counter() - t)")
 

@@ -6,7 +6,7 @@
 Writes ``{"import_s", "load_s", "text_load_s", "peak_rss_gib"}`` to ``--timings`` (under accelerate, the
 main process's; the others write ``t.json.rank<N>``): ``import_s`` the CLI's import plus the model libraries
 a model stage imports lazily (diffusers, peft), ``load_s`` the time inside
-``tpgrpo.stage_common.load_policy`` (transformer + VAE from disk to the device, LoRA attached and loaded),
+``tpgrpo.policy.loading.load_policy`` (transformer + VAE from disk to the device, LoRA attached and loaded),
 ``text_load_s`` the first load of the text encoders, ``peak_rss_gib`` this process's peak resident memory
 (VmHWM). The command's wall time minus these is its compute (and artifact writing). Once the first
 ``load_policy`` returns, ``<timings>.loaded`` is created (``bench/gpu_check.py`` kills a stage there, mid-run).
@@ -38,7 +38,7 @@ def run_timed(cli_args: list[str], out: Path) -> None:
         from diffusers import AutoencoderKL, SD3Transformer2DModel, StableDiffusion3Pipeline  # noqa: F401
         import peft  # noqa: F401
     import tpgrpo.models.latent as latent
-    import tpgrpo.stage_common as common
+    import tpgrpo.policy.loading as common
 
     times = {"import_s": time.perf_counter() - start, "load_s": 0.0, "text_load_s": 0.0}
     load_policy, text_pipeline = common.load_policy, latent.LatentBackend._text_pipeline

@@ -17,9 +17,10 @@ import numpy as np
 from tpgrpo.io.artifacts import IterationPaths, require, write_json, write_parquet
 from tpgrpo.comparison.stats import EVAL_TABLE_COLUMNS
 from tpgrpo.config import Config
-from tpgrpo.pipeline.distributed import chunk_bar, current, run_chunks, warn_if_idle
+from tpgrpo.distributed import chunk_bar, current, run_chunks, warn_if_idle
 from tpgrpo.errors import PipelineError
-from tpgrpo.stage_common import check_finite, load_policy, policy_to_score, provenance, stopwatch
+from tpgrpo.policy.loading import load_policy, policy_to_score
+from tpgrpo.stage_common import check_finite, provenance, stopwatch
 
 EVAL_TABLE = "eval.parquet"  # beside eval.json: one row per (held-out prompt, eval seed)
 BASELINE_TABLE = "baseline_eval.parquet"  # beside baseline_eval.json, the same rows for the base model

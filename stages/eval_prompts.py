@@ -19,7 +19,7 @@ from tpgrpo.stage_common import resolve, stopwatch
 
 def run(cfg: Config, iteration: int | None, root: Path) -> dict:  # noqa: ARG001 - once per run
     from tpgrpo.models import load_backend
-    from tpgrpo.pipeline.distributed import is_main_process
+    from tpgrpo.distributed import is_main_process
 
     metrics: dict = {"stage": "eval_prompts"}
     if not is_main_process():  # a single-process stage; should a launcher start several, one writes

@@ -19,10 +19,11 @@ import pandas as pd
 from tpgrpo.io.artifacts import IterationPaths, write_json, write_table
 from tpgrpo.io.trajectories import read_trajectories
 from tpgrpo.config import Config
-from tpgrpo.pipeline.distributed import chunk_bar, current, row_chunks, local_device, run_chunks, warn_if_idle
+from tpgrpo.distributed import chunk_bar, current, row_chunks, local_device, run_chunks, warn_if_idle
 from tpgrpo.errors import PipelineError
 from tpgrpo.models import load_backend  # light: the backends import torch and diffusers when one loads
-from tpgrpo.stage_common import check_finite, load_policy, prompt_embeddings, provenance, resolve, stopwatch
+from tpgrpo.policy.loading import load_policy, prompt_embeddings
+from tpgrpo.stage_common import check_finite, provenance, resolve, stopwatch
 from tpgrpo.algo.probe_modes import Completion, parse_completion
 from tpgrpo.io.schemas import PROBE, PROBE_COMPLETION_KEY
 

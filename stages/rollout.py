@@ -16,9 +16,9 @@ import torch
 from tpgrpo.io.artifacts import IterationPaths, write_json
 from tpgrpo.io.trajectories import write_zarr
 from tpgrpo.config import Config
-from tpgrpo.pipeline.distributed import chunk_bar, current, row_chunks, run_chunks, warn_if_idle
-from tpgrpo.stage_common import (check_finite, load_policy, prompt_embeddings, provenance, sampler_spec, select_prompts,
-                             stopwatch)
+from tpgrpo.distributed import chunk_bar, current, row_chunks, run_chunks, warn_if_idle
+from tpgrpo.policy.loading import load_policy, prompt_embeddings, sampler_spec, select_prompts
+from tpgrpo.stage_common import check_finite, provenance, stopwatch
 from tpgrpo.algo.seeds import sample_seed
 from tpgrpo.tasks.rewards import build_reward
 from tpgrpo.algo.trajectory import rollout

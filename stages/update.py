@@ -17,8 +17,9 @@ from tqdm import tqdm
 from tpgrpo.io.artifacts import IterationPaths, read_table, require, write_json
 from tpgrpo.io.trajectories import read_trajectories
 from tpgrpo.config import Config, UpdateConfig
-from tpgrpo.pipeline.distributed import current
-from tpgrpo.stage_common import load_policy, prompt_embeddings, sampling_from_attrs, stopwatch
+from tpgrpo.distributed import current
+from tpgrpo.policy.loading import load_policy, prompt_embeddings, sampling_from_attrs
+from tpgrpo.stage_common import stopwatch
 from tpgrpo.policy.lora import LoraEMA
 from tpgrpo.policy.states import LazyStates
 from tpgrpo.io.schemas import CREDIT

@@ -68,7 +68,70 @@ def test_a_manifest_changes_exactly_when_a_file_of_its_kind_changes(tmp_path):
     model_file = sorted((tmp_path / "tpgrpo" / "models").glob("*.py"))[0]
     model_file.write_text(model_file.read_text() + "# a comment\n")
     changed = {k for k in KIND_STAGES if _manifests(tmp_path)[k] != after[k]}
-    assert changed == set(KIND_STAGES)  # every stage imports the model code (credit through the runner's imports)
+    assert changed == set(KIND_STAGES) - {"credit"}  # credit reads a table: it loads no model
+
+
+def _append(path: Path, text: str = "# a comment\n") -> None:
+    with open(path, "a") as f:
+        f.write(text)
+
+
+def _changed(root: Path, before: dict[str, bytes]) -> set[str]:
+    return {kind for kind, text in _manifests(root).items() if text != before[kind]}
+
+
+def test_no_stage_closure_contains_orchestration():
+    """The boundary, drawn in the package: stage code never imports the command line or tpgrpo/pipeline/
+    (stage runner, stage server, manifests, dvc.yaml, sealing, status, launch, params notes)."""
+    from tpgrpo.pipeline.code_graph import ORCHESTRATION, is_orchestration
+
+    assert is_orchestration("tpgrpo/cli.py") and is_orchestration("tpgrpo/pipeline/status.py")
+    assert not is_orchestration("tpgrpo/distributed.py") and not is_orchestration("stages/credit.py")
+    for kind in KIND_STAGES:
+        code = kind_code(REPO, kind)
+        assert set(KIND_STAGES[kind]) <= set(code), kind
+        assert not [f for f in code if is_orchestration(f)], f"{kind} imports orchestration ({ORCHESTRATION})"
+    credit = kind_code(REPO, "credit")  # reads a Parquet table: no model, policy or reward code
+    assert not [f for f in credit if f.startswith(("tpgrpo/models/", "tpgrpo/policy/", "tpgrpo/rewards/"))], credit
+    assert {"tpgrpo/algo/credit.py", "tpgrpo/algo/advantages.py", "tpgrpo/io/artifacts.py", "tpgrpo/stage_common.py",
+            "tpgrpo/config.py"} <= set(credit) and len(credit) < 20, credit
+
+
+def test_an_edit_to_the_cli_the_status_or_the_docs_changes_no_manifest(tmp_path):
+    """What runs and reports stages is not what they compute: the code stage re-runs (its deps are all the
+    code) and writes the same bytes, so DVC re-runs nothing after it."""
+    _copy_code(tmp_path)
+    shutil.copytree(REPO / "docs", tmp_path / "docs")
+    before = _manifests(tmp_path)
+    cli = tmp_path / "tpgrpo" / "cli.py"
+    text = cli.read_text()
+    assert '"""One screen: iterations done' in text
+    cli.write_text(text.replace('"""One screen: iterations done', '"""One screen (edited help): iterations done'))
+    for path in ("tpgrpo/pipeline/status.py", "tpgrpo/pipeline/stage_runner.py", "tpgrpo/pipeline/stage_server.py",
+                 "tpgrpo/pipeline/launch.py", "tpgrpo/__main__.py", "docs/artifacts.md"):
+        _append(tmp_path / path)
+    assert _changed(tmp_path, before) == set()
+
+
+def test_an_edit_to_the_credit_maths_changes_the_credit_manifest_only(tmp_path):
+    """Credit re-runs; the stages after it re-run through its outputs (data deps), not through their code."""
+    _copy_code(tmp_path)
+    before = _manifests(tmp_path)
+    _append(tmp_path / "tpgrpo" / "algo" / "credit.py")
+    assert _changed(tmp_path, before) == {"credit"}
+    after = _manifests(tmp_path)
+    for path in ("tpgrpo/models/base.py", "tpgrpo/tasks/rewards.py", "tpgrpo/policy/lora.py"):  # not credit's
+        _append(tmp_path / path)
+    assert _changed(tmp_path, after) == set(KIND_STAGES) - {"credit"}
+
+
+def test_an_edit_to_the_eval_stage_and_its_entry_point_changes_the_eval_manifest_only(tmp_path):
+    """``tpgrpo/__main__.py`` starts every stage (the console script) but computes nothing."""
+    _copy_code(tmp_path)
+    before = _manifests(tmp_path)
+    _append(tmp_path / "stages" / "eval.py")
+    _append(tmp_path / "tpgrpo" / "__main__.py")
+    assert _changed(tmp_path, before) == {"eval"}
 
 
 def test_a_missing_code_path_is_a_one_line_error(tmp_path):
@@ -99,30 +162,42 @@ def test_a_project_locked_with_code_files_keeps_that_layout(tmp_path):
 
 @pytest.mark.slow
 def test_a_code_change_reruns_the_stages_of_its_kind_only(tmp_path, tiny_model_dir):
-    """Real DVC: after a run, a comment added to tpgrpo/algo/loss.py (update's code) re-runs the code stage and
-    the updates, and nothing of the rollout, probe, credit or baseline; one added to tpgrpo/reports/figures.py re-runs
-    the summary only (besides the code stage)."""
-    from test_dvc_pipeline import env, ran, repro, tpgrpo_run
+    """Real DVC, the project's code first on PYTHONPATH (what its manifests hash is what runs): after a run,
+    `tpgrpo run` after an edit to the CLI's help, `tpgrpo status`'s code and the docs re-runs the code stage
+    only; a comment added to tpgrpo/algo/loss.py (update's code) re-runs the code stage and the updates, and
+    nothing of the rollout, probe, credit or baseline; one added to tpgrpo/reports/figures.py re-runs the
+    summary only (besides the code stage)."""
+    from test_dvc_pipeline import env, ran
 
     root = make_tiny_project(tmp_path / "project", tiny_model_dir)
-    first = tpgrpo_run(root)
-    assert first.returncode == 0, first.stdout[-3000:] + first.stderr[-3000:]
+    own = dict(env(), PYTHONPATH=str(root))
+
+    def run(*command: str) -> subprocess.CompletedProcess:
+        done = subprocess.run([sys.executable, "-m", *command], cwd=root, env=own, capture_output=True, text=True)
+        assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+        return done
+
+    run("tpgrpo", "run")
     lock = yaml.safe_load((root / "dvc.lock").read_text())
     assert not uses_code_files(lock) and "code" in lock["stages"]
-    assert ran(repro(root)) == set()
+    assert ran(run("dvc", "repro").stdout) == set()
 
-    with open(root / "tpgrpo" / "algo" / "loss.py", "a") as f:
-        f.write("# a comment\n")
-    rerun = ran(repro(root))
+    cli = root / "tpgrpo" / "cli.py"
+    cli.write_text(cli.read_text().replace('"""One screen: iterations done', '"""One screen (edited): iterations done'))
+    _append(root / "tpgrpo" / "pipeline" / "status.py")
+    (root / "docs").mkdir()
+    (root / "docs" / "notes.md").write_text("# notes\n")
+    again = run("tpgrpo", "run")
+    assert ran(again.stdout) == {"code"}, again.stdout[-3000:]
+
+    _append(root / "tpgrpo" / "algo" / "loss.py")
+    rerun = ran(run("dvc", "repro").stdout)
     assert {"code", "update-0001"} <= rerun, rerun
     assert not any(n.startswith(("rollout-0001", "probe-", "credit-", "baseline")) for n in rerun), rerun
 
-    with open(root / "tpgrpo" / "reports" / "figures.py", "a") as f:
-        f.write("# a comment\n")
-    assert ran(repro(root)) == {"code", "summary"}
-    status = subprocess.run([sys.executable, "-m", "dvc", "status"], cwd=root, env=env(), capture_output=True,
-                            text=True)
-    assert status.returncode == 0 and "up to date" in status.stdout, status.stdout
+    _append(root / "tpgrpo" / "reports" / "figures.py")
+    assert ran(run("dvc", "repro").stdout) == {"code", "summary"}
+    assert "up to date" in run("dvc", "status").stdout
 
 
 def test_the_code_stage_lists_every_param_the_rendering_reads():

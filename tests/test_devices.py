@@ -396,7 +396,7 @@ def test_one_iteration_of_every_stage_on_a_gpu_backend(tiny_project, monkeypatch
     import stages.probe
     import stages.rollout
     import stages.update
-    from tpgrpo import stage_common as pipeline
+    from tpgrpo.policy import loading as pipeline
 
     original = pipeline.load_policy
 

@@ -13,7 +13,7 @@ import torch
 import yaml
 
 from tpgrpo.config import ConfigError, config_from_dict, load_config
-from tpgrpo.pipeline.distributed import (Dist, even_slice, merge_parts, parts_folder, round_robin, row_chunks,
+from tpgrpo.distributed import (Dist, even_slice, merge_parts, parts_folder, round_robin, row_chunks,
                                 run_chunks, sum_gradients)
 from tpgrpo.errors import PipelineError
 

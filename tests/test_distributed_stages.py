@@ -22,7 +22,7 @@ import yaml
 from conftest import make_tiny_project
 
 from tpgrpo.config import load_config
-from tpgrpo.pipeline.distributed import FAIL_HOOK_ENV, parts_folder
+from tpgrpo.distributed import FAIL_HOOK_ENV, parts_folder
 from tpgrpo.pipeline.dvcfile import stage_command
 
 pytestmark = pytest.mark.slow

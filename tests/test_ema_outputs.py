@@ -23,7 +23,7 @@ def ema_project(tiny_project):
     raw = yaml.safe_load((root / "params.yaml").read_text())
     raw["update"]["ema"] = True
     (root / "params.yaml").write_text(yaml.safe_dump(raw, sort_keys=False))
-    from tpgrpo.stage_common import load_policy
+    from tpgrpo.policy.loading import load_policy
 
     cfg = load_config(root / "params.yaml")
     backend = load_policy(cfg, root, 1, trainable=True)
@@ -50,7 +50,7 @@ def test_export_hands_out_the_ema_by_default_with_update_ema(ema_project, tmp_pa
 def test_summary_grid_shows_the_ema_policy(ema_project):
     from tpgrpo.policy.generate import sample_ode
     from tpgrpo.reports.figures import grid_images
-    from tpgrpo.stage_common import load_policy
+    from tpgrpo.policy.loading import load_policy
 
     root = ema_project
     cfg = load_config(root / "params.yaml")

@@ -45,7 +45,7 @@ def _direct_eval(root, tmp_path, ema: bool) -> dict:
     from stages.eval import evaluate
     from tpgrpo.config import load_config
     from tpgrpo.policy.export import adapter_folder
-    from tpgrpo.stage_common import load_policy
+    from tpgrpo.policy.loading import load_policy
     from tpgrpo.policy.lora import load_lora_weights, read_adapter_weights
 
     cfg = load_config(root / "params.yaml")

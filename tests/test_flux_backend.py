@@ -133,7 +133,7 @@ def test_export_loads_into_a_fresh_stock_pipeline(trained, flux_model_dir, tmp_p
     from safetensors.torch import load_file
 
     from tpgrpo.config import load_config
-    from tpgrpo.stage_common import load_policy
+    from tpgrpo.policy.loading import load_policy
 
     out = tmp_path / "lora"
     result = cli("export", "--iter", "1", "--out", str(out), "--params", str(trained / "params.yaml"))

@@ -53,7 +53,18 @@ def imports_of(module: str, path: Path, modules: dict[str, Path]) -> set[str]:
             for alias in node.names:
                 target = f"{base}.{alias.name}"
                 found.add(target if target in modules else base)
+        elif _imports_by_name(node):
+            found.add(node.args[0].value)
     return (found & modules.keys()) - {module}
+
+
+def _imports_by_name(node: ast.AST) -> bool:
+    """``import_module("a.b")`` / ``importlib.import_module("a.b")`` with a literal name."""
+    if not isinstance(node, ast.Call) or not node.args or not isinstance(node.args[0], ast.Constant):
+        return False
+    func = node.func
+    name = func.attr if isinstance(func, ast.Attribute) else getattr(func, "id", "")
+    return name == "import_module" and isinstance(node.args[0].value, str)
 
 
 def import_graph() -> dict[str, set[str]]:
@@ -96,9 +107,20 @@ def test_find_cycle_names_a_function_level_cycle(tmp_path):
     graph = {"p.a": {"p.b"}, "p.b": {"p.c"}, "p.c": {"p.a"}, "p.d": {"p.a"}}
     assert find_cycle(graph) == ["p.a", "p.b", "p.c", "p.a"]
     assert find_cycle({"p.a": {"p.b"}, "p.b": set()}) is None
-    (tmp_path / "a.py").write_text("def f():\n    from tpgrpo.algo import loss\n    from tpgrpo.io import nothing\n")
-    modules = {"tpgrpo.algo.loss": Path(), "tpgrpo.io": Path(), "x.a": tmp_path / "a.py"}
-    assert imports_of("x.a", tmp_path / "a.py", modules) == {"tpgrpo.algo.loss", "tpgrpo.io"}
+    (tmp_path / "a.py").write_text("def f():\n    from tpgrpo.algo import loss\n    from tpgrpo.io import nothing\n"
+                                   "    import importlib\n    importlib.import_module('tpgrpo.cli').run_app()\n")
+    modules = {"tpgrpo.algo.loss": Path(), "tpgrpo.io": Path(), "tpgrpo.cli": Path(), "x.a": tmp_path / "a.py"}
+    assert imports_of("x.a", tmp_path / "a.py", modules) == {"tpgrpo.algo.loss", "tpgrpo.io", "tpgrpo.cli"}
+
+
+def test_the_cli_and_the_stage_server_do_not_import_each_other():
+    """Both run stages through tpgrpo.pipeline.stage_runner; the server's child once imported the CLI by name
+    while the CLI imported the server (a cycle the graph now sees through ``import_module``)."""
+    graph = import_graph()
+    assert "tpgrpo.pipeline.stage_runner" in graph["tpgrpo.cli"] & graph["tpgrpo.pipeline.stage_server"]
+    assert "tpgrpo.cli" not in graph["tpgrpo.pipeline.stage_server"]
+    assert "tpgrpo.pipeline.stage_server" in graph["tpgrpo.cli"]
+    assert not {"tpgrpo.cli", "tpgrpo.pipeline.stage_server"} & graph["tpgrpo.pipeline.stage_runner"]
 
 
 def test_module_names_are_not_confusable():

@@ -114,7 +114,7 @@ def test_each_process_share_gives_the_same_gradient_bit_for_bit(ready, world):
     import zarr
 
     from tpgrpo.io.trajectories import CheckedArray, _chunk_codecs
-    from tpgrpo.pipeline.distributed import Dist
+    from tpgrpo.distributed import Dist
     from tpgrpo.policy.lora import lora_parameters
     from tpgrpo.policy.states import LazyStates
     from tpgrpo.policy.update import LOSS_KEYS, _Pass, _run_chunk, _Stats, select_transitions

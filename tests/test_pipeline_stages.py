@@ -169,7 +169,7 @@ def test_second_iteration_samples_from_the_updated_policy(tiny_project):
     import zarr
 
     from tpgrpo.config import load_config
-    from tpgrpo.stage_common import load_policy
+    from tpgrpo.policy.loading import load_policy
 
     root = tiny_project
     run_iteration(root, 1)

@@ -144,7 +144,7 @@ def test_cached_prompt_embeddings_never_load_the_text_encoders(trained):
 
     from tpgrpo.io.artifacts import IterationPaths
     from tpgrpo.config import load_config
-    from tpgrpo.stage_common import load_policy, prompt_embeddings
+    from tpgrpo.policy.loading import load_policy, prompt_embeddings
     from tpgrpo.tasks.prompts import load_prompts
 
     cfg = load_config(trained / "params.yaml")
@@ -170,7 +170,7 @@ def test_export_loads_into_a_fresh_stock_pipeline(trained, sd3_model_dir, tmp_pa
     from safetensors.torch import load_file
 
     from tpgrpo.config import load_config
-    from tpgrpo.stage_common import load_policy
+    from tpgrpo.policy.loading import load_policy
 
     out = tmp_path / "lora"
     result = cli("export", "--iter", "1", "--out", str(out), "--params", str(trained / "params.yaml"))

@@ -227,7 +227,7 @@ def test_after_a_code_edit_the_server_refuses_and_the_stage_runs_the_new_code(tm
             first = stage(root, env, "credit", "--iter", "99", check=False)
             assert first.stderr.startswith("error: --iter 99: this run has iterations"), first.stderr
             assert log_lines(root)[-1].endswith("stage credit --iter 99")  # served, from the copy
-            cli = code / "tpgrpo" / "cli.py"  # imported by the server at start (PRELOAD)
+            cli = code / "tpgrpo" / "pipeline" / "stage_runner.py"  # imported by the server at start (PRELOAD)
             text = cli.read_text()
             assert 'typer.echo(f"error: {message}", err=True)' in text
             cli.write_text(text.replace('typer.echo(f"error: {message}"', 'typer.echo(f"error (edited): {message}"'))

@@ -41,7 +41,7 @@ CODE_TARGETS = {
     "tpgrpo/policy/eval_embeds.py": {"eval_prompts", "eval", "baseline"}, "tpgrpo/algo/seeds.py": {"rollout", "update"},
     "tpgrpo/algo/loss.py": {"update"}, "tpgrpo/algo/credit.py": {"credit"},
     "tpgrpo/algo/advantages.py": {"credit", "update"}, "tpgrpo/config.py": ALL_KINDS,
-    "tpgrpo/pipeline/distributed.py": ALL_KINDS, "tpgrpo/io/artifacts.py": ALL_KINDS,
+    "tpgrpo/distributed.py": ALL_KINDS - {"credit"}, "tpgrpo/io/artifacts.py": ALL_KINDS,
     "tpgrpo/__init__.py": ALL_KINDS,
 }
 PRODUCER = {"trajectories.zarr": "rollout", "prompt_embeds.safetensors": "rollout", "probe.parquet": "probe",

@@ -78,7 +78,7 @@ def build_section(name: str, cls: type, raw: Any) -> Any:
 
 def reward_spec(key: str, value: Any) -> str | dict[str, float]:
     """A reward name, or a non-empty mapping name -> finite weight; names from the reward registry."""
-    from tpgrpo.tasks.rewards import REWARD_NAMES  # lazy: the registry imports the task code
+    from tpgrpo.tasks.reward_names import REWARD_NAMES  # not the registry: it imports the task code
 
     known = f"known rewards: {', '.join(REWARD_NAMES)}"
     if isinstance(value, str):

@@ -1,6 +1,6 @@
 """Model loading in a comparison's training seconds: measured once per root, taken out for the equal-wall pair.
 
-A stage's ``wall_seconds`` include loading the model (``tpgrpo.stage_common.load_policy``: the backend from
+A stage's ``wall_seconds`` include loading the model (``tpgrpo.policy.loading.load_policy``: the backend from
 disk, the LoRA policy attached). tp loads it three times per iteration (rollout, probe, update) and
 flow_grpo twice (its probe runs no model), so on a GPU, where a load costs seconds to minutes, fixed costs
 make tp look dearer per iteration than its work is. ``measure`` times the load in one of the root's run
@@ -35,7 +35,7 @@ def measure(folder: Path, iterations: list[int], repeats: int, threads: int) -> 
     import transformers  # noqa: F401
 
     from tpgrpo.config import load_config
-    from tpgrpo.stage_common import load_policy
+    from tpgrpo.policy.loading import load_policy
 
     torch.set_num_threads(threads)
     cfg = load_config(folder / "params.yaml")

@@ -4,10 +4,14 @@ A hand-kept list of each stage's code drifted (``seeds.py``, ``distributed.py``,
 ``__init__`` were in no manifest), so the code manifests now take each kind's files from the import graph:
 starting from its stage modules, every ``import`` / ``from ... import`` of a project module (at module level
 or inside a function), every string constant that names a project module (the reward registry imports its
-model rewards by name), and every package ``__init__`` on the way. The command line that runs a stage
-(``tpgrpo/__main__.py``, ``tpgrpo/cli.py``, the stage server's client) is followed only through the functions
-that run a stage: their other commands import most of the package. ``tests/test_code_manifest.py`` runs each
-stage and checks that every project module it imported is covered.
+model rewards by name, the model registry its backends), and every package ``__init__`` on the way.
+
+What runs a stage is not followed: the command line, the stage server and client, the stage runner and its
+checks and notes (all of :data:`ORCHESTRATION`). They decide when and how a stage runs, not what it computes,
+and they import most of the package: with them in every closure, editing the help text of ``tpgrpo status``
+re-ran every stage. Stage code never imports orchestration (``tests/test_code_manifest.py`` checks every
+closure), so a stage's closure is the code that computes its artifacts. ``tests/test_code_coverage.py`` runs
+each stage and checks that every other project module it imported is covered.
 """
 
 from __future__ import annotations
@@ -17,12 +21,15 @@ from functools import lru_cache
 from pathlib import Path
 
 PROJECT_PACKAGES = ("tpgrpo", "stages")
-# Files on every stage's path, followed only through what runs a stage (module level + these functions).
-RUNNER: dict[str, tuple[str, ...]] = {
-    "tpgrpo/__main__.py": ("main",),
-    "tpgrpo/cli.py": ("_run_stage",),
-    "tpgrpo/pipeline/stage_server.py": ("run_via_server",),
-}
+# What runs stages and records runs, not what a stage computes: the command line and everything under
+# tpgrpo/pipeline/ (stage runner, stage server, manifests, dvc.yaml, sealing, status, launch, ...). No stage
+# closure contains one of these files (a test checks it); code a stage needs at run time lives elsewhere.
+ORCHESTRATION = ("tpgrpo/__main__.py", "tpgrpo/cli.py", "tpgrpo/pipeline/")
+
+
+def is_orchestration(path: str) -> bool:
+    """Whether ``path`` (relative, POSIX) is orchestration code (:data:`ORCHESTRATION`)."""
+    return path.startswith(ORCHESTRATION)
 
 
 def module_file(root: Path, module: str) -> str | None:
@@ -59,31 +66,19 @@ def _imported_names(nodes) -> set[str]:
     return names
 
 
-def _roots_of(tree: ast.Module, functions: tuple[str, ...] | None) -> list:
-    """The parts of a module to follow: all of it, or (a runner) its module level and the named functions."""
-    if functions is None:
-        return [tree]
-    top = [n for n in tree.body if not isinstance(n, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef))]
-    # functions the module level calls run at import too (e.g. a command registered by a call)
-    called = {c.func.id for n in top for c in ast.walk(n) if isinstance(c, ast.Call) and isinstance(c.func, ast.Name)}
-    named = [n for n in tree.body if isinstance(n, (ast.FunctionDef, ast.AsyncFunctionDef))
-             and (n.name in functions or n.name in called)]
-    return top + named
-
-
 @lru_cache(maxsize=256)
 def _direct(root: Path, path: str, stamp: tuple) -> tuple[str, ...]:
     """The project files one file imports directly (cached per file content stamp)."""
     tree = ast.parse((root / path).read_text(), filename=path)
-    names = _imported_names(_roots_of(tree, RUNNER.get(path)))
+    names = _imported_names([tree])
     files = {f for name in names if (f := module_file(root, name))}
     return tuple(sorted(files | {p for p in _packages(path) if (root / p).is_file()}))
 
 
 def closure(root: Path, starts: list[str]) -> list[str]:
     """Every project file (relative paths, sorted) reachable from ``starts`` through imports, with the
-    packages' ``__init__`` files and the runner files."""
-    todo = [*starts, *RUNNER]
+    packages' ``__init__`` files."""
+    todo = list(starts)
     seen: set[str] = set()
     while todo:
         path = todo.pop()

@@ -9,9 +9,12 @@ that kind's code); each iteration stage depends on its kind's manifest only. A c
 manifest changed: the same stages as before, with one dependency each instead of ~15.
 
 What a kind's code is comes from the imports of its stage modules (:mod:`tpgrpo.pipeline.code_graph`), not a
-hand-kept list; a manifest also records the versions of the libraries the stages run on. Under DVC a stage
-refuses to run when its manifest does not match the files and versions that would run
-(:func:`check_stage_code`): an edit or upgrade after the code stage ran is never recorded as code it ran.
+hand-kept list, and it is the code that computes the kind's artifacts and nothing else: what runs and records
+stages (the command line, everything under ``tpgrpo/pipeline/``) is in no manifest, so editing it (or the
+docs) re-runs only the cheap ``code`` stage, whose outputs come out byte-identical. A manifest also records
+the versions of the libraries the stages run on. Under DVC a stage refuses to run when its manifest does not
+match the files and versions that would run, or when the modules that run are not the project's recorded
+code (:func:`check_stage_code`): an edit, an upgrade or another checkout is never recorded as code it ran.
 
 Projects whose ``dvc.lock`` was written with code files as stage dependencies keep that layout
 (:func:`uses_code_files`): switching would change every stage's dependencies and DVC would re-run them all.
@@ -84,9 +87,11 @@ def code_deps(kind: str, manifests: bool) -> list[str]:
 
 def manifest(root: Path, kind: str) -> dict:
     """``{"kind", "files": {path: md5}, "libraries": {name: version}}`` for the kind's code (sorted paths)."""
-    files = kind_code(root, kind)
-    return {"kind": kind, "files": {f: hashlib.md5((root / f).read_bytes()).hexdigest() for f in files},
-            "libraries": library_versions()}
+    return {"kind": kind, "files": _hashes(root, kind_code(root, kind)), "libraries": library_versions()}
+
+
+def _hashes(root: Path, files: list[str]) -> dict[str, str]:
+    return {f: hashlib.md5((root / f).read_bytes()).hexdigest() for f in files}
 
 
 def manifest_text(root: Path, kind: str) -> str:
@@ -143,12 +148,60 @@ def check_code(root: Path, kind: str) -> None:
 
 
 def check_stage_code(root: Path, stage: str) -> None:
-    """:func:`check_code` for ``tpgrpo stage NAME`` when DVC runs it (``DVC_STAGE`` set): a stage run by hand
-    is recorded by nothing, and the next ``dvc repro`` re-runs the code stage before it anyway."""
+    """:func:`check_code` and :func:`check_running_code` for ``tpgrpo stage NAME`` when DVC runs it
+    (``DVC_STAGE`` set): a stage run by hand is recorded by nothing, and the next ``dvc repro`` re-runs the
+    code stage before it anyway."""
     import os
 
-    if os.environ.get("DVC_STAGE") and stage in STAGE_KIND:
+    if os.environ.get("DVC_STAGE") and stage in STAGE_KIND and (root / manifest_path(STAGE_KIND[stage])).is_file():
         check_code(root, STAGE_KIND[stage])
+        check_running_code(root, STAGE_KIND[stage])
+
+
+def running_root() -> Path:
+    """The folder the running ``tpgrpo`` and ``stages`` packages were imported from; a one-line error when they
+    come from two folders (no project holds its code that way)."""
+    import importlib
+
+    where = {name: Path(importlib.import_module(name).__file__).resolve().parents[1] for name in ("tpgrpo", "stages")}
+    if where["tpgrpo"] != where["stages"]:
+        from tpgrpo.errors import PipelineError
+
+        raise PipelineError(f"tpgrpo is imported from {where['tpgrpo']} and stages from {where['stages']}: run "
+                            "both from the project's folder (PYTHONPATH=<project>)")
+    return where["tpgrpo"]
+
+
+def check_running_code(root: Path, kind: str) -> None:
+    """Refuse to run a stage when the modules that run are not the code its manifest records.
+
+    The manifests hash the project folder's copy of the code (``root/tpgrpo``, ``root/stages``: what the code
+    stage depends on, so what DVC sees change). The modules that run come from wherever Python finds
+    ``tpgrpo``: the project itself (``PYTHONPATH=<project>``, ``python -m tpgrpo`` from it, or an install of
+    it), or another checkout (an editable install pointing elsewhere, a copied project, the temporary copy
+    ``dvc exp run --temp`` runs in, with the installed package). The rule compares contents, not folders:
+    the running checkout's files of this kind must be byte for byte the ones recorded. So a project that
+    holds a copy of the code it runs (the tests' projects, a comparison run's snapshot) runs; a different
+    ``seeds.py`` is refused with one line instead of being recorded as code it did not run. A project with
+    no code of its own is not one DVC can run (the code stage depends on its ``stages`` and ``tpgrpo``)."""
+    running = running_root()
+    if running == root.resolve():
+        return
+    recorded = json.loads((root / manifest_path(kind)).read_text()).get("files", {})
+    try:
+        files = _hashes(running, kind_code(running, kind))
+    except FileNotFoundError:
+        files = {}
+    differ = sorted(f for f in set(recorded) | set(files) if recorded.get(f) != files.get(f))
+    if differ:
+        from tpgrpo.errors import PipelineError
+
+        raise PipelineError(
+            f"the code that runs is not the code {manifest_path(kind)} records: tpgrpo is imported from {running}, "
+            f"whose {', '.join(differ[:3])}{', ...' if len(differ) > 3 else ''} "
+            f"{'differs' if len(differ) == 1 else 'differ'} from {root}'s copy; put the project's code first "
+            f"(PYTHONPATH={root}); `dvc exp run --temp` runs a copy of the project with the installed package: "
+            "run `PYTHONPATH=. dvc exp run --temp`")
 
 
 def code_stage() -> dict:

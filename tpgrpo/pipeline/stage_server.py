@@ -21,8 +21,9 @@ once its running stages end. It lives and dies with ``tpgrpo run``: it stays in 
 group kill reaches it and its stages), it gets SIGTERM when the run's process dies (``PR_SET_PDEATHSIG``),
 and each forked stage gets SIGKILL when the server dies, so no stage of a killed run writes on unseen.
 
-Nothing here imports more than the standard library at module level: the client must start in
-milliseconds. The server's preload happens in :func:`serve`.
+The client (:func:`run_via_server`) is :mod:`tpgrpo.pipeline.stage_client`: it must start in milliseconds and
+imports only the standard library. The server's preload happens in :func:`serve`; a forked child runs the
+command with :mod:`tpgrpo.pipeline.stage_runner` (the stage commands and ``block``), never the whole CLI.
 """
 
 from __future__ import annotations
@@ -44,76 +45,14 @@ from typing import Iterator
 
 from tpgrpo.pipeline.code_manifest import STAGE_KIND
 from tpgrpo.pipeline.processes import CodeState, die_with_parent
+from tpgrpo.pipeline.stage_client import COMMANDS, ENV_VAR, MAX_MESSAGE, fingerprint
 
-ENV_VAR = "TPGRPO_STAGE_SERVER"  # the socket's path, set by `tpgrpo run` for `dvc repro`
-COMMANDS = ("stage", "block")  # what the server runs; anything else runs in the caller
-# Environment read at import time (threads, hash seed, devices, library switches): the caller's must equal
-# the server's, or its imports would not be the ones the server made.
-ENV_PREFIXES = ("PYTHON", "OMP_", "MKL_", "OPENBLAS", "TORCH", "PYTORCH", "CUDA", "HF_", "DIFFUSERS",
-                "TRANSFORMERS", "TOKENIZERS", "ACCELERATE", "WORLD_SIZE", "RANK", "LOCAL_RANK", "MASTER_")
-# tpgrpo.cli first: it sets OMP_WAIT_POLICY, which the OpenMP runtime reads when torch loads it.
-PRELOAD = ("tpgrpo.cli", "torch", "numpy", "pandas", "pyarrow.parquet", "zarr", "safetensors.torch", "peft", "typer",
+# the stage runner first: it sets OMP_WAIT_POLICY, which the OpenMP runtime reads when torch loads it.
+PRELOAD = ("tpgrpo.pipeline.stage_runner", "torch", "numpy", "pandas", "pyarrow.parquet", "zarr", "safetensors.torch", "peft", "typer",
            "diffusers:SD3Transformer2DModel", "diffusers:FlowMatchEulerDiscreteScheduler",
            "diffusers.loaders:SD3LoraLoaderMixin", "transformers:CLIPTextModel",
            "transformers:PreTrainedTokenizerFast", "tpgrpo.models.tiny", "tpgrpo.tasks.rewards", "dvc.utils.serialize",
            *(f"stages.{s}" for s in STAGE_KIND))  # every `tpgrpo stage NAME`
-MAX_MESSAGE = 1 << 20
-
-
-def fingerprint(env: dict[str, str]) -> dict:
-    """What must match between caller and server: interpreter, where ``tpgrpo`` and ``stages`` come from,
-    and the import-time environment."""
-    from importlib.util import find_spec
-
-    def where(name: str) -> list[str]:
-        spec = find_spec(name)
-        return sorted(os.path.realpath(p) for p in (spec.submodule_search_locations or [])) if spec else []
-
-    return {"executable": os.path.realpath(sys.executable), "tpgrpo": where("tpgrpo"), "stages": where("stages"),
-            "env": {k: v for k, v in sorted(env.items()) if k.startswith(ENV_PREFIXES)}}
-
-
-# ---------------------------------------------------------------------------------------------- client
-
-
-def run_via_server(argv: list[str]) -> int | None:
-    """Run ``argv`` (``[prog, command, ...]``) in a child of the server named by $TPGRPO_STAGE_SERVER and
-    return its exit code; ``None`` when the server cannot take it (the caller then runs it itself)."""
-    path = os.environ.get(ENV_VAR)
-    if not path or not sys.platform.startswith("linux") or argv[1:2] not in ([c] for c in COMMANDS):
-        return None
-    request = {"argv": argv, "cwd": os.getcwd(), "env": dict(os.environ), "fingerprint": fingerprint(os.environ)}
-    try:
-        sock = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
-        sock.connect(path)
-        socket.send_fds(sock, [json.dumps(request).encode()], [0, 1, 2])
-        reply = json.loads(sock.recv(MAX_MESSAGE) or b"{}")  # waits while the server is still importing
-    except (OSError, ValueError):
-        return None
-    if "pid" not in reply:
-        return None  # refused (reply["refused"] says why; the server's log has it too)
-    return _wait_for_child(sock, int(reply["pid"]))
-
-
-def _wait_for_child(sock: socket.socket, pid: int) -> int:
-    def forward(signum, _frame):
-        try:
-            os.kill(pid, signum)
-        except ProcessLookupError:
-            pass
-
-    for signum in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP):
-        signal.signal(signum, forward)
-    data = sock.recv(MAX_MESSAGE)  # PEP 475: a forwarded signal does not interrupt the wait
-    if not data:
-        forward(signal.SIGTERM, None)
-        sys.stderr.write("error: the stage server stopped before the stage finished\n")
-        return 1
-    code = int(json.loads(data)["exit"])
-    if code < 0:  # killed by a signal: die of the same one, as the stage process itself would have
-        signal.signal(-code, signal.SIG_DFL)
-        os.kill(os.getpid(), -code)
-    return code
 
 
 # ---------------------------------------------------------------------------------------------- server
@@ -269,9 +208,9 @@ def _run_child(request: dict, fds: list[int], set_by_imports: dict[str, str]) ->
     code = 1
     try:
         _fresh_global_generators()
-        import importlib  # the CLI by name (PRELOAD imported it): tpgrpo.cli imports this module
+        from tpgrpo.pipeline.stage_runner import run_stage_command  # PRELOAD imported it
 
-        importlib.import_module("tpgrpo.cli").run_app(args=sys.argv[1:], prog_name="tpgrpo")
+        run_stage_command(sys.argv[1:], prog_name="tpgrpo")
         code = 0
     except SystemExit as exc:
         code = exc.code if isinstance(exc.code, int) else (0 if exc.code is None else 1)

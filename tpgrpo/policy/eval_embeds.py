@@ -35,7 +35,7 @@ def held_out(cfg, root: Path) -> tuple[list[dict], list[tuple[int, int]]]:
     fewer prompts than the params say."""
     from tpgrpo.errors import PipelineError
     from tpgrpo.io.artifacts import require
-    from tpgrpo.pipeline.distributed import row_chunks
+    from tpgrpo.distributed import row_chunks
     from tpgrpo.stage_common import resolve
     from tpgrpo.tasks.prompts import load_prompts
 

@@ -14,7 +14,7 @@ from typing import Any, Callable
 import torch
 
 from tpgrpo.algo.advantages import informative_samples
-from tpgrpo.pipeline.distributed import Dist, even_slice, sum_gradients
+from tpgrpo.distributed import Dist, even_slice, sum_gradients
 from tpgrpo.errors import PipelineError
 from tpgrpo.algo.loss import policy_loss
 from tpgrpo.policy.lora import LoraEMA, lora_parameters, reference_mode

@@ -1,8 +1,8 @@
 """Reports: the summary's figures and plots, and the base model's report.
 
 The figure files' names live here, not in :mod:`tpgrpo.reports.figures`: dvc.yaml's renderer declares them as
-the summary stage's outputs, and the drawing code loads policies through :mod:`tpgrpo.stage_common`, which
-reads the renderer's stage params (naming them there made an import cycle).
+the summary stage's outputs, and the drawing code loads policies (:mod:`tpgrpo.policy.loading`); naming them
+there once made an import cycle through the renderer's stage params.
 """
 
 FIGURES = ("reward_curves.png", "turning_points.png", "turning_point_rates.png", "before_after.png")

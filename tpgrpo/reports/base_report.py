@@ -47,7 +47,7 @@ def increment_table(backend, cfg: Config, prompts_dir: Path, prompts: int = 8) -
     the rollout and probe stages do (same sampler, ODE completion of every window state).
     """
     from tpgrpo.algo.credit import compute_credit
-    from tpgrpo.stage_common import sampler_spec
+    from tpgrpo.policy.loading import sampler_spec
     from tpgrpo.algo.seeds import sample_seed
     from tpgrpo.tasks.prompts import load_prompts
     from tpgrpo.tasks.rewards import get_reward

@@ -36,7 +36,8 @@ def grid_images(cfg, root: Path, policy: int):
     """uint8 ``(GRID_PROMPTS, H, W, 3)`` ODE images of the first held-out prompts at their first eval seed,
     from policy ``policy`` (0 = base model; its EMA with ``update.ema``, as eval scores), and their prompts."""
     from tpgrpo.policy.generate import evaluation_seeds, sample_ode
-    from tpgrpo.stage_common import policy_to_score, resolve
+    from tpgrpo.policy.loading import policy_to_score
+    from tpgrpo.stage_common import resolve
     from tpgrpo.tasks.prompts import load_prompts
 
     metas = load_prompts(resolve(root, cfg.task.eval_prompts))[:min(GRID_PROMPTS, cfg.eval.num_prompts)]

@@ -27,6 +27,7 @@ import numpy as np
 from tpgrpo.tasks import geneval
 from tpgrpo.tasks.detect import DetectorConfig, detect
 from tpgrpo.tasks.ocr import read_texts, text_similarity
+from tpgrpo.tasks.reward_names import REWARD_NAMES
 
 
 @dataclass(frozen=True)
@@ -186,7 +187,9 @@ _REGISTRY: dict[str, Callable[[Any, Path | None], Reward]] = {
     "aesthetic": _model_reward("tpgrpo.rewards.aesthetic", "AestheticReward"),
     "remote": _model_reward("tpgrpo.rewards.remote", "RemoteReward"),
 }
-REWARD_NAMES: tuple[str, ...] = tuple(_REGISTRY)
+if tuple(_REGISTRY) != REWARD_NAMES:  # params are validated against that list, without importing this module
+    raise ImportError(f"tpgrpo/tasks/reward_names.py lists {REWARD_NAMES}; expected the registry's names "
+                      f"{tuple(_REGISTRY)}")
 # Local folders (reward_models keys) each reward loads: dvc.yaml lists the configured ones as deps.
 FOLDER_KEYS: dict[str, tuple[str, ...]] = {
     "pickscore": ("pickscore_path", "pickscore_processor_path"),
