@@ -275,3 +275,31 @@ def test_the_server_is_wanted_only_when_the_model_and_the_reward_models_run_on_t
     assert wanted(cfg)
     assert not wanted(dataclasses.replace(cfg, model=dataclasses.replace(cfg.model, device="cuda")))
     assert not wanted(dataclasses.replace(cfg, reward_models=dataclasses.replace(cfg.reward_models, device="cuda")))
+
+
+@pytest.mark.parametrize("message", [b"not json", b"[1, 2]", b"\xff\xfe"])
+def test_a_malformed_request_leaks_no_file_descriptor(tmp_path, message):
+    """A request the server cannot read is answered by closing it, with the three descriptors it carried
+    (before: each bad request left them open in the server; a JSON list crashed it)."""
+    import socket
+
+    from tpgrpo.pipeline.stage_server import _accept
+
+    path = str(tmp_path / "s.sock")
+    listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    listener.bind(path)
+    listener.listen(1)
+    client = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    client.connect(path)
+    r, w = os.pipe()
+    try:
+        socket.send_fds(client, [message], [r, w, r])
+        before = sorted(os.listdir("/proc/self/fd"))
+        assert _accept(listener, {}, None, {}, {}) is True  # goes on serving
+        assert sorted(os.listdir("/proc/self/fd")) == before
+        assert client.recv(1) == b""  # closed: the caller reads EOF
+    finally:
+        for fd in (r, w):
+            os.close(fd)
+        client.close()
+        listener.close()

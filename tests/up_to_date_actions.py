@@ -142,16 +142,31 @@ def edit_leaf(seq: Seq) -> Plan:
     return _edit(seq, LEAF, "edit leaf param")
 
 
+def manifest_kinds(root: Path, path: str) -> set[str]:
+    """The stage kinds whose code manifest (``data/code/<kind>.json``, as the project's code stage wrote it)
+    lists ``path``, as stage kinds of this harness (the eval manifest also serves the baseline)."""
+    import json
+
+    kinds = set()
+    for manifest in sorted((root / "data" / "code").glob("*.json")):
+        if path in json.loads(manifest.read_text()).get("files", {}):
+            kinds |= {"eval", "baseline"} if manifest.stem == "eval" else {manifest.stem}
+    return kinds
+
+
 def edit_code(seq: Seq) -> Plan:
-    """Append a fresh comment to a file stages import: its manifest changes, so those stages re-run
-    (stages the file's kinds do not run may run too when the manifests are coarse: not checked)."""
+    """Append a fresh comment to a file stages import: the stages whose manifest lists it must re-run (at least
+    those CODE_TARGETS says certainly run it), and nothing but them, what reads their outputs, the code stage
+    and the summary (a sealed block is unsealed, not re-run whole)."""
     raw = h.read_params(seq.root)
     path = seq.rng.choice([p for p in sorted(CODE_TARGETS) if (seq.root / p).is_file()])
+    kinds = manifest_kinds(seq.root, path)
     token = f"{seq.rng.getrandbits(48):012x}"
     with open(seq.root / path, "a") as f:
         f.write(f"\n{h.MARK} {token}\n")
-    return Plan(f"edit code {path} (comment {token})", None, stages_of(raw, CODE_TARGETS[path]),
-                may_refuse=seq.retained)
+    allowed = downstream(raw, stages_of(raw, kinds)) | ALWAYS
+    return Plan(f"edit code {path} (comment {token}; in the manifests of {sorted(kinds)})", allowed,
+                stages_of(raw, CODE_TARGETS[path]), may_refuse=seq.retained)
 
 
 def touch(seq: Seq) -> Plan:

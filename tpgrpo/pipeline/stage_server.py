@@ -129,11 +129,16 @@ def _accept(listener: socket.socket, own: dict, code: CodeState, set_by_imports:
             children: dict[int, socket.socket | None]) -> bool:
     """Take one request: refuse it, or fork its child. Returns False once the code changed (stop serving)."""
     conn, _ = listener.accept()
+    fds: list[int] = []
     try:
         message, fds, _, _ = socket.recv_fds(conn, MAX_MESSAGE, 3)
         request = json.loads(message)
+        if not isinstance(request, dict):
+            raise ValueError(f"expected a JSON object, got {type(request).__name__}")
     except (OSError, ValueError) as exc:
         print(f"bad request: {exc}", flush=True)
+        for fd in fds:  # the descriptors it sent came with it: without this each bad request leaked them
+            os.close(fd)
         conn.close()
         return True
     changed = code.changed()
