@@ -127,9 +127,10 @@ def prompt_embeddings(cfg: Config, root: Path, iteration: int, backend, prompts:
     deterministic). After encoding, a backend that can free its text encoders does.
     """
     from tpgrpo.pipeline.distributed import current
+    from tpgrpo.stage_params import MODEL_PARAMS
 
     path = IterationPaths(root, iteration).prompt_embeds
-    key = {"prompts": json.dumps(list(prompts)), "model": cfg.params_hash(["model"])}
+    key = {"prompts": json.dumps(list(prompts)), "model": cfg.params_hash(MODEL_PARAMS)}  # not model.device
     if not write and path.is_file():
         cached = read_embeddings(path, key)
         if cached is not None:
