@@ -55,7 +55,8 @@ def set_params(root: Path, values: dict) -> None:
 
 
 def run_ok(root: Path, name: str, iteration: int | None = None) -> None:
-    args = ["stage", name, "--params", str(root / "params.yaml")] + ([] if iteration is None else ["--iter", str(iteration)])
+    args = ["stage", name, "--params", str(root / "params.yaml")]
+    args += [] if iteration is None else ["--iter", str(iteration)]
     result = CliRunner().invoke(app, args)
     assert result.exit_code == 0, result.output
 
