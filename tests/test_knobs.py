@@ -164,3 +164,28 @@ def test_micro_batch_moves_the_adapter_by_float_round_off_only(tiny_project, tmp
     tables = [_tree(p) for p in (eight, three)]
     same = [k for k in tables[0] if "policy" not in k and not k.endswith("update.json")]
     assert same and all(tables[0][k] == tables[1][k] for k in same)
+
+
+@pytest.mark.slow
+def test_dvc_sees_no_change_when_every_knob_changes_after_a_run(tiny_project):
+    """What a user does after an out-of-memory: lower a knob and run on. DVC itself (not our list) must find
+    the recorded run up to date; a batch size, an input, is seen (the check can fail)."""
+    import subprocess
+    import sys
+
+    root = tiny_project
+    set_params(root, {"train.iterations": 1})
+    result = CliRunner().invoke(app, ["run", "--params", str(root / "params.yaml")])
+    assert result.exit_code == 0, result.output
+
+    def changed() -> set[str]:
+        done = subprocess.run([sys.executable, "-m", "dvc", "status", "--json"], cwd=root, capture_output=True,
+                              text=True, check=True)
+        return set(json.loads(done.stdout or "{}"))
+
+    assert changed() == set()
+    set_params(root, {"model.device": "cpu:0", "reward_models.device": "cpu:0", "update.micro_batch": 3,
+                      "update.gradient_checkpointing": True})
+    assert changed() == set()
+    set_params(root, {"probe.batch_size": 4})
+    assert changed() == {"probe-0001"}
