@@ -13,11 +13,12 @@ from tpgrpo.config import Config
 
 # Execution knobs: params the stages read that say where and in what memory the work runs, not what it
 # computes. No stage declares them, so DVC does not record them (changing one re-runs nothing) and no
-# artifact's config_hash carries them (tpgrpo.stage_common.provenance); docs/parameters.md, section
-# "Execution knobs", has the measurements. A key belongs here only if changing it leaves every table
+# artifact's config_hash carries them (tpgrpo.stage_common.provenance); docs/long-runs.md ("Execution
+# knobs") has the measurements. A key belongs here only if, on one machine, changing it leaves every table
 # byte-identical at equal torch thread counts and moves the adapter by float round-off at most
-# (tests/test_knobs.py). The batch sizes are not here: batched passes round differently at some batch
-# shapes on a CPU (measured), so they stay inputs. `launch` (the process count) is not read by stage code.
+# (tests/test_knobs.py); moving to another kind of device rounds differently, as another machine does.
+# The batch sizes are not here: batched passes round differently at some batch shapes on a CPU (measured),
+# so they stay inputs. `launch` (the process count) is not read by stage code.
 EXECUTION_KNOBS = {
     # Where the model runs. On one GPU kind (cuda -> cuda:1) the same numbers; cpu <-> cuda round differently.
     "model.device": "placement",
@@ -32,7 +33,8 @@ EXECUTION_KNOBS = {
 
 def inputs(section: str) -> list[str]:
     """Every key of a params section but its execution knobs (``["model.kind", "model.path", ...]``), in
-    params.yaml's order: a key added to the section later is an input unless it is listed as a knob."""
+    params.yaml's order: a key added to the section later is an input unless it is listed as a knob. A section
+    without a knob stays whole (``["credit"]``), as dvc.yaml listed it."""
     fields = dataclasses.fields(get_type_hints(Config)[section])
     keys = [f"{section}.{f.name}" for f in fields]
     return [k for k in keys if k not in EXECUTION_KNOBS] if any(k in EXECUTION_KNOBS for k in keys) else [section]
