@@ -11,6 +11,7 @@ from tiny_pipelines import cli, make_pipeline_project, run_stages
 
 from conftest import tiny_params
 from tpgrpo.policy.eval_embeds import EVAL_EMBEDS, chunk_file
+from tpgrpo.stage_params import MODEL_PARAMS
 
 # 3 prompts x 2 seeds in chunks of 4 images: two chunks, the second smaller (6 rows).
 EVAL = {"num_prompts": 3, "samples_per_prompt": 2}
@@ -86,7 +87,7 @@ def test_a_cache_of_other_prompts_or_model_params_is_encoded_again(project, stal
     else:  # written under other model params; then model.resolution spelled out (the same images)
         set_params(root, eval=EVAL, rollout={"batch_size": 4}, model={"resolution": 32})
         assert chunk_key(load_config(root / "params.yaml"), json.loads(key["prompts"]))["model"] != key["model"]
-        assert cfg.params_hash(["model"]) == key["model"]
+        assert cfg.params_hash(MODEL_PARAMS) == key["model"]
     write_embeddings(path, garbage, key)
     result = ok(root, "baseline")
     assert "holds other prompts or model params: encoding chunk 0 again" in result.output

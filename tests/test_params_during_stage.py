@@ -128,7 +128,7 @@ def test_an_edit_dvc_records_after_the_stage_checked_is_re_run(tiny_project, mon
             repros.append(True)
             (root / "params.yaml").write_text((root / "params.yaml").read_text().replace(f"lr: {LR}", "lr: 0.005"))
             lock = read_lock(root)
-            lock["stages"]["update-0001"]["params"]["params.yaml"]["update"]["lr"] = 0.005
+            lock["stages"]["update-0001"]["params"]["params.yaml"]["update.lr"] = 0.005  # a key: update has knobs
             write_lock(root, lock)
         return done
 

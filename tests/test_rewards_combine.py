@@ -117,7 +117,10 @@ def test_dvc_yaml_lists_configured_reward_folders(raw):
         assert "models/PickScore_v1" in stages[name]["deps"]
         assert f"data/code/{kind}.json" in stages[name]["deps"] and "tpgrpo/rewards/pickscore.py" in kind_code(REPO, kind)
         assert "models/owlv2" not in stages[name]["deps"]
-        assert "reward_models" in stages[name]["params"] and "remote_reward" in stages[name]["params"]
+        # every reward_models key but its device (an execution knob), and remote_reward
+        listed = set(stages[name]["params"])
+        assert {"reward_models.pickscore_path", "reward_models.batch_size", "remote_reward"} <= listed
+        assert "reward_models" not in listed and "reward_models.device" not in listed
     assert "models/PickScore_v1" not in stages["update-0001"]["deps"]
 
 

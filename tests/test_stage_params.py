@@ -9,6 +9,7 @@ import pytest
 
 from tpgrpo.config import load_config
 from tpgrpo.pipeline.dvcfile import STAGE_PARAMS
+from tpgrpo.stage_params import EXECUTION_KNOBS
 
 
 class Recorder:
@@ -31,7 +32,9 @@ class Recorder:
 
 
 def covered(read: str, declared: list[str]) -> bool:
-    return any(read == d or read.startswith(d + ".") for d in declared)
+    """Whether a read is declared, or is an execution knob: read on purpose without being declared (DVC must
+    not re-run a stage for where or in what memory it runs: tpgrpo.stage_params.EXECUTION_KNOBS)."""
+    return read in EXECUTION_KNOBS or any(read == d or read.startswith(d + ".") for d in declared)
 
 
 def test_every_param_a_stage_reads_is_declared_in_dvc_yaml(tiny_project):
@@ -39,12 +42,16 @@ def test_every_param_a_stage_reads_is_declared_in_dvc_yaml(tiny_project):
     cfg = load_config(root / "params.yaml")
     plan = [("eval_prompts", None), ("rollout", 1), ("probe", 1), ("credit", 1), ("update", 1), ("eval", 1),
             ("baseline", None)]
+    every: set[str] = set()
     for name, iteration in plan:
         reads: set[str] = set()
         importlib.import_module(f"stages.{name}").run(Recorder(cfg, reads), iteration, root)
         undeclared = sorted(r for r in reads if not covered(r, STAGE_PARAMS[name]))
         assert not undeclared, f"stage {name} reads {undeclared} but dvc.yaml does not list them"
         assert reads, name
+        every |= reads
+    # No stale knob: each is read (reward_models.device only with model rewards: test_rewards_combine).
+    assert set(EXECUTION_KNOBS) - {"reward_models.device"} <= every
 
 
 def test_the_committed_dvc_yaml_is_what_params_yaml_renders(tmp_path):

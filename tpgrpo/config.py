@@ -21,7 +21,10 @@ import yaml
 
 from tpgrpo.config_values import RANGE_TEXT, RANGES, ConfigError, build_section  # noqa: F401 - re-exported
 
-MEMORY_KNOB = "A memory knob: results do not depend on it"
+# Execution knobs (tpgrpo.stage_params.EXECUTION_KNOBS): read by the stages, recorded by none.
+KNOB = "An execution knob: not recorded, changing it re-runs nothing (docs/long-runs.md)"
+# The batch sizes are recorded: at some batch shapes a batched pass rounds differently (measured on a CPU).
+BATCH_INPUT = "Recorded, not a mere memory knob: at some sizes batched passes round differently"
 SPECIAL_BOUNDS = ("reward", "completion")  # a reward spec; a probe completion (tpgrpo.algo.probe_modes)
 
 
@@ -42,7 +45,9 @@ class ModelConfig:
 
     kind: str = param("tiny", "model backend; tiny = the embedded model", bounds=("tiny", "sd3", "flux"))
     path: str = param("data/base", "local model folder in the diffusers save_pretrained layout", "path")
-    device: str = param("cpu", "torch device of every model stage (cpu, cuda, cuda:1)")
+    device: str = param("cpu", "torch device of every model stage (cpu, cuda, cuda:1)",
+                        note=f"{KNOB}. cuda -> cuda:1 on the same GPU kind: the same numbers; cpu <-> cuda or another "
+                        "GPU kind rounds differently")
     dtype: str = param("fp32", "dtype of the weights; the step maths and log-probs always run in fp32",
                        bounds=("fp32", "bf16", "fp16"))
     resolution: int = param(0, "image side; 0 = the backend's default (tiny: its own 32; sd3/flux: 512, the "
@@ -70,9 +75,11 @@ class RewardModelsConfig:
     """Local folders of the reward models (nothing is downloaded) and how they run; "" = not configured."""
 
     device: str = param("cpu", "torch device of the reward models (cuda on a GPU machine); they run in fp32",
-                        note="With several processes, cuda and cuda:N mean each process's own GPU, as for "
-                             "model.device")
-    batch_size: int = param(32, "images per reward-model forward pass", "images", "> 0", note=MEMORY_KNOB)
+                        note=f"{KNOB}, as model.device; with several processes, cuda and cuda:N mean each "
+                             "process's own GPU")
+    batch_size: int = param(32, "images per reward-model forward pass", "images", "> 0",
+                            note=f"{BATCH_INPUT} (a tiny CLIP's pickscore: up to 9e-7), so changing it re-runs the "
+                            "stages that score images")
     pickscore_path: str = param("", "PickScore_v1: a CLIP save_pretrained folder (config.json + weights)",
                                 "path")
     pickscore_processor_path: str = param("", "its CLIP processor folder (CLIP-ViT-H-14); \"\" = "
@@ -132,7 +139,9 @@ class RolloutConfig:
                                   note="Paper: 48 per GPU step across 32 GPUs")
     group_size: int = param(8, "G, samples per prompt", "samples", "> 0", rule=">= 2 (GRPO needs a group)",
                             note="Paper: 24")
-    batch_size: int = param(64, "images per forward pass", "images", "> 0", note=MEMORY_KNOB)
+    batch_size: int = param(64, "images per forward pass; also cuts eval's chunks (eval_prompts' files)", "images",
+                            "> 0", note=f"{BATCH_INPUT} (1 vs 8: stored states up to 7e-5 apart), so changing it "
+                            "re-runs the rollout, every eval and all that follows")
 
 
 @dataclass(frozen=True)
@@ -140,7 +149,8 @@ class ProbeConfig:
     """How the probe scores the state before each window step (Q_k)."""
 
     batch_size: int = param(128, "states per forward pass during ODE completion", "states", "> 0",
-                            note=MEMORY_KNOB)
+                            note=f"{BATCH_INPUT} (3 vs 8 at 2 threads: probe rewards up to 2.6e-3 apart), so "
+                            "changing it re-runs the probe and all that follows")
     completion: str = param("exact", "how Q_k is scored: exact (the ODE over the rest of the schedule), ode:M "
                             "(at most M Euler steps, re-spaced; DenseGRPO's 1 or 2) or x0 (z_k - s_k v_k from the "
                             "rollout's own velocity: no transformer pass)", bounds="completion",
@@ -182,11 +192,14 @@ class UpdateConfig:
                                           "> 0", rule="a multiple of update.epochs", note="Paper: 2")
     epochs: int = param(1, "passes over the iteration's transitions (reshuffled each); the optimizer steps are "
                         "split evenly over them", "passes", "> 0")
-    micro_batch: int = param(32, "transitions per backward pass", "transitions", "> 0", note=MEMORY_KNOB)
+    micro_batch: int = param(32, "transitions per backward pass", "transitions", "> 0",
+                             note=f"{KNOB}. The same mean gradient summed in another order: the adapter equal to float "
+                             "round-off, which AdamW's per-weight step can amplify (8 vs 3: up to 1.2e-4 apart)")
     max_grad_norm: float = param(1.0, "gradient-norm clip", bounds="> 0", note="Paper: 1.0")
     ema: bool = param(False, "keep an EMA of the LoRA weights for eval and export")
     gradient_checkpointing: bool = param(False, "recompute transformer blocks in backward: less memory, about "
-                                         "30% slower", note="SD3.5 / FLUX at 512 px on one GPU")
+                                         "30% slower", note=f"SD3.5 / FLUX at 512 px on one GPU. {KNOB}; the adapter "
+                                         "byte-identical at equal thread counts (CPU)")
 
 
 @dataclass(frozen=True)

@@ -6,26 +6,62 @@ its artifacts' ``config_hash``) does not import the orchestration that renders `
 
 from __future__ import annotations
 
-REWARD_PARAMS = ["reward_models", "remote_reward"]  # read by every stage that scores images
+import dataclasses
+from typing import get_type_hints
+
+from tpgrpo.config import Config
+
+# Execution knobs: params the stages read that say where and in what memory the work runs, not what it
+# computes. No stage declares them, so DVC does not record them (changing one re-runs nothing) and no
+# artifact's config_hash carries them (tpgrpo.stage_common.provenance); docs/long-runs.md ("Execution
+# knobs") has the measurements. A key belongs here only if, on one machine, changing it leaves every table
+# byte-identical at equal torch thread counts and moves the adapter by float round-off at most
+# (tests/test_knobs.py); moving to another kind of device rounds differently, as another machine does.
+# The batch sizes are not here: batched passes round differently at some batch shapes on a CPU (measured),
+# so they stay inputs. `launch` (the process count) is not read by stage code.
+EXECUTION_KNOBS = {
+    # Where the model runs. On one GPU kind (cuda -> cuda:1) the same numbers; cpu <-> cuda round differently.
+    "model.device": "placement",
+    "reward_models.device": "placement",  # where the reward models run: as model.device
+    # Transitions per backward pass: the same mean loss and gradient, summed in another order (round-off,
+    # which AdamW's per-weight normalisation can amplify where a gradient is near 0).
+    "update.micro_batch": "memory",
+    # Recomputes each transformer block in the backward pass: the same ops, less memory; the same bytes.
+    "update.gradient_checkpointing": "memory",
+}
+
+
+def inputs(section: str) -> list[str]:
+    """Every key of a params section but its execution knobs (``["model.kind", "model.path", ...]``), in
+    params.yaml's order: a key added to the section later is an input unless it is listed as a knob. A section
+    without a knob stays whole (``["credit"]``), as dvc.yaml listed it."""
+    fields = dataclasses.fields(get_type_hints(Config)[section])
+    keys = [f"{section}.{f.name}" for f in fields]
+    return [k for k in keys if k not in EXECUTION_KNOBS] if any(k in EXECUTION_KNOBS for k in keys) else [section]
+
+
+MODEL_PARAMS = inputs("model")  # also the key of cached prompt embeddings (tpgrpo.stage_common, eval_embeds)
+REWARD_PARAMS = [*inputs("reward_models"), "remote_reward"]  # read by every stage that scores images
 
 # The params each stage reads (DVC re-runs a stage when one of these changes). No stage lists `launch`, and
 # dvc.yaml's commands do not carry it: the process count never changes an artifact (nor the config hash
-# artifacts carry); `tpgrpo stage` reads it when it starts (tpgrpo.pipeline.launch).
+# artifacts carry); `tpgrpo stage` reads it when it starts (tpgrpo.pipeline.launch). Nor an execution knob.
 STAGE_PARAMS = {
-    "rollout": ["model", "task.train_prompts", "task.reward", "sampling", "rollout", "probe.completion",
+    "rollout": [*MODEL_PARAMS, "task.train_prompts", "task.reward", "sampling", "rollout", "probe.completion",
                 "update.lora_rank", "update.lora_alpha", "train.seed", *REWARD_PARAMS],
-    "probe": ["model", "probe", "credit.mode", "update.lora_rank", "update.lora_alpha", "train.seed",
+    "probe": [*MODEL_PARAMS, "probe", "credit.mode", "update.lora_rank", "update.lora_alpha", "train.seed",
               *REWARD_PARAMS],
     "credit": ["credit"],
-    "update": ["model", "update", "train.seed"],
-    "eval": ["model", "task", "sampling", "eval", "rollout.batch_size", "update.lora_rank",
+    "update": [*MODEL_PARAMS, *inputs("update"), "train.seed"],
+    "eval": [*MODEL_PARAMS, "task", "sampling", "eval", "rollout.batch_size", "update.lora_rank",
              "update.lora_alpha", "update.ema", "train.seed", *REWARD_PARAMS],
-    # The held-out prompts' embeddings, once per run (tpgrpo.policy.eval_embeds): the chunks eval encodes.
-    "eval_prompts": ["model", "task.eval_prompts", "eval.num_prompts", "eval.samples_per_prompt",
+    # The held-out prompts' embeddings, once per run (tpgrpo.policy.eval_embeds): the chunks eval encodes,
+    # cut by rollout.batch_size (so it changes this stage's files, not only floats).
+    "eval_prompts": [*MODEL_PARAMS, "task.eval_prompts", "eval.num_prompts", "eval.samples_per_prompt",
                      "rollout.batch_size"],
-    "baseline": ["model", "task", "sampling", "eval", "rollout.batch_size", "update.lora_rank",
+    "baseline": [*MODEL_PARAMS, "task", "sampling", "eval", "rollout.batch_size", "update.lora_rank",
                  "update.lora_alpha", *REWARD_PARAMS],
-    "summary": ["model", "task.eval_prompts", "sampling", "eval", "rollout.batch_size", "update.lora_rank",
+    "summary": [*MODEL_PARAMS, "task.eval_prompts", "sampling", "eval", "rollout.batch_size", "update.lora_rank",
                 "update.lora_alpha", "credit.mode", "train.iterations"],
 }
 STAGE_LOGS = ("rollout", "probe", "credit", "update", "eval")  # each writes data/iters/NNNN/<stage>.json

@@ -26,6 +26,8 @@ import hashlib
 import json
 from pathlib import Path
 
+from tpgrpo.stage_params import inputs
+
 CODE_DIR = "data/code"
 REPO = Path(__file__).resolve().parents[2]  # the checkout this package runs from
 # The stage modules each kind of stage runs; its code is what they import (tpgrpo.pipeline.code_graph).
@@ -45,8 +47,9 @@ STAGE_KIND = {"rollout": "rollout", "probe": "probe", "credit": "credit", "updat
 # The code stage depends on all of the code, folders whole (a new module is seen; .dvcignore drops byte code).
 ALL_CODE = ["stages", "tpgrpo"]
 # The params dvc.yaml's rendering reads (tpgrpo.pipeline.dvcfile.render; a test checks the list): the stages,
-# their deps and commands. Other params change values DVC reads itself, never the stages.
-RENDER_PARAMS = ["train.iterations", "train.block_size", "model.path", "task", "reward_models"]
+# their deps and commands (the reward-model folders: reward_models, but its device, an execution knob that no
+# stage records). Other params change values DVC reads itself, never the stages.
+RENDER_PARAMS = ["train.iterations", "train.block_size", "model.path", "task", *inputs("reward_models")]
 # Libraries whose version is part of every manifest. No file of the project changes when one is upgraded:
 # `tpgrpo run` rewrites the manifests before each repro (DVC then re-runs the code stage, whose outputs are
 # not cached so its run cache cannot restore old ones, and the stages whose manifest changed), and under

@@ -57,8 +57,10 @@ def chunk_file(folder: Path, c: int) -> Path:
 
 def chunk_key(cfg, prompts: list[str]) -> dict[str, str]:
     """The metadata a chunk file must hold to be used: the chunk's prompts (JSON list, one per image) and the
-    hash of the ``model`` params (folder, dtype, device, resolution)."""
-    return {"prompts": json.dumps(list(prompts)), "model": cfg.params_hash(["model"])}
+    hash of the ``model`` params but the device, an execution knob (kind, folder, dtype, resolution)."""
+    from tpgrpo.stage_params import MODEL_PARAMS
+
+    return {"prompts": json.dumps(list(prompts)), "model": cfg.params_hash(MODEL_PARAMS)}
 
 
 def _tensors(embeds) -> dict:

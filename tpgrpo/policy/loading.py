@@ -122,7 +122,9 @@ def prompt_embeddings(cfg: Config, root: Path, iteration: int, backend, prompts:
     from tpgrpo.distributed import current
 
     path = IterationPaths(root, iteration).prompt_embeds
-    key = {"prompts": json.dumps(list(prompts)), "model": cfg.params_hash(["model"])}
+    from tpgrpo.stage_params import MODEL_PARAMS
+
+    key = {"prompts": json.dumps(list(prompts)), "model": cfg.params_hash(MODEL_PARAMS)}  # not model.device
     if not write and path.is_file():
         cached = read_embeddings(path, key)
         if cached is not None:
