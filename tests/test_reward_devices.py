@@ -8,8 +8,8 @@ import pytest
 from conftest import tiny_params
 
 from tpgrpo.config import config_from_dict
-from tpgrpo.pipeline import distributed
-from tpgrpo.pipeline.distributed import Dist, reward_device
+from tpgrpo import distributed
+from tpgrpo.distributed import Dist, reward_device
 from tpgrpo.rewards.aesthetic import AestheticReward
 from tpgrpo.rewards.detector import GenEvalDetectorReward
 from tpgrpo.rewards.pickscore import PickScoreReward

@@ -14,7 +14,7 @@ from pathlib import Path
 
 import numpy as np
 
-from tpgrpo.pipeline.distributed import reward_device
+from tpgrpo.distributed import reward_device
 from tpgrpo.rewards.folders import check_file, check_folder, load_error
 from tpgrpo.rewards.pickscore import MODEL_FILES, PROCESSOR_FILES, load_clip
 from tpgrpo.tasks.rewards import Reward

@@ -22,7 +22,7 @@ from pathlib import Path
 
 import numpy as np
 
-from tpgrpo.pipeline.distributed import reward_device
+from tpgrpo.distributed import reward_device
 from tpgrpo.rewards.folders import check_folder, load_error
 from tpgrpo.tasks import geneval
 from tpgrpo.tasks.detect import Detection, DetectorConfig, classify_pixels

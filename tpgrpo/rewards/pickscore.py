@@ -16,7 +16,7 @@ from pathlib import Path
 
 import numpy as np
 
-from tpgrpo.pipeline.distributed import reward_device
+from tpgrpo.distributed import reward_device
 from tpgrpo.rewards.folders import check_folder, load_error
 from tpgrpo.tasks.rewards import Reward
 
