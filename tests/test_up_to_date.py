@@ -25,8 +25,8 @@ import up_to_date_runner as ur
 # - rerun_same / rerun_other: fixed since (every stage log is a DVC output, eval.json too; a hand re-run with
 #   the same params may re-run that stage once more: its log's wall seconds changed); in CI again.
 # - edit_during_run: timing-dependent by nature (an edit lands in a random stage); bench only.
-CI_ACTIONS = ["edit_upstream", "edit_leaf", "edit_code", "touch", "rerun_same", "rerun_other", "delete", "damage",
-              "retain", "iterations", "sigkill", "yaml12"]
+CI_ACTIONS = ["edit_upstream", "edit_leaf", "edit_code", "edit_knob", "touch", "rerun_same", "rerun_other", "delete",
+              "damage", "retain", "iterations", "sigkill", "yaml12"]
 CHEAP_ACTIONS = ["touch", "edit_leaf", "yaml12"]
 
 

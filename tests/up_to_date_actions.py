@@ -62,6 +62,7 @@ class Plan:
     damaged: Path | None = None  # the artifact to delete when the run refuses (a refused damage)
     marks: dict | None = None  # stage marks from before a run the action itself started
     failure: str | None = None  # the action itself broke the property (e.g. a stage ran on after a kill)
+    reset: dict | None = None  # params to put back once the checks passed (a knob tried, then undone)
 
 
 @dataclass
@@ -167,6 +168,27 @@ def edit_code(seq: Seq) -> Plan:
     allowed = downstream(raw, stages_of(raw, kinds)) | ALWAYS
     return Plan(f"edit code {path} (comment {token}; in the manifests of {sorted(kinds)})", allowed,
                 stages_of(raw, CODE_TARGETS[path]), may_refuse=seq.retained)
+
+
+# Execution knobs (tpgrpo.stage_params.EXECUTION_KNOBS), with values this CPU machine can run. A knob is not
+# recorded: changing it must re-run nothing (not even the code stage, unless it renders dvc.yaml from it).
+KNOBS = {"model.device": ["cpu", "cpu:0"], "reward_models.device": ["cpu", "cpu:0"],
+         "update.micro_batch": [64, 16, 5], "update.gradient_checkpointing": [False, True]}
+# Knobs whose later use changes an adapter by float round-off (tested within a tolerance, not byte for byte):
+# put back after the check, so that the sequence's later re-runs compare byte for byte with the reference.
+ROUND_OFF_KNOBS = {"update.micro_batch"}
+
+
+def edit_knob(seq: Seq) -> Plan:
+    """Change an execution knob: nothing may run but the code stage (which reads reward_models' keys)."""
+    raw = h.read_params(seq.root)
+    key = seq.rng.choice(sorted(KNOBS))
+    old = h.get_param(raw, key)
+    new = seq.rng.choice([v for v in KNOBS[key] if v != old])
+    before = {s: dict(v) for s, v in raw.items()}
+    h.write_params(seq.root, h.set_param(raw, key, new))
+    return Plan(f"edit execution knob {key}: {old!r} -> {new!r}", {"code"},
+                reset=before if key in ROUND_OFF_KNOBS else None)
 
 
 def touch(seq: Seq) -> Plan:
@@ -356,5 +378,5 @@ def yaml12(seq: Seq) -> Plan:
     return Plan("rewrite params.yaml floats as 1e-02 (YAML 1.2)", {"code"})  # the code stage reads params.yaml
 
 
-ACTIONS = {f.__name__: f for f in (edit_upstream, edit_leaf, edit_code, touch, rerun_same, rerun_other, delete,
+ACTIONS = {f.__name__: f for f in (edit_upstream, edit_leaf, edit_code, edit_knob, touch, rerun_same, rerun_other, delete,
                                    damage, retain, iterations, sigkill, edit_during_run, yaml12)}

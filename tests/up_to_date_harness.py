@@ -340,8 +340,15 @@ def code_key(root: Path) -> str:
 
 
 def params_key(raw: dict) -> str:
-    """A hash of the params that can change a result (retention changes none: no stage reads it)."""
-    kept = {k: v for k, v in raw.items() if k != "retention"}
+    """A hash of the params that can change a result (retention changes none: no stage reads it; nor does an
+    execution knob, beyond float round-off: tpgrpo.stage_params.EXECUTION_KNOBS)."""
+    from tpgrpo.stage_params import EXECUTION_KNOBS
+
+    kept = {k: dict(v) if isinstance(v, dict) else v for k, v in raw.items() if k != "retention"}
+    for knob in EXECUTION_KNOBS:
+        section, _, name = knob.partition(".")
+        if isinstance(kept.get(section), dict):
+            kept[section].pop(name, None)
     return hashlib.sha256(json.dumps(kept, sort_keys=True, default=repr).encode()).hexdigest()
 
 
