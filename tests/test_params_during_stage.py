@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import shutil
+import subprocess
 import sys
 
 import pytest
@@ -88,7 +89,8 @@ def test_a_lock_entry_that_disagrees_with_what_its_stage_read_is_dropped(tmp_pat
     from tpgrpo.pipeline.blocks import read_lock, write_lock
     from tpgrpo.pipeline.params_read import NOTES, drop_disagreeing, note_params_read
 
-    (tmp_path / ".dvc").mkdir()
+    # a DVC project: the entries are dropped under DVC's lock
+    subprocess.run([sys.executable, "-m", "dvc", "init", "-q", "--no-scm"], cwd=tmp_path, check=True)
     monkeypatch.setenv("DVC_STAGE", "update-0001")
     write_lock(tmp_path, _lock_with({
         "update-0001": {"cmd": "u", "params": {"params.yaml": {"update": {"lr": 0.005, "ema": False}}}},
