@@ -121,13 +121,20 @@ def block_stages(seq: Seq, raw: dict, i: int) -> set[str]:
 
 # ---------------------------------------------------------------- actions
 
-def _edit(seq: Seq, table: dict, label: str) -> Plan:
+def _change(seq: Seq, table: dict) -> tuple[dict, dict, str, object, object]:
+    """Set a random key of ``table`` to another of its values; returns (params now, params before, key, old,
+    new)."""
     raw = h.read_params(seq.root)
     key = seq.rng.choice(sorted(table))
     old = h.get_param(raw, key)
     new = seq.rng.choice([v for v in table[key] if v != old])
     before = {s: dict(v) for s, v in raw.items()}
     h.write_params(seq.root, h.set_param(raw, key, new))
+    return raw, before, key, old, new
+
+
+def _edit(seq: Seq, table: dict, label: str) -> Plan:
+    raw, before, key, old, new = _change(seq, table)
     kinds = set(READERS[key])
     if key == "credit.mode" and "flow_grpo" in (old, new):
         kinds.add("probe")  # the probe stage appears or goes
@@ -181,12 +188,7 @@ ROUND_OFF_KNOBS = {"update.micro_batch"}
 
 def edit_knob(seq: Seq) -> Plan:
     """Change an execution knob: nothing may run but the code stage (which reads reward_models' keys)."""
-    raw = h.read_params(seq.root)
-    key = seq.rng.choice(sorted(KNOBS))
-    old = h.get_param(raw, key)
-    new = seq.rng.choice([v for v in KNOBS[key] if v != old])
-    before = {s: dict(v) for s, v in raw.items()}
-    h.write_params(seq.root, h.set_param(raw, key, new))
+    _, before, key, old, new = _change(seq, KNOBS)
     return Plan(f"edit execution knob {key}: {old!r} -> {new!r}", {"code"},
                 reset=before if key in ROUND_OFF_KNOBS else None)
 
