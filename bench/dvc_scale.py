@@ -263,11 +263,12 @@ def main() -> None:
 
 
 def print_table(rows: list[dict]) -> None:
-    keys = list(rows[0])
+    keys = list(dict.fromkeys(k for row in rows for k in row))  # the retained rows train no more iteration
     print("| " + " | ".join(keys) + " |")
     print("|" + "---|" * len(keys))
     for row in rows:
-        print("| " + " | ".join(f"{row[k]:.1f}" if isinstance(row[k], float) else str(row[k]) for k in keys) + " |")
+        print("| " + " | ".join(f"{row[k]:.1f}" if isinstance(row.get(k), float) else str(row.get(k, "-"))
+                                for k in keys) + " |")
 
 
 if __name__ == "__main__":
