@@ -36,7 +36,10 @@ def _env() -> dict:
 
 
 def _sh(root: Path, *args: str, ok: bool = True) -> subprocess.CompletedProcess:
-    done = subprocess.run(list(args), cwd=root, env=_env(), capture_output=True, text=True)
+    # the project's own code first: a test that edits it must run it (a stage refuses code other than the
+    # project's under DVC)
+    env = dict(_env(), PYTHONPATH=str(root))
+    done = subprocess.run(list(args), cwd=root, env=env, capture_output=True, text=True)
     if ok:
         assert done.returncode == 0, f"{args}: {done.stdout[-2000:]} {done.stderr[-2000:]}"
     return done

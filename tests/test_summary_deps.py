@@ -45,7 +45,8 @@ def test_rerunning_a_sealed_block_reruns_the_summary_with_the_new_logs(tmp_path,
     (root / "params.yaml").write_text(yaml.safe_dump(raw, sort_keys=False))
     first = tpgrpo_run(root)
     assert first.returncode == 0 and "sealed iters-0001-0002" in first.stdout, first.stdout[-3000:]
-    again = subprocess.run([sys.executable, "-m", "dvc", "repro", "--force", "--single-item", "iters-0001-0002"],
+    block = "data/seals/0001-0002/dvc.yaml:iters-0001-0002"  # a sealed block's stage is in its own pipeline file
+    again = subprocess.run([sys.executable, "-m", "dvc", "repro", "--force", "--single-item", block],
                            cwd=root, env=env(), capture_output=True, text=True)
     assert again.returncode == 0, again.stdout[-3000:] + again.stderr[-3000:]
     after = subprocess.run([sys.executable, "-m", "dvc", "repro"], cwd=root, env=env(), capture_output=True,
