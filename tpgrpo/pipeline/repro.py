@@ -26,15 +26,21 @@ def repro_checked(root: Path, cfg: Config, upto: int, env: dict[str, str], note:
     raise PipelineError(f"params.yaml kept changing while stages ran ({TRIES} tries); run again once it is saved")
 
 
-def repro_args(root: Path, cfg: Config, upto: int) -> list[str]:
+def sealed_through(root: Path, upto: int) -> list:
+    """The sealed blocks a repro rendered through ``upto`` has upstream."""
+    from tpgrpo.pipeline.blocks import seal_files
+
+    return [b for b in seal_files(root) if b.last <= upto]
+
+
+def repro_args(root: Path, upto: int) -> list[str]:
     """``dvc repro``'s arguments: with every sealed block of this rendering unchanged since DVC last checked it
     (:mod:`tpgrpo.pipeline.seal_cache`), only the stages of dvc.yaml, each against its own record, in the
     file's order (pipeline order); otherwise DVC's full check of every stage upstream, sealed blocks included.
     Why: the full check hashes every sealed output (6,000 at 1,000 iterations) on every repro."""
-    from tpgrpo.pipeline.blocks import seal_files
     from tpgrpo.pipeline.seal_cache import unchanged
 
-    sealed = [b for b in seal_files(root) if b.last <= upto]
+    sealed = sealed_through(root, upto)
     return ["repro", "--single-item", "dvc.yaml"] if sealed and unchanged(root, sealed) else ["repro"]
 
 
@@ -51,7 +57,7 @@ def _repro(root: Path, cfg: Config, upto: int, env: dict[str, str]) -> list[str]
     lock = root / "dvc.lock"
     before = lock.stat().st_mtime_ns if lock.exists() else None
     clear_notes(root)  # only what this repro's stages read is checked after it
-    args = repro_args(root, cfg, upto)
+    args = repro_args(root, upto)
     code = subprocess.run([sys.executable, "-m", "dvc", *args], cwd=root, env=env).returncode
     if code != 0:
         raise PipelineError(f"dvc repro failed with exit code {code}")
@@ -59,7 +65,5 @@ def _repro(root: Path, cfg: Config, upto: int, env: dict[str, str]) -> list[str]
     if lock.exists() and lock.stat().st_mtime_ns != before:  # something ran: was it all stored?
         check_outputs_cached(root, env, ["dvc.yaml"] if "--single-item" in args else [])
     if "--single-item" not in args:  # DVC checked every sealed block upstream and re-ran what had changed
-        from tpgrpo.pipeline.blocks import seal_files
-
-        vouch(root, [b for b in seal_files(root) if b.last <= upto])
+        vouch(root, sealed_through(root, upto))
     return drop_disagreeing(root)

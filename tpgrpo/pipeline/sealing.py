@@ -29,6 +29,7 @@ import json
 import os
 import subprocess
 import sys
+from functools import lru_cache
 from pathlib import Path
 from typing import Callable
 
@@ -228,15 +229,25 @@ def unseal_reason(cfg: Config, block: Block, entry: dict | None, params: dict, r
 
 def changed_code(root: Path, entry: dict) -> list[str]:
     """The code manifests a block's lock ``entry`` records with an md5 other than today's file's."""
+    return [str(d["path"]) for d in entry.get("deps") or [] if str(d.get("path", "")).startswith(CODE_DIR + "/")
+            and (now := _md5_now(root / d["path"])) is not None and now != d.get("md5")]
+
+
+def _md5_now(path: Path) -> str | None:
+    """md5 of a small file (a code manifest), once per content stamp: every sealed block records the same
+    seven manifests, and a run asks about each block several times."""
+    try:
+        st = path.stat()
+    except OSError:
+        return None
+    return _md5_of(path, st.st_mtime_ns, st.st_size, st.st_ino)
+
+
+@lru_cache(maxsize=64)
+def _md5_of(path: Path, mtime_ns: int, size: int, ino: int) -> str:  # noqa: ARG001 - the stamp keys the cache
     import hashlib
 
-    found = []
-    for dep in entry.get("deps") or []:
-        path = str(dep.get("path", ""))
-        if path.startswith(CODE_DIR + "/") and (root / path).is_file() and \
-                hashlib.md5((root / path).read_bytes()).hexdigest() != dep.get("md5"):
-            found.append(path)
-    return found
+    return hashlib.md5(path.read_bytes()).hexdigest()
 
 
 def stale_seals(root: Path, cfg: Config, params: dict, upto: int | None = None) -> dict[Block, str]:
