@@ -1,4 +1,5 @@
-# Two commands on a fresh machine:  `make run` (the main job) and `make test` (the tests).
+# Two commands on a fresh machine:  `make run` (the main job) and `make test` (the fast tests, minutes).
+# `make test-all` is every test, the slow end-to-end runs included (CI, .ci/run, runs it).
 PY ?= python3
 VENV := .venv
 STAMP := $(VENV)/.installed
@@ -15,7 +16,14 @@ install: $(STAMP)
 run: $(STAMP)
 	$(VENV)/bin/tpgrpo run
 
-test: $(STAMP)
-	$(VENV)/bin/python -m pytest
+# Two pytest workers (pytest-xdist), one per core, one torch thread each (tests/conftest.py); a test file
+# stays on one worker so its module fixtures are built once.
+PYTEST := $(VENV)/bin/python -m pytest -n 2 --dist loadfile
 
-.PHONY: install run test
+test: $(STAMP)
+	$(PYTEST) -m "not slow"
+
+test-all: $(STAMP)
+	$(PYTEST)
+
+.PHONY: install run test test-all

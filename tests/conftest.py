@@ -12,6 +12,10 @@ import yaml
 REPO = Path(__file__).resolve().parents[1]
 os.environ.setdefault("DVC_NO_ANALYTICS", "1")
 os.environ.setdefault("DVC_STUDIO_OFFLINE", "true")
+if os.environ.get("PYTEST_XDIST_WORKER"):
+    # `make test` runs two workers on two cores: one torch thread each, as the processes they start
+    # (a worker with torch's default of one thread per core would oversubscribe the machine 2x).
+    os.environ.setdefault("OMP_NUM_THREADS", "1")
 
 # A small but real configuration: 32x32 images (the detector's scale), 1 transformer block.
 TINY_PARAMS_OVERRIDES = {

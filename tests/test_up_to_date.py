@@ -2,7 +2,7 @@
 artifact equals a run from scratch, ``dvc status`` is clean and what ran is what the action affects.
 
 The harness's own checks are tested first (fast: they must be able to fail); then one short sequence of
-cheap actions (default, a few minutes) and longer sequences over the whole CI action set (slow).
+cheap actions and longer sequences over the whole CI action set (all three slow: `make test-all`).
 ``bench/up_to_date.py`` runs many more sequences over every action.
 """
 
@@ -107,8 +107,10 @@ def _sequence(tmp_path, template, references, seed: int, length: int, actions: l
     assert result.held, ur.describe(result)
 
 
+@pytest.mark.slow
 def test_cheap_actions_keep_up_to_date_correct(tmp_path, template, references):
-    """Touches, a leaf param, params.yaml rewritten as YAML 1.2: a few minutes on 2 cores."""
+    """Touches, a leaf param, params.yaml rewritten as YAML 1.2: a few minutes on 2 cores (an end-to-end run of
+    a 3-iteration sealed project, so `make test-all`, not the fast layer)."""
     _sequence(tmp_path, template, references, seed=11, length=3, actions=CHEAP_ACTIONS)
 
 
