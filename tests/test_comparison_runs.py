@@ -72,7 +72,9 @@ def cli(*args: str) -> subprocess.CompletedProcess:
 
 
 def stages_ran(log: Path, since: int) -> set[str]:
-    text = log.read_text()[since:]
+    """Stages the log says ran after byte ``since`` (a byte offset: progress bars write multi-byte characters,
+    so a character offset would skip lines, more of them the more often a bar redraws)."""
+    text = log.read_bytes()[since:].decode()
     return {line.split("'")[1] for line in text.splitlines() if line.startswith("Running stage")}
 
 
