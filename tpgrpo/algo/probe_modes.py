@@ -66,10 +66,13 @@ def respaced_steps(remaining: int, max_steps: int | None) -> list[int]:
     return [(2 * i * remaining + m) // (2 * m) for i in range(m + 1)]
 
 
-def completion_passes(start_steps: Sequence[int], num_steps: int, completion: Completion) -> int:
+def completion_passes(start_steps: Sequence[int], num_steps: int, completion: Completion,
+                      first_step_given: bool = False) -> int:
     """Transformer passes (one per state per Euler step, CFG doubling not counted) that completing
     states at schedule steps ``start_steps`` of a ``num_steps``-step schedule costs: ``exact``
-    ``sum(T - j)``, ``ode:M`` ``sum(min(M, T - j))``, ``x0`` 0."""
+    ``sum(T - j)``, ``ode:M`` ``sum(min(M, T - j))``, ``x0`` 0. ``first_step_given``: each state's first
+    step uses a velocity given with it (the rollout's stored ``v_k``): one pass fewer per state."""
     if not completion.runs_transformer:
         return 0
-    return sum(len(respaced_steps(num_steps - j, completion.max_steps)) - 1 for j in start_steps)
+    per_state = [len(respaced_steps(num_steps - j, completion.max_steps)) - 1 for j in start_steps]
+    return sum(per_state) - (len(per_state) if first_step_given else 0)

@@ -53,12 +53,15 @@ class Trajectories:
     """A batch of N rollouts: ``states`` (N, K+1, C, H, W) float32, ``log_probs`` (N, K) float32 (old
     log-probs of the window steps), ``final`` (N, C, H, W) the latent at sigma 0; ``x0_estimates``
     (N, K, C, H, W) float32 ``z_k - s_k v_k`` with the guided velocity of window step k, when asked for
-    (``probe.completion: x0`` scores them), else None."""
+    (``probe.completion: x0`` scores them), else None; ``velocities`` (N, K, C, H, W) float32 the guided
+    velocity ``v_k`` at ``z_k`` (latent units per unit of sigma), when asked for (the probe's completions
+    take their first step with it instead of a pass), else None."""
 
     states: torch.Tensor
     log_probs: torch.Tensor
     final: torch.Tensor
     x0_estimates: torch.Tensor | None = None
+    velocities: torch.Tensor | None = None
 
 
 def step_noise_generators(seeds: Sequence[int]) -> list[torch.Generator]:
@@ -73,19 +76,22 @@ def _draw_noise(generators: list[torch.Generator], shape: tuple[int, ...], devic
 
 
 @torch.no_grad()
-def rollout(backend, embeds, seeds: Sequence[int], spec: SamplerSpec, keep_x0: bool = False) -> Trajectories:
+def rollout(backend, embeds, seeds: Sequence[int], spec: SamplerSpec, keep_x0: bool = False,
+            keep_velocities: bool = False) -> Trajectories:
     """Sample one batch of trajectories: SDE inside the window, ODE outside, CFG throughout.
 
     ``embeds`` holds one prompt embedding per sample (already selected to the batch's rows);
     ``seeds`` (N ints) give the initial noise and the per-step noise of each sample; ``keep_x0``: also
-    keep each window state's one-step estimate ``z_k - s_k v_k`` (costs memory, no pass). The trajectories
-    come back on ``backend.device`` (see the module docstring).
+    keep each window state's one-step estimate ``z_k - s_k v_k`` (costs memory, no pass);
+    ``keep_velocities``: also keep each window state's guided velocity ``v_k`` (as much memory as the states;
+    no pass, and the numbers drawn are unchanged). The trajectories come back on ``backend.device`` (see the
+    module docstring).
     """
     x = backend.initial_noise(list(seeds)).to(backend.device, torch.float32)
     generators = step_noise_generators(seeds)
     sigmas, last_window_step = spec.sigmas, spec.window_start + spec.window_size - 1
     window = sde_window(spec.num_steps, spec.window_start, spec.window_size)
-    states, log_probs, x0 = [], [], []
+    states, log_probs, x0, velocities = [], [], [], []
     for step in range(spec.num_steps):
         s, s_next = float(sigmas[step]), float(sigmas[step + 1])
         v = velocity_at(backend, x, s, embeds, spec.guidance_scale)
@@ -95,6 +101,8 @@ def rollout(backend, embeds, seeds: Sequence[int], spec: SamplerSpec, keep_x0: b
         states.append(x)
         if keep_x0:  # the one Euler step to sigma 0 with this very velocity: what ode:1 would compute
             x0.append(ode_step(x, v, s, 0.0))
+        if keep_velocities:
+            velocities.append(v)
         noise = _draw_noise(generators, tuple(x.shape[1:]), x.device)
         out = stochastic_step(spec.step_kind, x, v, s, s_next, spec.noise_level,
                               sigma_at_one=float(sigmas[1]), noise=noise)
@@ -103,7 +111,8 @@ def rollout(backend, embeds, seeds: Sequence[int], spec: SamplerSpec, keep_x0: b
         if step == last_window_step:
             states.append(x)  # z_K: its ODE completion is this rollout's own final image
     return Trajectories(torch.stack(states, 1), torch.stack(log_probs, 1), x,
-                        torch.stack(x0, 1) if keep_x0 else None)
+                        torch.stack(x0, 1) if keep_x0 else None,
+                        torch.stack(velocities, 1) if keep_velocities else None)
 
 
 def velocity_at(backend, x: torch.Tensor, sigma, embeds, guidance_scale: float) -> torch.Tensor:
@@ -118,7 +127,8 @@ def velocity_at(backend, x: torch.Tensor, sigma, embeds, guidance_scale: float) 
 def ode_complete(backend, states: torch.Tensor, start_steps: torch.Tensor, sigmas: torch.Tensor,
                  embeds, guidance_scale: float, batch_size: int,
                  on_step: Callable[[int], None] | None = None,
-                 max_steps: int | None = None) -> tuple[torch.Tensor, int]:
+                 max_steps: int | None = None,
+                 first_velocities: torch.Tensor | None = None) -> tuple[torch.Tensor, int]:
     """ODE-complete M states to sigma 0 (spec section 4), batching all states at the same sigma.
 
     states: (M, C, H, W) float32, state m sits at sigma ``sigmas[start_steps[m]]``; embeds: one row per
@@ -126,9 +136,11 @@ def ode_complete(backend, states: torch.Tensor, start_steps: torch.Tensor, sigma
     most that many Euler steps on the re-spaced schedule of :func:`tpgrpo.algo.probe_modes.respaced_steps`
     (``probe.completion: ode:M``). The states advance in lockstep over the schedule's steps: at step j
     every state whose own schedule visits ``s_j`` (and has not ended) is there, so one batched pass serves
-    them all, each then stepping to its own next sigma. Returns the (M, C, H, W) final latents on
-    ``backend.device`` and the number of model forward passes (one per state per step, not counting the
-    CFG doubling).
+    them all, each then stepping to its own next sigma. ``first_velocities``: (M, C, H, W) float32, the
+    guided velocity at each state as given (the rollout's ``v_k``): each completion's first step uses it
+    instead of a pass, which saves one pass per state and gives the same step up to the round-off of a
+    differently composed batch. Returns the (M, C, H, W) final latents on ``backend.device`` and the
+    number of model forward passes (one per state per step, not counting the CFG doubling).
     """
     x = states.to(backend.device, torch.float32, copy=True)
     num_steps = sigmas.numel() - 1
@@ -136,17 +148,30 @@ def ode_complete(backend, states: torch.Tensor, start_steps: torch.Tensor, sigma
     passes = 0
     for j in range(int(start_steps.min()), num_steps):
         active = torch.nonzero(after[:, j] >= 0).flatten()
+        if first_velocities is not None:  # states starting here step with their given velocity, no pass
+            first = active[start_steps[active] == j]
+            _step_rows(x, first, first_velocities[first].to(x.device, torch.float32), sigmas, j, after)
+            active = active[start_steps[active] != j]
         for chunk in active.split(batch_size) if active.numel() else ():  # ode:M may skip step j altogether
-            rows = chunk.to(x.device)  # index on the states' device; embeds.select moves its own copy
-            v = velocity_at(backend, x[rows], float(sigmas[j]), embeds.select(chunk), guidance_scale)
-            targets = after[chunk, j]
-            for target in torch.unique(targets).tolist():  # exact: one target, s_{j+1}, for the whole chunk
-                mine = (targets == target).to(x.device)
-                x[rows[mine]] = ode_step(x[rows[mine]], v[mine], float(sigmas[j]), float(sigmas[target]))
+            v = velocity_at(backend, x[chunk.to(x.device)], float(sigmas[j]), embeds.select(chunk), guidance_scale)
+            _step_rows(x, chunk, v, sigmas, j, after)
             passes += chunk.numel()
         if on_step is not None:
             on_step(j)
     return x, passes
+
+
+def _step_rows(x: torch.Tensor, chunk: torch.Tensor, v: torch.Tensor, sigmas: torch.Tensor, j: int,
+               after: torch.Tensor) -> None:
+    """In place: rows ``chunk`` (CPU int64) of ``x`` (M, C, H, W) take an Euler step from ``s_j`` to each
+    row's own target ``sigmas[after[row, j]]`` with velocities ``v`` (len(chunk), C, H, W)."""
+    if not chunk.numel():
+        return
+    rows = chunk.to(x.device)  # index on the states' device; embeds.select moves its own copy
+    targets = after[chunk, j]
+    for target in torch.unique(targets).tolist():  # exact: one target, s_{j+1}, for the whole chunk
+        mine = (targets == target).to(x.device)
+        x[rows[mine]] = ode_step(x[rows[mine]], v[mine], float(sigmas[j]), float(sigmas[target]))
 
 
 def _next_steps(start_steps: torch.Tensor, num_steps: int, max_steps: int | None) -> torch.Tensor:
@@ -166,17 +191,21 @@ def _next_steps(start_steps: torch.Tensor, num_steps: int, max_steps: int | None
 def complete_window_states(backend, states: torch.Tensor, embeds, sigmas: torch.Tensor, window_start: int,
                            guidance_scale: float, batch_size: int,
                            on_step: Callable[[int], None] | None = None,
-                           max_steps: int | None = None) -> tuple[torch.Tensor, int]:
+                           max_steps: int | None = None,
+                           velocities: torch.Tensor | None = None) -> tuple[torch.Tensor, int]:
     """The probe (spec section 4): ODE-complete the window states z_0..z_{K-1} of N trajectories.
 
     states: (N, K+1, C, H, W) as a rollout stores them, on any device (z_K is left out: the rollout
     completed it); embeds: one row per trajectory; ``max_steps``: as in :func:`ode_complete` (None =
-    exact). Returns final latents (N*K, C, H, W) on ``backend.device``, trajectory-major (row n*K + k
-    completes z_k of trajectory n), and the number of model forward passes.
+    exact); ``velocities``: (N, K, C, H, W) the rollout's guided ``v_k`` at each ``z_k``, or None: with
+    them every completion's first step reuses ``v_k`` (K passes fewer per trajectory, the same completion up
+    to float round-off). Returns final latents (N*K, C, H, W) on ``backend.device``, trajectory-major (row
+    n*K + k completes z_k of trajectory n), and the number of model forward passes.
     """
     N, K = states.shape[0], states.shape[1] - 1
     flat = states[:, :K].reshape(N * K, *states.shape[2:])
+    first = None if velocities is None else velocities.reshape(N * K, *velocities.shape[2:])
     start_steps = torch.arange(K).repeat(N) + window_start  # z_k sits at schedule step window_start + k
     rows = embeds.select(torch.arange(N).repeat_interleave(K))
     return ode_complete(backend, flat, start_steps, sigmas, rows, guidance_scale, batch_size, on_step=on_step,
-                        max_steps=max_steps)
+                        max_steps=max_steps, first_velocities=first)
