@@ -3,9 +3,9 @@
 Writes ``probe.parquet``: one row per (trajectory, step), step 0..K; the row with step K holds the
 rollout's final reward (that state was completed by the rollout itself and is not scored twice). The
 Parquet metadata key ``tpgrpo.completion`` names the mode that made the table (``tpgrpo.algo.probe_modes``):
-``exact`` / ``ode:M`` complete each state with the model, each completion's first step taken with the
-rollout's stored velocity ``v_k`` (K passes per trajectory saved; a store written before the rollout kept
-them is completed with that pass, as before), ``x0`` scores the rollout's one-step estimates (decodes and
+``exact`` / ``ode:M`` / ``grid:M`` / ``heun:M`` complete each state with the model, each completion's first
+step taken with the rollout's stored velocity ``v_k`` (K passes per trajectory saved; a store written
+before the rollout kept them is completed with that pass, as before), ``x0`` scores the rollout's one-step estimates (decodes and
 reward calls only). With ``credit.mode: flow_grpo`` the probe loads no model: that credit needs
 only R_fin, so the table is the rollout's final reward at every step (``final_reward_table``). Every mode has
 the same stages, so ``dvc exp run -S credit.mode=...`` needs no other dvc.yaml.
@@ -75,7 +75,7 @@ def run(cfg: Config, iteration: int, root: Path) -> dict:
             arrays, attrs = read_trajectories(paths.trajectories, lazy=LAZY)
         N, K1 = arrays["states"].shape[:2]
         K = K1 - 1
-        merged, chunks = _score_states(cfg, iteration, root, arrays, attrs, completion)
+        merged, chunks = score_states(cfg, iteration, root, arrays, attrs, completion)
         if merged is None:  # not the main process: its parts are written, the main process merges
             return metrics
         check_finite(f"reward {attrs['reward']}", merged["reward"], f"probe of iteration {iteration}")
@@ -93,7 +93,7 @@ def run(cfg: Config, iteration: int, root: Path) -> dict:
     return metrics
 
 
-def _score_states(cfg: Config, iteration: int, root: Path, arrays: dict, attrs: dict, completion: Completion):
+def score_states(cfg: Config, iteration: int, root: Path, arrays: dict, attrs: dict, completion: Completion):
     """Q_k for k < K of every trajectory: ``({"reward", "strict"}: (N, K), "passes": (chunks,)) `` merged
     on the main process (None on the others), and the number of chunks."""
     import torch
@@ -127,7 +127,7 @@ def _score_states(cfg: Config, iteration: int, root: Path, arrays: dict, attrs: 
             final, passes = complete_window_states(
                 backend, torch.from_numpy(np.asarray(arrays["states"][a:b])), prompt_embeds.select(rows[a:b]),
                 sigmas, attrs["window_start"], attrs["guidance_scale"], cfg.probe.batch_size,
-                max_steps=completion.max_steps, velocities=v)
+                velocities=v, completion=completion)
         images = backend.decode(final)
         scored = reward(images, [metas[p] for p in rows[a:b].repeat_interleave(K).tolist()])
         return {"reward": scored.reward.reshape(b - a, K), "strict": scored.strict.reshape(b - a, K),
@@ -140,8 +140,8 @@ def _score_states(cfg: Config, iteration: int, root: Path, arrays: dict, attrs: 
 
 
 def first_steps_reused(arrays: dict, attrs: dict, completion: Completion, path: Path) -> bool:
-    """Whether the completions take their first step with the rollout's stored ``velocities`` (``exact`` and
-    ``ode:M`` only). A store written before the rollout kept them (no ``velocities_kept`` attribute) is
+    """Whether the completions take their first step with the rollout's stored ``velocities`` (every mode
+    but ``x0``). A store written before the rollout kept them (no ``velocities_kept`` attribute) is
     completed with that first pass instead (the same Q_k up to float round-off); a store whose rollout kept
     them but lacks the array is damaged: one line naming it and what to do."""
     if not completion.runs_transformer:

@@ -2,9 +2,9 @@
 
 Writes ``trajectories.zarr`` (states around the SDE window, old log-probs, sigmas, seeds, final
 rewards, and with ``probe.completion: x0`` each window state's one-step estimate ``z_k - s_k v_k``, which
-that probe scores, or with ``exact`` / ``ode:M`` each window state's guided velocity ``v_k``, which those
-probes take their first step with instead of a pass; schema ``tpgrpo.io.schemas.TRAJECTORY_ARRAYS``, dimensions and meanings in the
-attributes) and ``rollout.json`` (metrics).
+that probe scores, or with any other mode each window state's guided velocity ``v_k``, which those
+probes take their first step with instead of a pass; schema ``tpgrpo.io.schemas.TRAJECTORY_ARRAYS``,
+dimensions and meanings in the attributes) and ``rollout.json`` (metrics).
 """
 
 from __future__ import annotations
@@ -44,7 +44,7 @@ def run(cfg: Config, iteration: int, root: Path) -> dict:
         chunks = row_chunks(len(seeds), G, cfg.rollout.batch_size)
         warn_if_idle(dist, len(chunks), "rollout.batch_size")
         keep_x0 = cfg.probe.completion == "x0"  # the probe then scores these instead of running the model
-        keep_v = parse_completion(cfg.probe.completion).kind in ("exact", "ode")  # its completions' first steps
+        keep_v = parse_completion(cfg.probe.completion).runs_transformer  # its completions' first steps
 
         def compute(c: int) -> dict:  # chunk c: fixed rows, the same shapes on any process count
             rows = np.arange(*chunks[c])

@@ -34,7 +34,7 @@ def test_shipped_params_load_and_match_documented_defaults(raw):
     (lambda r: r.pop("probe"), "missing section probe"),
     (lambda r: r.update(extra={}), "unknown section 'extra'"),
     (lambda r: r["credit"].update(mode="tpp"), "credit.mode = 'tpp': expected one of"),
-    (lambda r: r["probe"].update(completion="ode:0"), "probe.completion = 'ode:0': expected exact, x0 or ode:M"),
+    (lambda r: r["probe"].update(completion="ode:0"), "probe.completion = 'ode:0': expected exact, x0, ode:M, grid:M or heun:M"),
     (lambda r: r["rollout"].update(group_size="8"), "rollout.group_size = '8': expected int"),
     (lambda r: r["rollout"].update(group_size=1), "rollout.group_size = 1: expected >= 2"),
     (lambda r: r["update"].update(lr=-1.0), "update.lr = -1.0: expected a value > 0"),

@@ -21,6 +21,7 @@ from typing import Callable, Sequence
 
 import torch
 
+from tpgrpo.algo.probe_modes import Completion, visits
 from tpgrpo.algo.sampling import ode_step, sde_window, stochastic_step
 
 
@@ -128,37 +129,66 @@ def ode_complete(backend, states: torch.Tensor, start_steps: torch.Tensor, sigma
                  embeds, guidance_scale: float, batch_size: int,
                  on_step: Callable[[int], None] | None = None,
                  max_steps: int | None = None,
-                 first_velocities: torch.Tensor | None = None) -> tuple[torch.Tensor, int]:
+                 first_velocities: torch.Tensor | None = None,
+                 completion: Completion | None = None) -> tuple[torch.Tensor, int]:
     """ODE-complete M states to sigma 0 (spec section 4), batching all states at the same sigma.
 
     states: (M, C, H, W) float32, state m sits at sigma ``sigmas[start_steps[m]]``; embeds: one row per
-    state. ``max_steps``: None completes with every remaining step of the schedule; an int completes with at
-    most that many Euler steps on the re-spaced schedule of :func:`tpgrpo.algo.probe_modes.respaced_steps`
-    (``probe.completion: ode:M``). The states advance in lockstep over the schedule's steps: at step j
-    every state whose own schedule visits ``s_j`` (and has not ended) is there, so one batched pass serves
-    them all, each then stepping to its own next sigma. ``first_velocities``: (M, C, H, W) float32, the
-    guided velocity at each state as given (the rollout's ``v_k``): each completion's first step uses it
-    instead of a pass, which saves one pass per state and gives the same step up to the round-off of a
-    differently composed batch. Returns the (M, C, H, W) final latents on ``backend.device`` and the
-    number of model forward passes (one per state per step, not counting the CFG doubling).
+    state. ``completion`` (:mod:`tpgrpo.algo.probe_modes`) says which schedule steps each state visits
+    (``visits``) and whether each step is Euler or Heun; None means ``exact`` when ``max_steps`` is None,
+    else ``ode:max_steps`` (at most that many Euler steps on the re-spaced schedule of ``respaced_steps``).
+    The states advance in lockstep over the schedule's steps: at step j every state whose path visits
+    ``s_j`` (and has not ended) is there, so one batched pass serves them all, each then stepping to its own
+    next sigma. ``first_velocities``: (M, C, H, W) float32, the guided velocity at each state as given (the
+    rollout's ``v_k``): each completion's first step uses it instead of a pass, which saves one pass per
+    state and gives the same step up to the round-off of a differently composed batch. Returns the
+    (M, C, H, W) final latents on ``backend.device`` and the number of model forward passes (one per state
+    per evaluation, not counting the CFG doubling).
     """
+    if completion is None:
+        completion = Completion("exact") if max_steps is None else Completion("ode", max_steps)
     x = states.to(backend.device, torch.float32, copy=True)
     num_steps = sigmas.numel() - 1
-    after = _next_steps(start_steps, num_steps, max_steps)  # (M, T): schedule step each state goes to, or -1
+    after = _next_steps(start_steps, num_steps, completion)  # (M, T): schedule step each state goes to, or -1
     passes = 0
     for j in range(int(start_steps.min()), num_steps):
-        active = torch.nonzero(after[:, j] >= 0).flatten()
-        if first_velocities is not None:  # states starting here step with their given velocity, no pass
-            first = active[start_steps[active] == j]
-            _step_rows(x, first, first_velocities[first].to(x.device, torch.float32), sigmas, j, after)
-            active = active[start_steps[active] != j]
-        for chunk in active.split(batch_size) if active.numel() else ():  # ode:M may skip step j altogether
-            v = velocity_at(backend, x[chunk.to(x.device)], float(sigmas[j]), embeds.select(chunk), guidance_scale)
-            _step_rows(x, chunk, v, sigmas, j, after)
-            passes += chunk.numel()
+        active = torch.nonzero(after[:, j] >= 0).flatten()  # grid / ode:M may skip step j altogether
+        given = start_steps[active] == j if first_velocities is not None else torch.zeros_like(active, dtype=bool)
+        v = torch.empty((active.numel(), *x.shape[1:]), device=x.device)
+        if given.any():  # states starting here step with their given velocity, no pass
+            v[given.to(x.device)] = first_velocities[active[given]].to(x.device, torch.float32)
+        for part in _batches(torch.nonzero(~given).flatten(), batch_size):
+            rows = active[part]
+            v[part.to(x.device)] = velocity_at(backend, x[rows.to(x.device)], float(sigmas[j]), embeds.select(rows),
+                                               guidance_scale)
+            passes += part.numel()
+        if completion.order == 2:
+            passes += _heun_average(backend, x, active, v, sigmas[j], sigmas[after[active, j]], embeds,
+                                    guidance_scale, batch_size)
+        _step_rows(x, active, v, sigmas, j, after)
         if on_step is not None:
             on_step(j)
     return x, passes
+
+
+def _heun_average(backend, x: torch.Tensor, active: torch.Tensor, v: torch.Tensor, sigma, targets: torch.Tensor,
+                  embeds, guidance_scale: float, batch_size: int) -> int:
+    """Heun's corrector, in place on ``v`` (len(active), C, H, W): for each row of ``x`` in ``active`` whose
+    target sigma (``targets``, (len(active),) float32) is above 0, ``v <- (v + v(x + (t - s) v, t)) / 2`` with
+    one more pass at the Euler predictor; rows stepping to sigma 0 keep Euler's ``v``. Returns the passes."""
+    passes = 0
+    for part in _batches(torch.nonzero(targets > 0).flatten(), batch_size):
+        rows, at = active[part].to(x.device), part.to(x.device)
+        t = targets[part].to(x.device)
+        predicted = ode_step(x[rows], v[at], float(sigma), t)
+        v[at] = (v[at] + velocity_at(backend, predicted, t, embeds.select(active[part]), guidance_scale)) / 2
+        passes += part.numel()
+    return passes
+
+
+def _batches(index: torch.Tensor, batch_size: int) -> tuple[torch.Tensor, ...]:
+    """``index`` (n,) cut into pieces of at most ``batch_size``; none when it is empty."""
+    return index.split(batch_size) if index.numel() else ()
 
 
 def _step_rows(x: torch.Tensor, chunk: torch.Tensor, v: torch.Tensor, sigmas: torch.Tensor, j: int,
@@ -167,23 +197,21 @@ def _step_rows(x: torch.Tensor, chunk: torch.Tensor, v: torch.Tensor, sigmas: to
     row's own target ``sigmas[after[row, j]]`` with velocities ``v`` (len(chunk), C, H, W)."""
     if not chunk.numel():
         return
-    rows = chunk.to(x.device)  # index on the states' device; embeds.select moves its own copy
+    rows = chunk.to(x.device)  # index on the states' device
     targets = after[chunk, j]
     for target in torch.unique(targets).tolist():  # exact: one target, s_{j+1}, for the whole chunk
         mine = (targets == target).to(x.device)
         x[rows[mine]] = ode_step(x[rows[mine]], v[mine], float(sigmas[j]), float(sigmas[target]))
 
 
-def _next_steps(start_steps: torch.Tensor, num_steps: int, max_steps: int | None) -> torch.Tensor:
+def _next_steps(start_steps: torch.Tensor, num_steps: int, completion: Completion) -> torch.Tensor:
     """(M, T) int64: entry [m, j] is the schedule step state m moves to from step j, -1 where its
-    completion does not pass through step j (before its start, skipped by re-spacing, or done)."""
-    from tpgrpo.algo.probe_modes import respaced_steps
-
+    completion does not pass through step j (before its start, skipped, or done)."""
     after = torch.full((start_steps.numel(), num_steps), -1, dtype=torch.int64)
-    for start in torch.unique(start_steps).tolist():  # states with the same start share one schedule
-        visits = [start + offset for offset in respaced_steps(num_steps - start, max_steps)]
+    for start in torch.unique(start_steps).tolist():  # states with the same start share one path
+        path = visits(completion, start, num_steps)
         rows = torch.nonzero(start_steps == start).flatten()
-        for here, there in zip(visits[:-1], visits[1:]):
+        for here, there in zip(path[:-1], path[1:]):
             after[rows, here] = there
     return after
 
@@ -192,15 +220,17 @@ def complete_window_states(backend, states: torch.Tensor, embeds, sigmas: torch.
                            guidance_scale: float, batch_size: int,
                            on_step: Callable[[int], None] | None = None,
                            max_steps: int | None = None,
-                           velocities: torch.Tensor | None = None) -> tuple[torch.Tensor, int]:
+                           velocities: torch.Tensor | None = None,
+                           completion: Completion | None = None) -> tuple[torch.Tensor, int]:
     """The probe (spec section 4): ODE-complete the window states z_0..z_{K-1} of N trajectories.
 
     states: (N, K+1, C, H, W) as a rollout stores them, on any device (z_K is left out: the rollout
-    completed it); embeds: one row per trajectory; ``max_steps``: as in :func:`ode_complete` (None =
-    exact); ``velocities``: (N, K, C, H, W) the rollout's guided ``v_k`` at each ``z_k``, or None: with
-    them every completion's first step reuses ``v_k`` (K passes fewer per trajectory, the same completion up
-    to float round-off). Returns final latents (N*K, C, H, W) on ``backend.device``, trajectory-major (row
-    n*K + k completes z_k of trajectory n), and the number of model forward passes.
+    completed it); embeds: one row per trajectory; ``max_steps``, ``completion``: as in
+    :func:`ode_complete` (both None = exact); ``velocities``: (N, K, C, H, W) the rollout's guided ``v_k``
+    at each ``z_k``, or None: with them every completion's first step reuses ``v_k`` (K passes fewer per
+    trajectory, the same completion up to float round-off). Returns final latents (N*K, C, H, W) on
+    ``backend.device``, trajectory-major (row n*K + k completes z_k of trajectory n), and the number of
+    model forward passes.
     """
     N, K = states.shape[0], states.shape[1] - 1
     flat = states[:, :K].reshape(N * K, *states.shape[2:])
@@ -208,4 +238,4 @@ def complete_window_states(backend, states: torch.Tensor, embeds, sigmas: torch.
     start_steps = torch.arange(K).repeat(N) + window_start  # z_k sits at schedule step window_start + k
     rows = embeds.select(torch.arange(N).repeat_interleave(K))
     return ode_complete(backend, flat, start_steps, sigmas, rows, guidance_scale, batch_size, on_step=on_step,
-                        max_steps=max_steps, first_velocities=first)
+                        max_steps=max_steps, first_velocities=first, completion=completion)
