@@ -37,10 +37,11 @@ def test_pass_formulas_at_the_defaults():
     assert (count("exact", False), count("exact")) == (54, 45)
     assert (count("ode:1"), count("ode:2"), count("heun:2"), count("heun:3")) == (0, 9, 18, 34)
     assert count("grid:3") == 2 + 2 + 2 + 1 + 1 + 1 + 1 + 0 + 0
+    assert count("heun-grid:3") == 4 + 4 + 4 + 2 + 2 + 2 + 2 + 0 + 0  # 3, 3, 3, 2, 2, 2, 2, 1, 1 Heun steps
     assert count("x0") == 0
 
 
-@pytest.mark.parametrize("completion", ["grid:2", "grid:3", "heun:1", "heun:2", "heun:3"])
+@pytest.mark.parametrize("completion", ["grid:2", "grid:3", "heun:1", "heun:2", "heun:3", "heun-grid:2"])
 @pytest.mark.parametrize("given", [False, True])
 def test_each_new_mode_makes_the_passes_its_formula_says(backend, completion, given):
     from tpgrpo.algo.schedule import flow_sigmas

@@ -130,7 +130,7 @@ def test_a_bad_probe_completion_fails_the_stage_with_one_line(tiny_project):
                                       str(tiny_project / "params.yaml")])
     assert result.exit_code == 2
     assert result.output.strip() == ("error: params: probe.completion = 'ode:0': expected exact, x0, ode:M, "
-                                     "grid:M or heun:M with an integer M >= 1")
+                                     "grid:M, heun:M or heun-grid:M with an integer M >= 1")
 
 
 # ---------------------------------------------------------------------------------------------

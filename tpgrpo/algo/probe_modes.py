@@ -13,7 +13,8 @@ Modes (spec section 4 and issue 11):
   discretisation errors largely cancel in the increment ``Q_{k+1} - Q_k``;
 - ``heun:M`` (issue 34, second order): M steps on the state's own re-spaced schedule as ``ode:M``, each
   a Heun step (Euler predictor, trapezoidal corrector with a second pass at the target) except the last
-  one, to sigma 0, which stays Euler (as EDM and diffusers' Heun schedulers do): 2M - 1 passes a state.
+  one, to sigma 0, which stays Euler (as EDM and diffusers' Heun schedulers do): 2M - 1 passes a state;
+- ``heun-grid:M``: the two combined, Heun steps along ``grid:M``'s path.
 Every transformer mode's first step starts at ``z_k`` with the velocity there, which the rollout stores
 (``velocities``): one pass fewer per state than the counts above.
 ``credit.mode: flow_grpo``'s probe scores nothing: it writes ``Q_k = R_fin`` from the rollout (stages/probe.py).
@@ -26,13 +27,13 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Sequence
 
-EXPECTED = "exact, x0, ode:M, grid:M or heun:M with an integer M >= 1"
-STEPPED = ("ode", "grid", "heun")  # the kinds that take ":M"
+EXPECTED = "exact, x0, ode:M, grid:M, heun:M or heun-grid:M with an integer M >= 1"
+STEPPED = ("ode", "grid", "heun", "heun-grid")  # the kinds that take ":M"
 
 
 @dataclass(frozen=True)
 class Completion:
-    """A parsed ``probe.completion``: ``kind`` in exact | ode | grid | heun | x0; ``max_steps`` = M for the
+    """A parsed ``probe.completion``: ``kind`` in exact | ode | grid | heun | heun-grid | x0; ``max_steps`` = M for the
     stepped kinds (``STEPPED``), None otherwise."""
 
     kind: str
@@ -50,12 +51,12 @@ class Completion:
     @property
     def order(self) -> int:
         """1: Euler steps; 2: Heun steps (a second pass at each step's target, except at sigma 0)."""
-        return 2 if self.kind == "heun" else 1
+        return 2 if self.kind in ("heun", "heun-grid") else 1
 
 
 def parse_completion(value: object) -> Completion:
-    """``"exact"`` | ``"x0"`` | ``"ode:M"`` | ``"grid:M"`` | ``"heun:M"`` (M an integer >= 1, written in
-    decimal) -> :class:`Completion`.
+    """``"exact"`` | ``"x0"`` | ``"ode:M"`` | ``"grid:M"`` | ``"heun:M"`` | ``"heun-grid:M"`` (M an integer
+    >= 1, written in decimal) -> :class:`Completion`.
 
     Raises ValueError with a one-line message naming what was given and what is expected.
     """
@@ -85,13 +86,13 @@ def respaced_steps(remaining: int, max_steps: int | None) -> list[int]:
 def visits(completion: Completion, start: int, num_steps: int) -> list[int]:
     """The schedule steps (indices into the T + 1 sigmas) a state at step ``start`` passes through, from
     ``start`` to ``num_steps`` (sigma 0), increasing: ``exact`` every one, ``ode:M`` / ``heun:M`` its own
-    re-spaced ``respaced_steps``, ``grid:M`` ``start`` then the shared grid's nodes after it, ``x0`` one
-    step to 0."""
+    re-spaced ``respaced_steps``, ``grid:M`` / ``heun-grid:M`` ``start`` then the shared grid's nodes
+    after it, ``x0`` one step to 0."""
     if not 0 <= start < num_steps:
         raise ValueError(f"start = {start}: a state to complete sits at a step in 0..{num_steps - 1}")
     if completion.kind == "x0":
         return [start, num_steps]
-    if completion.kind == "grid":
+    if completion.kind in ("grid", "heun-grid"):
         return [start, *(n for n in respaced_steps(num_steps, completion.max_steps) if n > start)]
     return [start + offset for offset in respaced_steps(num_steps - start, completion.max_steps)]
 
