@@ -3,10 +3,10 @@
 Writes ``probe.parquet``: one row per (trajectory, step), step 0..K; the row with step K holds the
 rollout's final reward (that state was completed by the rollout itself and is not scored twice). The
 Parquet metadata key ``tpgrpo.completion`` names the mode that made the table (``tpgrpo.algo.probe_modes``):
-``exact`` / ``ode:M`` / ``grid:M`` / ``heun:M`` complete each state with the model, each completion's first
-step taken with the rollout's stored velocity ``v_k`` (K passes per trajectory saved; a store written
-before the rollout kept them is completed with that pass, as before), ``x0`` scores the rollout's one-step estimates (decodes and
-reward calls only). With ``credit.mode: flow_grpo`` the probe loads no model: that credit needs
+``exact`` / ``ode:M`` / ``grid:M`` / ``heun:M`` / ``heun-grid:M`` complete each state with the model, each
+completion's first step taken with the rollout's stored velocity ``v_k`` (K passes per trajectory saved; a
+store written before the rollout kept them is completed with that pass, as before), ``x0`` scores the
+rollout's one-step estimates (decodes and reward calls only). With ``credit.mode: flow_grpo`` the probe loads no model: that credit needs
 only R_fin, so the table is the rollout's final reward at every step (``final_reward_table``). Every mode has
 the same stages, so ``dvc exp run -S credit.mode=...`` needs no other dvc.yaml.
 """

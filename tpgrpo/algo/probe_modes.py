@@ -33,8 +33,8 @@ STEPPED = ("ode", "grid", "heun", "heun-grid")  # the kinds that take ":M"
 
 @dataclass(frozen=True)
 class Completion:
-    """A parsed ``probe.completion``: ``kind`` in exact | ode | grid | heun | heun-grid | x0; ``max_steps`` = M for the
-    stepped kinds (``STEPPED``), None otherwise."""
+    """A parsed ``probe.completion``: ``kind`` in exact | ode | grid | heun | heun-grid | x0; ``max_steps``
+    = M for the stepped kinds (``STEPPED``), None otherwise."""
 
     kind: str
     max_steps: int | None = None
