@@ -1,6 +1,8 @@
 """One short run of the same params at two commits, side by side: stage seconds per iteration and staging overhead.
 
-Usage: ``python bench/before_after.py --before REV --after REV [--set credit.mode=flow_grpo] [--iterations 3]``.
+Usage: ``python bench/before_after.py --before REV --after REV [--set credit.mode=flow_grpo] [--iterations 3]
+[--before-set KEY=VALUE] [--after-set KEY=VALUE]`` (per-side overrides, after ``--set``: e.g. the same commit with
+``--before-set credit.mode=tp --after-set credit.mode=flow_grpo`` gives the TP / Flow-GRPO cost ratio).
 For each commit (its files from ``git archive`` under --work: its own code, model and params.yaml): a fresh project with
 the overrides, train.iterations N, 8 held-out prompts and eval.every 0 (only the baseline is evaluated; with
 ``--eval-as-params`` params.yaml's eval instead), then
@@ -31,10 +33,12 @@ REPO = Path(__file__).resolve().parents[1]
 STAGES = ("rollout", "probe", "credit", "update")
 
 
-def project(rev: str, work: Path, overrides: dict, iterations: int, eval_as_params: bool = False) -> Path:
-    """``rev``'s files (git archive, in a fresh git repo) with its params.yaml overridden; DVC initialised by
-    ``tpgrpo run``."""
-    folder = work / rev
+def project(name: str, work: Path, overrides: dict, iterations: int, eval_as_params: bool = False,
+            rev: str | None = None) -> Path:
+    """``rev``'s files (git archive, in a fresh git repo; ``rev`` defaults to ``name``) under ``work/name``
+    with its params.yaml overridden; DVC initialised by ``tpgrpo run``."""
+    rev = rev or name
+    folder = work / name
     shutil.rmtree(folder, ignore_errors=True)
     folder.mkdir(parents=True)
     archive = subprocess.run(["git", "archive", rev], cwd=REPO, capture_output=True, check=True).stdout
@@ -84,6 +88,17 @@ def measure(folder: Path, iterations: int, threads: int, pure_yaml: bool = False
             "lock_bytes": (folder / "dvc.lock").stat().st_size}
 
 
+def passes_per_trajectory(folder: Path) -> dict:
+    """Transformer passes per trajectory and iteration, from the stages' JSON: rollout and probe (mean)."""
+    folders = sorted(p for p in (folder / "data" / "iters").iterdir() if p.name.isdigit())
+    out = {}
+    for stage in ("rollout", "probe"):
+        logs = [json.loads((f / f"{stage}.json").read_text()) for f in folders if (f / f"{stage}.json").is_file()]
+        n = [json.loads((f / "rollout.json").read_text())["trajectories"] for f in folders]
+        out[stage] = sum(m.get("forward_passes", 0) for m in logs) / max(sum(n), 1)
+    return out
+
+
 def repro_window(folder: Path) -> float | None:
     """Seconds from the stage server's start (its log file's birth) to the last ``dvc.lock`` write: the
     ``dvc repro`` part of ``tpgrpo run``, without DVC's first-run init and the final relink. None without
@@ -102,6 +117,8 @@ def main() -> None:
     ap.add_argument("--before", required=True)
     ap.add_argument("--after", default="HEAD")
     ap.add_argument("--set", dest="sets", action="append", default=["credit.mode=flow_grpo"])
+    ap.add_argument("--before-set", dest="before_sets", action="append", default=[], help="before side only")
+    ap.add_argument("--after-set", dest="after_sets", action="append", default=[], help="after side only")
     ap.add_argument("--iterations", type=int, default=3)
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--work", type=Path, default=Path("/tmp/tpgrpo_before_after"))
@@ -110,16 +127,21 @@ def main() -> None:
     ap.add_argument("--pure-yaml-before", action="store_true",
                     help="the before side without ruamel.yaml's C parser (a dependency only since 8f403ec)")
     args = ap.parse_args()
-    overrides = {k: yaml.safe_load(v) for k, v in (s.split("=", 1) for s in args.sets)}
+    parse = lambda sets: {k: yaml.safe_load(v) for k, v in (s.split("=", 1) for s in sets)}  # noqa: E731
+    overrides = {"before": {**parse(args.sets), **parse(args.before_sets)},
+                 "after": {**parse(args.sets), **parse(args.after_sets)}}
     args.work.mkdir(parents=True, exist_ok=True)
     rows = {}
 
     def one(label: str, rev: str) -> None:
         sha = subprocess.run(["git", "rev-parse", "--short", rev], cwd=REPO, capture_output=True, text=True).stdout
-        folder = project(sha.strip(), args.work, overrides, args.iterations, args.eval_as_params)
+        folder = project(f"{label}-{sha.strip()}", args.work, overrides[label], args.iterations, args.eval_as_params,
+                         rev=rev)
         rows[label] = measure(folder, args.iterations, args.threads, args.pure_yaml_before and label == "before")
-        print(label, sha.strip(), json.dumps(rows[label]), flush=True)
+        rows[label]["passes_per_trajectory"] = passes_per_trajectory(folder)
+        print(label, sha.strip(), json.dumps({"overrides": overrides[label], **rows[label]}), flush=True)
 
+    load_at_start = Path("/proc/loadavg").read_text().strip()
     sides = (("before", args.before), ("after", args.after))
     if args.parallel:  # both at once: whatever else loads the machine loads both alike
         with ThreadPoolExecutor(2) as pool:
@@ -142,6 +164,9 @@ def main() -> None:
                  if r["repro_ratio_with_summary"] else "- | -")
               + f" | {r['lock_bytes'] / 1000:.0f} |")
     print(f"train s/iter after / before: {sum(a['per_iteration'].values()) / sum(b['per_iteration'].values()):.2f}")
+    for label, r in rows.items():
+        print(f"{label}: passes per trajectory and iteration {r['passes_per_trajectory']}")
+    print(f"load average at the start: {load_at_start}; at the end: {Path('/proc/loadavg').read_text().strip()}")
 
 
 if __name__ == "__main__":

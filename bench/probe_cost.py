@@ -1,7 +1,9 @@
 """Probe modes side by side on the SAME trajectories of the shipped model: cost and agreement with exact.
 
 Usage: ``python bench/probe_cost.py [--model data/base] [--threads 1] [--seeds 1] [--modes exact,ode:1,ode:2,x0]
-[--out result.json]``.
+[--out result.json]``, or the offline study over trained runs' stored exact probes (issue 34;
+``bench/probe_study.py``): ``python bench/probe_cost.py --runs RUN [RUN ...] --modes grid:3,heun:2,subset:0.25
+--out bench/results/probe_study.json [--markdown table.md]``.
 In a temporary project with the repo's params.yaml (defaults: 8 prompts x 8 samples, T = 10, window 9) one
 first-iteration rollout per train seed keeps the x0 estimates (its states are the same as without them); then the probe
 stage runs on it in every mode (exact, ode:1, ode:2, x0). (``credit.mode: flow_grpo`` runs no probe at all.)
@@ -81,6 +83,9 @@ def main() -> None:
     parser.add_argument("--seeds", type=int, default=1, help="rollouts of the base model to pool (train.seed 0..)")
     parser.add_argument("--modes", default=",".join(MODES), help="probe.completion values, comma-separated")
     parser.add_argument("--out", type=Path, default=None, help="also write the numbers as JSON here")
+    parser.add_argument("--runs", type=Path, nargs="+", default=None,
+                        help="trained run folders: the offline study of their stored exact probes (probe_study.py)")
+    parser.add_argument("--markdown", type=Path, default=None, help="with --runs: also write the table here")
     args = parser.parse_args()
     os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
     import torch
@@ -88,6 +93,8 @@ def main() -> None:
     torch.set_num_threads(args.threads)
     from tpgrpo.config import load_config
 
+    if args.runs:
+        return _study(args)
     modes = ["exact", *(m for m in args.modes.split(",") if m != "exact")]  # exact: the reference
     start = time.perf_counter()
     with tempfile.TemporaryDirectory(prefix="probe-modes-") as tmp:
@@ -106,6 +113,32 @@ def main() -> None:
                         else sum(r[key] for r in rs)) for key in ("wall", "passes", "q", "d", "tp", "adv")}
               for m, rs in runs.items()}
     _report(pooled, rollout_wall, args, time.perf_counter() - start)
+
+
+def _study(args) -> None:
+    """The offline study (issue 34): candidates against the runs' stored exact probes; JSON and a table."""
+    import sys
+
+    sys.path.insert(0, str(Path(__file__).resolve().parent))
+    from probe_study import study, table_markdown
+
+    start, load = time.perf_counter(), Path("/proc/loadavg").read_text().strip()
+    result = study([r.resolve() for r in args.runs], [m for m in args.modes.split(",") if m != "exact"], compare,
+                   args.threads)
+    result.update({"total_seconds": time.perf_counter() - start, "load_average_start": load,
+                   "load_average_end": Path("/proc/loadavg").read_text().strip(),
+                   "cpu": _cpu_model(), "runs": [str(r) for r in args.runs]})
+    table = table_markdown(result["summary"], result["summary"]["exact"]["passes_per_trajectory"]["mean"])
+    print(table)
+    if args.out:
+        args.out.write_text(json.dumps(result, indent=2) + "\n")
+    if args.markdown:
+        args.markdown.write_text(table + "\n")
+
+
+def _cpu_model() -> str:
+    lines = [ln for ln in Path("/proc/cpuinfo").read_text().splitlines() if ln.startswith("model name")]
+    return lines[0].split(":", 1)[1].strip() if lines else "unknown"
 
 
 def _report(pooled: dict, rollout_wall: list[float], args, total: float) -> None:

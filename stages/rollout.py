@@ -2,8 +2,9 @@
 
 Writes ``trajectories.zarr`` (states around the SDE window, old log-probs, sigmas, seeds, final
 rewards, and with ``probe.completion: x0`` each window state's one-step estimate ``z_k - s_k v_k``, which
-that probe scores; schema ``tpgrpo.io.schemas.TRAJECTORY_ARRAYS``, dimensions and meanings in the
-attributes) and ``rollout.json`` (metrics).
+that probe scores, or with any other mode each window state's guided velocity ``v_k``, which those
+probes take their first step with instead of a pass; schema ``tpgrpo.io.schemas.TRAJECTORY_ARRAYS``,
+dimensions and meanings in the attributes) and ``rollout.json`` (metrics).
 """
 
 from __future__ import annotations
@@ -22,6 +23,8 @@ from tpgrpo.stage_common import check_finite, provenance, stopwatch
 from tpgrpo.algo.seeds import sample_seed
 from tpgrpo.tasks.rewards import build_reward
 from tpgrpo.algo.trajectory import rollout
+from tpgrpo.algo.probe_modes import parse_completion
+from tpgrpo.io.schemas import VELOCITIES_KEPT_ATTR
 
 def run(cfg: Config, iteration: int, root: Path) -> dict:
     paths = IterationPaths(root, iteration)
@@ -41,11 +44,12 @@ def run(cfg: Config, iteration: int, root: Path) -> dict:
         chunks = row_chunks(len(seeds), G, cfg.rollout.batch_size)
         warn_if_idle(dist, len(chunks), "rollout.batch_size")
         keep_x0 = cfg.probe.completion == "x0"  # the probe then scores these instead of running the model
+        keep_v = parse_completion(cfg.probe.completion).runs_transformer  # its completions' first steps
 
         def compute(c: int) -> dict:  # chunk c: fixed rows, the same shapes on any process count
             rows = np.arange(*chunks[c])
             parts = [rollout(backend, embeds.select(torch.as_tensor(prompt_index[b])), [seeds[i] for i in b], spec,
-                             keep_x0=keep_x0)
+                             keep_x0=keep_x0, keep_velocities=keep_v)
                      for b in np.array_split(rows, -(-len(rows) // cfg.rollout.batch_size))]
             images = backend.decode(torch.cat([p.final for p in parts]))
             scored = _score(reward, images, [metas[p] for p in prompt_index[rows]])
@@ -55,6 +59,8 @@ def run(cfg: Config, iteration: int, root: Path) -> dict:
                    "final_reward": scored.reward.astype(np.float64), "final_strict": scored.strict.astype(bool)}
             if keep_x0:
                 out["x0_estimates"] = torch.cat([p.x0_estimates for p in parts]).cpu().numpy()
+            if keep_v:
+                out["velocities"] = torch.cat([p.velocities for p in parts]).cpu().numpy()
             return out
 
         with chunk_bar(dist, f"rollout {iteration}") as progress:
@@ -72,11 +78,13 @@ def run(cfg: Config, iteration: int, root: Path) -> dict:
         }
         if keep_x0:
             arrays["x0_estimates"] = merged["x0_estimates"]
+        if keep_v:
+            arrays["velocities"] = merged["velocities"]
         attrs = {"prompts": metas, "schedule_sigmas": spec.sigmas.tolist(), "group_size": G,
                  "num_steps": spec.num_steps, "shift": cfg.sampling.shift,
                  "window_start": spec.window_start, "window_size": spec.window_size,
                  "step_kind": spec.step_kind, "noise_level": spec.noise_level,
-                 "guidance_scale": spec.guidance_scale, "reward": cfg.task.reward,
+                 "guidance_scale": spec.guidance_scale, "reward": cfg.task.reward, VELOCITIES_KEPT_ATTR: keep_v,
                  **provenance(cfg, iteration, "rollout")}
         write_zarr(paths.trajectories, arrays, attrs)
     metrics.update(_metrics(arrays, spec, len(seeds), backend.cfg_doubles_batch), processes=dist.world,

@@ -80,7 +80,8 @@ def run(cfg: Config, iteration: int, root: Path) -> dict:
     metrics: dict = {"iteration": iteration}
     dist = current()
     with stopwatch(metrics):
-        arrays, attrs = read_trajectories(paths.trajectories, lazy=("x0_estimates", "states"))  # x0: the probe's
+        # x0_estimates, velocities: the probe's, never read here
+        arrays, attrs = read_trajectories(paths.trajectories, lazy=("x0_estimates", "velocities", "states"))
         states = LazyStates(arrays["states"]).verify()  # all checked a file at a time; read per micro-batch
         N, K1 = states.shape[:2]
         metas = attrs["prompts"]

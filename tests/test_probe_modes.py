@@ -113,7 +113,8 @@ def test_ode_m_takes_euler_steps_on_the_states_own_respaced_schedule(backend):
     torch.testing.assert_close(got, want, rtol=0, atol=1e-5)
 
 
-@pytest.mark.parametrize("bad", ["ode:0", "ode:", "ode:1.5", "ode:-1", "ode", "ode:²", "X0", "exact ", "none", 2])
+@pytest.mark.parametrize("bad", ["ode:0", "ode:", "ode:1.5", "ode:-1", "ode", "ode:²", "X0", "exact ", "none", 2,
+                                 "grid:0", "grid", "heun:-2", "heun:2.0", "Heun:2", "exact:3", "x0:1"])
 def test_a_bad_probe_completion_is_a_one_line_error(bad):
     with pytest.raises(ConfigError) as info:
         config_from_dict(tiny_params(probe={"completion": bad}))
@@ -128,8 +129,8 @@ def test_a_bad_probe_completion_fails_the_stage_with_one_line(tiny_project):
     result = CliRunner().invoke(app, ["stage", "probe", "--iter", str(FIRST), "--params",
                                       str(tiny_project / "params.yaml")])
     assert result.exit_code == 2
-    assert result.output.strip() == ("error: params: probe.completion = 'ode:0': expected exact, x0 or ode:M "
-                                     "with an integer M >= 1")
+    assert result.output.strip() == ("error: params: probe.completion = 'ode:0': expected exact, x0, ode:M, "
+                                     "grid:M, heun:M or heun-grid:M with an integer M >= 1")
 
 
 # ---------------------------------------------------------------------------------------------

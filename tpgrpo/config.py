@@ -152,8 +152,11 @@ class ProbeConfig:
                             note=f"{BATCH_INPUT} (3 vs 8 at 2 threads: probe rewards up to 2.6e-3 apart), so "
                             "changing it re-runs the probe and all that follows")
     completion: str = param("exact", "how Q_k is scored: exact (the ODE over the rest of the schedule), ode:M "
-                            "(at most M Euler steps, re-spaced; DenseGRPO's 1 or 2) or x0 (z_k - s_k v_k from the "
-                            "rollout's own velocity: no transformer pass)", bounds="completion",
+                            "(at most M Euler steps, re-spaced; DenseGRPO's 1 or 2), grid:M (Euler steps to the next "
+                            "node of one coarse grid of M steps, then along its nodes, shared by every state), "
+                            "heun:M (M Heun steps, re-spaced), heun-grid:M (Heun steps along grid:M's path) or x0 "
+                            "(z_k - s_k v_k from the rollout's own velocity: no transformer pass). Each transformer "
+                            "mode's first step reuses the rollout's stored velocity", bounds="completion",
                             note="Under credit.mode flow_grpo the probe loads no model")
 
 

@@ -201,7 +201,14 @@ TRAJECTORY_ARRAYS = (
     ArraySpec("x0_estimates", ("trajectory", "window_step", "channel", "height", "width"), "float32",
               "z_k - s_k v_k with the rollout's guided velocity at z_k (probe.completion x0 only)", optional=True,
               finite=True, bound=LATENT_BOUND),
+    ArraySpec("velocities", ("trajectory", "window_step", "channel", "height", "width"), "float32",
+              "the rollout's guided velocity v_k at z_k, latent units per unit of sigma; each probe completion's "
+              "first step (probe.completion exact and ode:M only; attribute velocities_kept)", optional=True,
+              finite=True, bound=LATENT_BOUND),
 )
+# Attribute the rollout sets True when it stored ``velocities``: the probe then refuses a store that lacks
+# them (deleted) instead of recomputing, which it does for stores written before the array existed.
+VELOCITIES_KEPT_ATTR = "velocities_kept"
 TRAJECTORY_ATTRS = ("prompts", "schedule_sigmas", "group_size", "num_steps", "shift", "window_start",
                     "window_size", "step_kind", "noise_level", "guidance_scale", "reward")
 
