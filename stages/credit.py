@@ -18,18 +18,23 @@ from tpgrpo.io.artifacts import IterationPaths, read_table, write_json, write_ta
 from tpgrpo.config import Config
 from tpgrpo.algo.credit import compute_credit
 from tpgrpo.stage_common import check_finite, provenance, stopwatch
-from tpgrpo.io.schemas import CREDIT, PROBE
+from tpgrpo.io.schemas import CREDIT, probe_schema
 
 
 def read_probe(cfg: Config, paths: IterationPaths):
     """The probe table credit works from (checked against ``schemas.PROBE``); for Flow-GRPO the probe stage
     wrote ``Q_k = R_fin`` from the rollout."""
-    return read_table(paths.probe, PROBE, "probe.parquet: run the probe stage first")
+    return read_table(paths.probe, probe_schema(paths.probe), "probe.parquet: run the probe stage first")
 
 
 def credit_table(probe: pd.DataFrame, cfg: Config) -> pd.DataFrame:
     """From the long probe table (rows (trajectory, step 0..K), checked against ``schemas.PROBE``) to the
     credit table (steps 0..K-1, ``schemas.CREDIT``)."""
+    if "parent_trajectory" in probe.columns:  # a tree (issue 35): one row per edge, K = 1
+        from tpgrpo.algo.tree_credit import tree_credit_table
+
+        c = cfg.credit
+        return tree_credit_table(probe, c.mode, c.balance, c.global_std, c.adv_clip)
     probe = probe.sort_values(["trajectory", "step"], kind="stable")
     N = probe["trajectory"].nunique()
     K1 = len(probe) // N

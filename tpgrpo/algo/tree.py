@@ -28,57 +28,7 @@ import torch
 from tpgrpo.algo.sampling import ode_step, stochastic_step
 from tpgrpo.algo.seeds import sample_seed
 from tpgrpo.algo.trajectory import SamplerSpec, velocity_at
-
-
-@dataclass(frozen=True)
-class TreeShape:
-    """A tree's shape: ``split_steps`` (schedule step indices, strictly increasing, each in [0, T - 2]),
-    ``children`` m (SDE children per node per split, >= 1), ``roots`` R (independent roots per prompt)."""
-
-    split_steps: tuple[int, ...]
-    children: int
-    roots: int
-
-    def check(self, num_steps: int) -> None:
-        """ValueError (one line) unless the shape fits a schedule of ``num_steps`` steps."""
-        s = list(self.split_steps)
-        if not s or any(b <= a for a, b in zip(s, s[1:])) or s[0] < 0 or s[-1] > num_steps - 2:
-            raise ValueError(f"tree split steps {s}: expected a non-empty strictly increasing list in "
-                             f"[0, {num_steps - 2}] (num_steps - 2: the last step to sigma 0 stays ODE)")
-        if self.children < 1 or self.roots < 1:
-            raise ValueError(f"tree children {self.children}, roots {self.roots}: expected both >= 1")
-
-    @property
-    def depth(self) -> int:
-        """L, the number of split steps."""
-        return len(self.split_steps)
-
-    def lineages_at(self, step: int) -> int:
-        """Lineages alive (rows through the model) at schedule ``step``, per root: (m+1)^(splits before it)."""
-        return (self.children + 1) ** sum(1 for k in self.split_steps if k < step)
-
-    def leaves_per_root(self) -> int:
-        return (self.children + 1) ** self.depth
-
-    def edges_per_root(self) -> int:
-        """ODE and SDE edges per root: (m+1) * sum_{j<L} (m+1)^j."""
-        return sum((self.children + 1) ** (j + 1) for j in range(self.depth))
-
-    def sde_edges_per_root(self) -> int:
-        """Trained transitions per root: m * sum_{j<L} (m+1)^j."""
-        return self.children * sum((self.children + 1) ** j for j in range(self.depth))
-
-    def passes_per_root(self, num_steps: int) -> int:
-        """Transformer rows per root over the whole schedule (x2 with CFG's doubled batch)."""
-        return sum(self.lineages_at(t) for t in range(num_steps))
-
-
-def parse_split_steps(text: str) -> tuple[int, ...]:
-    """``"0,3,6"`` -> ``(0, 3, 6)``; ValueError (one line) on anything that is not comma-separated ints."""
-    try:
-        return tuple(int(part) for part in str(text).split(","))
-    except ValueError:
-        raise ValueError(f"tree split steps {text!r}: expected comma-separated step indices such as 0,3,6") from None
+from tpgrpo.algo.tree_shape import TreeShape, parse_split_steps  # noqa: F401 - re-exported
 
 
 @dataclass(frozen=True)

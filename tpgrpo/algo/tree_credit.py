@@ -27,6 +27,11 @@ balances all window steps of a group). Step reward: ``flow_grpo`` F; ``increment
 of the same prompt at the same depth, ODE children included (their step reward is a sample of the same
 depth: for ``incremental`` the ODE child's 0 is the "no noise" baseline); an ODE edge's advantage is then set
 to 0: it has no policy and is never trained.
+
+:func:`tree_credit_table` is the credit stage's table: from the long ``schemas.PROBE_TREE`` table (rows (edge,
+step 0..1): Q(parent), Q(child), the tree columns) to the chain's ``credit.parquet`` contract with K = 1 (one
+row per edge, step 0), so the update reads it unchanged. ``edge_return`` is an argument so an offline replay
+(``bench/tree_credit_replay.py``) computes the alternative from the same table.
 """
 
 from __future__ import annotations
@@ -151,3 +156,31 @@ def tree_advantages(step_reward: torch.Tensor, depth: torch.Tensor, sde: torch.T
         at = depth == j
         adv[at] = group_advantages(r[at][:, None], group_ids[at], global_std=global_std, clip=clip)[:, 0]
     return torch.where(sde, adv, torch.zeros_like(adv))
+
+
+def tree_credit_table(probe: pd.DataFrame, mode: str, balance: str, global_std: bool, clip: float,
+                      edge_return: str = "mean") -> pd.DataFrame:
+    """``schemas.CREDIT`` rows (edge, step 0) from a ``PROBE_TREE`` table (checked, sorted by (trajectory,
+    step)); ``mode`` / ``balance`` / ``global_std`` / ``clip`` as the ``credit`` params. ``aggregated`` is B,
+    ``trend`` D of each edge's path with its edge return; ODE edges' advantage is 0."""
+    import numpy as np
+    import pandas as pd
+
+    probe = probe.sort_values(["trajectory", "step"], kind="stable")
+    heads = probe[probe.step == 0].reset_index(drop=True)
+    tails = probe[probe.step == 1].reset_index(drop=True)
+    as_t = lambda col, frame=heads, dtype=torch.int64: torch.tensor(frame[col].to_numpy(), dtype=dtype)  # noqa: E731
+    group_ids = torch.tensor(pd.factorize(heads["prompt_id"])[0], dtype=torch.int64)
+    depth, sde = as_t("depth"), as_t("sde", dtype=torch.bool)
+    c = tree_credit(as_t("reward", dtype=torch.float64), as_t("reward", tails, torch.float64),
+                    as_t("parent_trajectory"), depth, sde, group_ids, mode=mode, balance=balance,
+                    edge_return=edge_return)
+    adv = tree_advantages(c.step_reward, depth, sde, group_ids, global_std=global_std, clip=clip)
+    f64 = lambda t: t.numpy().astype(np.float64)  # noqa: E731
+    return pd.DataFrame({
+        "trajectory": heads["trajectory"].to_numpy(), "prompt_id": heads["prompt_id"].to_numpy(),
+        "sample": heads["sample"].to_numpy(), "step": np.zeros(len(heads), dtype=np.int64),
+        "incremental": f64(c.incremental), "aggregated": f64(c.aggregated), "trend": f64(c.trend),
+        "turning_point": c.turning_point.numpy().astype(bool), "step_reward": f64(c.step_reward),
+        "advantage": f64(adv),
+    })
