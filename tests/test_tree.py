@@ -122,6 +122,17 @@ def test_root_ode_path_is_the_plain_ode_sample(grown, backend):
     torch.testing.assert_close(tree.leaves[tree.root_leaf], chain.final, atol=2e-5, rtol=0)
 
 
+@pytest.mark.parametrize("kind", ["cps"])
+def test_cps_trees_are_exact_too(backend, kind):
+    """The cps step at the split steps: log-probs in the release's form, Q still the ODE completion."""
+    embeds = backend.encode_prompts(["a red circle"]).select(torch.tensor([0]))
+    tree = tree_rollout(backend, embeds, [5], _spec(kind), TreeShape((1, 3), 1, 1))
+    final, _ = ode_complete(backend, tree.child_states, tree.steps + 1, flow_sigmas(T, 1.0),
+                            embeds.select(tree.root), 4.5, batch_size=64)
+    torch.testing.assert_close(final, tree.leaves[tree.leaf], atol=2e-5, rtol=0)
+    assert (tree.log_probs[tree.sde] < 0).all() and (tree.log_probs[~tree.sde] == 0).all()
+
+
 def test_sde_edges_log_probs_rescore_and_noise_is_batch_independent(grown, backend):
     from tpgrpo.algo.sampling import stochastic_step
     from tpgrpo.algo.trajectory import velocity_at

@@ -123,3 +123,21 @@ def test_tree_params_errors_are_one_line():
         with pytest.raises(ConfigError, match=match) as info:
             config_from_dict(raw)
         assert "\n" not in str(info.value)
+
+
+def test_the_tree_stages_read_only_the_params_they_declare(tmp_path, tiny_model_dir):
+    """As tests/test_stage_params.py for the chain: the tree's branches read no undeclared param."""
+    import importlib
+
+    from test_stage_params import Recorder, covered
+    from tpgrpo.config import load_config
+    from tpgrpo.pipeline.dvcfile import STAGE_PARAMS
+
+    root = _tree_project(tmp_path, tiny_model_dir)
+    cfg = load_config(root / "params.yaml")
+    for name in ("rollout", "probe", "credit", "update"):
+        reads: set[str] = set()
+        importlib.import_module(f"stages.{name}").run(Recorder(cfg, reads), 1, root)
+        undeclared = sorted(r for r in reads if not covered(r, STAGE_PARAMS[name]))
+        assert not undeclared and reads, (name, undeclared)
+    assert json.loads((iteration_dir(root, 1) / "probe.json").read_text())["completion"] == "tree"
