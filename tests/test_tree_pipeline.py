@@ -141,3 +141,28 @@ def test_the_tree_stages_read_only_the_params_they_declare(tmp_path, tiny_model_
         undeclared = sorted(r for r in reads if not covered(r, STAGE_PARAMS[name]))
         assert not undeclared and reads, (name, undeclared)
     assert json.loads((iteration_dir(root, 1) / "probe.json").read_text())["completion"] == "tree"
+
+
+@pytest.mark.slow
+def test_two_processes_write_the_same_tree_as_one(tmp_path, tiny_model_dir):
+    """The tree rollout's chunks (one prompt group each here) over 2 processes (accelerate, gloo): the same
+    trajectories.zarr bytes, probe and credit tables as on 1 process."""
+    from test_distributed_stages import run_stage, tree_bytes
+
+    roots = []
+    for processes in (1, 2):
+        root = _tree_project(tmp_path / str(processes), tiny_model_dir)
+        raw = yaml.safe_load((root / "params.yaml").read_text())
+        raw["rollout"]["batch_size"] = 4
+        raw["launch"]["num_processes"] = processes
+        (root / "params.yaml").write_text(yaml.safe_dump(raw, sort_keys=False))
+        for name in ("rollout", "probe", "credit"):
+            out = run_stage(root, name)
+            assert out.returncode == 0, f"{processes} {name}:\n{out.stderr[-3000:]}"
+        roots.append(iteration_dir(root, 1))
+    one, two = roots
+    assert tree_bytes(one / "trajectories.zarr") == tree_bytes(two / "trajectories.zarr")
+    for name in ("probe.parquet", "credit.parquet"):
+        assert (one / name).read_bytes() == (two / name).read_bytes(), name
+    rollout = json.loads((two / "rollout.json").read_text())
+    assert rollout["processes"] == 2 and rollout["chunks"] == 3
