@@ -166,3 +166,19 @@ def test_two_processes_write_the_same_tree_as_one(tmp_path, tiny_model_dir):
         assert (one / name).read_bytes() == (two / name).read_bytes(), name
     rollout = json.loads((two / "rollout.json").read_text())
     assert rollout["processes"] == 2 and rollout["chunks"] == 3
+
+
+@pytest.mark.slow
+def test_tpgrpo_run_trains_a_tree_and_a_second_run_does_nothing(tmp_path, tiny_model_dir):
+    """The tree through the real `tpgrpo run` (dvc.yaml rendered, DVC runs the stages): both iterations,
+    then nothing left to run."""
+    from test_dvc_pipeline import tpgrpo_run
+
+    root = _tree_project(tmp_path, tiny_model_dir)
+    first = tpgrpo_run(root)
+    assert first.returncode == 0, first.stdout[-3000:] + first.stderr[-3000:]
+    for i in (1, 2):
+        assert json.loads((iteration_dir(root, i) / "probe.json").read_text())["completion"] == "tree"
+        assert (iteration_dir(root, i) / "policy" / "pytorch_lora_weights.safetensors").is_file()
+    second = tpgrpo_run(root)
+    assert second.returncode == 0 and "Running stage" not in second.stdout, second.stdout[-3000:]

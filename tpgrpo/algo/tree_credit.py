@@ -11,7 +11,8 @@ Per edge, along the unique path from its root:
 - the edge's final reward ``F``, defined ONCE per edge although an edge lies on many root-to-leaf paths:
 
   ``edge_return="mean"`` (the default): F = the mean reward of the leaves below the child, the child's value
-  under the policy's own later choices (BranchGRPO's node values). Why: it is the only one of the two
+  under the tree's own later branching, ODE children's leaves included (BranchGRPO's node values are such
+  subtree means). Why: it is the only one of the two
   choices under which TP's aggregated reward carries anything beyond the increment. With
   ``edge_return="ode"`` (F = Q(child), the ODE path's leaf), ``B = F - Q(parent) = d`` and the rest
   ``F - Q(child) = 0``, so the consistency condition never holds: ``tp`` and ``tp_unconstrained`` replace
