@@ -138,3 +138,33 @@ def test_malformed_trees_are_one_line_errors():
         check_tree(torch.tensor(PARENT), torch.tensor(DEPTH), torch.tensor(two_ode))
     with pytest.raises(ValueError, match="edge_return"):
         _result(edge_return="max")
+
+
+def _store_arrays():
+    """The hand-made tree above as a tree store's arrays (one prompt, edges A..N as rows 0..13)."""
+    import numpy as np
+
+    # leaves in the order G H I J K L M N = 0..7; a depth-2 edge's child is its leaf; others reach their ODE leaf
+    leaf = [0, 4, 0, 2, 4, 6, 0, 1, 2, 3, 4, 5, 6, 7]
+    parent_leaf = [0, 0, 0, 0, 4, 4, 0, 0, 2, 2, 4, 4, 6, 6]
+    return {"prompt_index": np.zeros(14, np.int32), "tree_parent": np.array(PARENT, np.int32),
+            "tree_leaf": np.array(leaf, np.int32), "tree_parent_leaf": np.array(parent_leaf, np.int32),
+            "final_reward": np.array(Q_CHILD), "final_strict": np.zeros(14, bool), "sample": np.arange(14),
+            "seeds": np.zeros(14, np.int64), "sigmas": np.tile([1.0, 0.5], (14, 1)),
+            "tree_depth": np.array(DEPTH, np.int32), "tree_sde": np.array(SDE)}
+
+
+def test_the_probe_assembles_q_parent_from_the_leaves_and_refuses_a_damaged_tree():
+    import numpy as np
+
+    from tpgrpo.io.schemas import ArtifactError
+    from tpgrpo.io.tree_probe import tree_probe_table
+
+    metas = [{"id": "p0", "prompt": "a red circle"}]
+    table = tree_probe_table(_store_arrays(), metas, "store")
+    np.testing.assert_array_equal(table[table.step == 0]["reward"].to_numpy(), Q_PARENT)
+    np.testing.assert_array_equal(table[table.step == 1]["reward"].to_numpy(), Q_CHILD)
+    damaged = _store_arrays()
+    damaged["tree_parent_leaf"][9] = 1  # J's parent (D's child) said to reach leaf H: another edge's reward
+    with pytest.raises(ArtifactError, match="store: Q\\(parent\\) from tree_parent_leaf differs"):
+        tree_probe_table(damaged, metas, "store")
