@@ -24,7 +24,7 @@ from tpgrpo.tasks.rewards import build_reward
 from tpgrpo.algo.trajectory import rollout
 
 def run(cfg: Config, iteration: int, root: Path) -> dict:
-    if cfg.rollout.shape == "tree":  # issue 35: ODE-anchored trees, one row per edge
+    if cfg.tree.enabled:  # issue 35: ODE-anchored trees, one row per edge
         from tpgrpo.policy import tree_rollout
 
         return tree_rollout.run(cfg, iteration, root)

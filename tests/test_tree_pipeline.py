@@ -1,4 +1,4 @@
-"""rollout.shape tree through the real CLI stages on the tiny project (issue 35): rollout -> probe -> credit ->
+"""tree.enabled: the tree rollout through the real CLI stages on the tiny project (issue 35): rollout -> probe -> credit ->
 update, every credit mode, and the config's one-line errors."""
 
 from __future__ import annotations
@@ -15,7 +15,7 @@ from conftest import make_tiny_project
 from test_pipeline_stages import iteration_dir, run_iteration, run_ok, stage
 from tpgrpo.config import ConfigError, config_from_dict
 
-TREE = {"shape": "tree", "tree_split_steps": "0,1", "tree_children": 1, "tree_roots": 2}
+TREE = {"enabled": True, "split_steps": "0,1", "children": 1, "roots": 2}  # the params' tree section
 # per root: edges 2 + 4 = 6 (3 SDE), leaves 4; 3 prompts x 2 roots
 EDGES, SDE_EDGES, LEAVES = 3 * 2 * 6, 3 * 2 * 3, 3 * 2 * 4
 
@@ -23,7 +23,7 @@ EDGES, SDE_EDGES, LEAVES = 3 * 2 * 6, 3 * 2 * 3, 3 * 2 * 4
 def _tree_project(tmp_path, model_dir, mode="tp"):
     root = make_tiny_project(tmp_path / "project", model_dir)
     raw = yaml.safe_load((root / "params.yaml").read_text())
-    raw["rollout"].update(TREE)
+    raw["tree"].update(TREE)
     raw["credit"]["mode"] = mode
     (root / "params.yaml").write_text(yaml.safe_dump(raw, sort_keys=False))
     return root
@@ -116,10 +116,10 @@ def test_every_credit_mode_runs_on_a_tree(tree_run, mode):
 def test_tree_params_errors_are_one_line():
     from conftest import tiny_params
 
-    for rollout, probe, match in (({**TREE, "tree_split_steps": "0,3"}, "exact", r"\[0, 2\]"),
-                                  ({**TREE, "tree_split_steps": "a"}, "exact", "comma-separated"),
-                                  (TREE, "x0", "probe.completion = 'x0' with rollout.shape = tree")):
-        raw = tiny_params(rollout=rollout, probe={"completion": probe})
+    for tree, probe, match in (({**TREE, "split_steps": "0,3"}, "exact", r"tree.split_steps = '0,3'.*\[0, 2\]"),
+                               ({**TREE, "split_steps": "a"}, "exact", "comma-separated"),
+                               (TREE, "x0", "probe.completion = 'x0' with tree.enabled")):
+        raw = tiny_params(tree=tree, probe={"completion": probe})
         with pytest.raises(ConfigError, match=match) as info:
             config_from_dict(raw)
         assert "\n" not in str(info.value)
@@ -129,17 +129,17 @@ def test_the_tree_stages_read_only_the_params_they_declare(tmp_path, tiny_model_
     """As tests/test_stage_params.py for the chain: the tree's branches read no undeclared param."""
     import importlib
 
-    from test_stage_params import Recorder, covered
+    from test_stage_params import Recorder, covered, declared
     from tpgrpo.config import load_config
-    from tpgrpo.pipeline.dvcfile import STAGE_PARAMS
 
     root = _tree_project(tmp_path, tiny_model_dir)
     cfg = load_config(root / "params.yaml")
     for name in ("rollout", "probe", "credit", "update"):
         reads: set[str] = set()
         importlib.import_module(f"stages.{name}").run(Recorder(cfg, reads), 1, root)
-        undeclared = sorted(r for r in reads if not covered(r, STAGE_PARAMS[name]))
+        undeclared = sorted(r for r in reads if not covered(r, declared(name, cfg)))
         assert not undeclared and reads, (name, undeclared)
+        assert any(r.startswith("tree.") and r != "tree.enabled" for r in reads) == (name == "rollout"), name
     assert json.loads((iteration_dir(root, 1) / "probe.json").read_text())["completion"] == "tree"
 
 

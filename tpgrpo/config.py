@@ -142,15 +142,21 @@ class RolloutConfig:
     batch_size: int = param(64, "images per forward pass; also cuts eval's chunks (eval_prompts' files)", "images",
                             "> 0", note=f"{BATCH_INPUT} (1 vs 8: stored states up to 7e-5 apart), so changing it "
                             "re-runs the rollout, every eval and all that follows")
-    shape: str = param("chain", "chain (G independent trajectories, the SDE window) or tree (ODE-anchored trees: "
-                       "every node's Q is a leaf's reward, no probe pass; docs/tree.md)", bounds=("chain", "tree"),
-                       note="tree ignores group_size and the sampling window: its samples are the leaves, "
-                       "tree_roots x (tree_children + 1)^(split steps) per prompt")
-    tree_split_steps: str = param("0,3,6", "tree: the schedule steps where every node spawns one ODE and "
-                                  "tree_children SDE children (comma-separated, increasing)", "step indices",
-                                  rule="each in [0, sampling.num_steps - 2]")
-    tree_children: int = param(1, "tree: m, SDE children per node at each split step", "children", "> 0")
-    tree_roots: int = param(1, "tree: R, independent roots (initial noises) per prompt", "roots", "> 0")
+
+
+@dataclass(frozen=True)
+class TreeConfig:
+    """ODE-anchored tree rollouts instead of chains (docs/tree.md); listed as an input only while enabled."""
+
+    enabled: bool = param(False, "sample ODE-anchored trees (every node's Q is a leaf's reward, no probe pass) "
+                          "instead of G chains", note="Off, the other tree keys are inert: editing them re-runs "
+                          "nothing. A tree ignores rollout.group_size and the sampling window: its samples are the "
+                          "leaves, roots x (children + 1)^(split steps) per prompt")
+    split_steps: str = param("0,3,6", "the schedule steps where every node spawns one ODE and `children` SDE "
+                             "children (comma-separated, increasing)", "step indices",
+                             rule="each in [0, sampling.num_steps - 2]")
+    children: int = param(1, "m, SDE children per node at each split step", "children", "> 0")
+    roots: int = param(1, "R, independent roots (initial noises) per prompt", "roots", "> 0")
 
 
 @dataclass(frozen=True)
@@ -284,6 +290,7 @@ class Config:
     remote_reward: RemoteRewardConfig = field(default_factory=RemoteRewardConfig)
     sampling: SamplingConfig = field(default_factory=SamplingConfig)
     rollout: RolloutConfig = field(default_factory=RolloutConfig)
+    tree: TreeConfig = field(default_factory=TreeConfig)
     probe: ProbeConfig = field(default_factory=ProbeConfig)
     credit: CreditConfig = field(default_factory=CreditConfig)
     update: UpdateConfig = field(default_factory=UpdateConfig)
@@ -335,8 +342,10 @@ def _check_consistency(cfg: Config) -> None:
             f"params: sampling.window_start + sampling.window_size = {s.window_start + s.window_size} with "
             f"sampling.step_kind = sde: expected <= {s.num_steps - 1} (sampling.num_steps - 1; an sde step "
             "at the last step puts noise into the final latent; cps may reach it)")
-    if cfg.rollout.shape == "tree":
-        _check_tree(cfg)
+    if cfg.tree.enabled:  # off, the tree keys are inert: not checked against the schedule either
+        from tpgrpo.algo.tree_shape import check_tree_params
+
+        check_tree_params(cfg)
     u = cfg.update
     if u.optimizer_steps_per_iter % u.epochs:
         raise ConfigError(
@@ -345,20 +354,6 @@ def _check_consistency(cfg: Config) -> None:
     if cfg.rollout.group_size < 2:
         raise ConfigError(
             f"params: rollout.group_size = {cfg.rollout.group_size}: expected >= 2 (GRPO needs a group)")
-
-
-def _check_tree(cfg: Config) -> None:
-    """``rollout.shape: tree``: its split steps fit the schedule; the probe has nothing to complete."""
-    from tpgrpo.algo.tree_shape import TreeShape, parse_split_steps
-
-    r = cfg.rollout
-    try:
-        TreeShape(parse_split_steps(r.tree_split_steps), r.tree_children, r.tree_roots).check(cfg.sampling.num_steps)
-    except ValueError as exc:
-        raise ConfigError(f"params: rollout.tree_split_steps = {r.tree_split_steps!r}: {exc}") from None
-    if cfg.probe.completion != "exact":
-        raise ConfigError(f"params: probe.completion = {cfg.probe.completion!r} with rollout.shape = tree: expected "
-                          "exact (a tree's Q are its leaves' rewards: the probe completes nothing)")
 
 
 def config_from_dict(raw: Any) -> Config:

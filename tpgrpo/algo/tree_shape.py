@@ -8,6 +8,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from tpgrpo.config_values import ConfigError
+
 
 @dataclass(frozen=True)
 class TreeShape:
@@ -58,3 +60,16 @@ def parse_split_steps(text: str) -> tuple[int, ...]:
         return tuple(int(part) for part in str(text).split(","))
     except ValueError:
         raise ValueError(f"tree split steps {text!r}: expected comma-separated step indices such as 0,3,6") from None
+
+
+def check_tree_params(cfg) -> None:
+    """ConfigError (one line) unless ``cfg``'s (a :class:`tpgrpo.config.Config` with ``tree.enabled``) split
+    steps fit its schedule and its probe completes nothing (a tree's Q are its leaves' rewards)."""
+    t = cfg.tree
+    try:
+        TreeShape(parse_split_steps(t.split_steps), t.children, t.roots).check(cfg.sampling.num_steps)
+    except ValueError as exc:
+        raise ConfigError(f"params: tree.split_steps = {t.split_steps!r}: {exc}") from None
+    if cfg.probe.completion != "exact":
+        raise ConfigError(f"params: probe.completion = {cfg.probe.completion!r} with tree.enabled: expected exact "
+                          "(a tree's Q are its leaves' rewards: the probe completes nothing)")

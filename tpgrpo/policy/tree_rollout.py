@@ -1,4 +1,4 @@
-"""The rollout stage for ``rollout.shape: tree`` (issue 35): sample ODE-anchored trees, decode and score the
+"""The rollout stage for ``tree.enabled`` (issue 35): sample ODE-anchored trees, decode and score the
 leaves only, write ``trajectories.zarr`` with one row per EDGE.
 
 The store keeps the chain's contract so that the update reads it unchanged: each edge is a "trajectory" of
@@ -32,9 +32,9 @@ from tpgrpo.tasks.rewards import build_reward
 
 
 def tree_shape(cfg: Config) -> TreeShape:
-    """The rollout's :class:`TreeShape` from the ``rollout.tree_*`` params (checked by the config loader)."""
-    r = cfg.rollout
-    return TreeShape(parse_split_steps(r.tree_split_steps), r.tree_children, r.tree_roots)
+    """The rollout's :class:`TreeShape` from the ``tree`` params (checked by the config loader)."""
+    t = cfg.tree
+    return TreeShape(parse_split_steps(t.split_steps), t.children, t.roots)
 
 
 def edge_arrays(tree, leaf_reward: np.ndarray, leaf_strict: np.ndarray, roots_per_prompt: int,
@@ -61,7 +61,7 @@ def edge_arrays(tree, leaf_reward: np.ndarray, leaf_strict: np.ndarray, roots_pe
 
 
 def run(cfg: Config, iteration: int, root: Path) -> dict:
-    """The tree rollout stage (``stages.rollout.run`` branches here for ``rollout.shape: tree``)."""
+    """The tree rollout stage (``stages.rollout.run`` branches here for ``tree.enabled``)."""
     paths = IterationPaths(root, iteration)
     metrics: dict = {"iteration": iteration, "shape": "tree"}
     dist = current()
