@@ -103,6 +103,20 @@ def test_credit_is_the_tree_credit_of_the_probe_table_and_update_trains_sde_edge
     assert 0 < update["num_transitions"] <= SDE_EDGES and update["approx_kl_after"] > 0
 
 
+def test_credit_json_counts_only_the_sde_edges(tree_run):
+    """credit.json's rates (and the summary's tp_rate from them) are over the trained SDE edges: an ODE edge's
+    increment is 0 by construction and it has no policy, so counting it would dilute every rate."""
+    d = iteration_dir(tree_run, 1)
+    credit, log = pd.read_parquet(d / "credit.parquet"), json.loads((d / "credit.json").read_text())
+    heads = pd.read_parquet(d / "probe.parquet").query("step == 0").set_index("trajectory")
+    sde = credit[heads.loc[credit["trajectory"], "sde"].to_numpy()]
+    assert len(sde) == SDE_EDGES < len(credit) == EDGES
+    assert log["turning_point_rate"] == float(sde["turning_point"].mean())
+    assert log["zero_increment_fraction"] == float((sde["incremental"] == 0).mean()) < 0.5  # ODE zeros left out
+    assert log["incremental_abs_mean"] == float(sde["incremental"].abs().mean())
+    assert log["tp_positive_trend"] + log["tp_negative_trend"] <= int(sde["turning_point"].sum())
+
+
 @pytest.mark.parametrize("mode", ["flow_grpo", "incremental", "tp_unconstrained"])
 def test_every_credit_mode_runs_on_a_tree(tree_run, mode):
     from tpgrpo.algo.tree_credit import tree_credit_table
