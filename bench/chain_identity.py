@@ -1,12 +1,14 @@
-"""Digest of the chain's artifact DATA (not their provenance metadata) after iteration 1 of the tiny test project,
-to show that a change leaves the chain's numbers alone (issue 35 checked its tree work this way).
+"""Digest of the chain's artifact data after iteration 1 of the tiny test project, and the params hash its
+artifacts carry, to show that a change leaves the chain's numbers and recorded params alone (issue 35 checked its
+tree work this way: the tree keys live in the params' own `tree` section, which no chain stage lists).
 
     git archive 11d501c | tar -x -C /tmp/old
     (cd /tmp/old && OMP_NUM_THREADS=1 PYTHONPATH=/tmp/old python $OLDPWD/bench/chain_identity.py /tmp/old /tmp/old.json)
     OMP_NUM_THREADS=1 PYTHONPATH=. python bench/chain_identity.py . /tmp/new.json && diff /tmp/old.json /tmp/new.json
 
 argv[1]: the checkout whose params.yaml and prompts to use (its code first on sys.path); argv[2]: the output JSON.
-Digests (md5): every ``trajectories.zarr`` array, the probe and credit tables' contents, the LoRA weights.
+Digests (md5): every ``trajectories.zarr`` array, the probe and credit tables' contents, the LoRA weights; and
+the ``config_hash`` of the store and of the probe and credit tables (each stage's params, hashed).
 """
 
 from __future__ import annotations
@@ -47,6 +49,7 @@ def digests(d: Path) -> dict:
     """md5 of each store array, each table's contents (and its columns), the adapter's weights."""
     import numpy as np
     import pandas as pd
+    import pyarrow.parquet as pq
     import zarr
     from safetensors.torch import load_file
 
@@ -57,6 +60,8 @@ def digests(d: Path) -> dict:
         frame = pd.read_parquet(d / f"{name}.parquet")
         out[name] = md5(pd.util.hash_pandas_object(frame, index=True).values.tobytes())
         out[f"{name}_columns"] = list(frame.columns)
+        out[f"{name}_config_hash"] = pq.read_schema(d / f"{name}.parquet").metadata[b"tpgrpo.config_hash"].decode()
+    out["rollout_config_hash"] = store.attrs["config_hash"]
     weights = load_file(str(d / "policy" / "pytorch_lora_weights.safetensors"))
     out["lora"] = md5(b"".join(weights[k].numpy().tobytes() for k in sorted(weights)))
     return out

@@ -88,7 +88,9 @@ def run_arm(overrides: dict) -> dict:
 
 
 def arm_overrides(shape: str, mode: str, split: str = "0,3,6", m: int = 1, roots: int = 1) -> dict:
-    return {"rollout": {"shape": shape, "tree_split_steps": split, "tree_children": m, "tree_roots": roots},
+    """The params overrides of one arm: ``shape`` chain | tree (the params' ``tree.enabled``), the tree's
+    split steps, m and R, and the credit mode."""
+    return {"tree": {"enabled": shape == "tree", "split_steps": split, "children": m, "roots": roots},
             "credit": {"mode": mode}}
 
 
