@@ -11,7 +11,10 @@ rollout (and, through its outputs, what follows).
 from __future__ import annotations
 
 import dataclasses
+import subprocess
+import sys
 
+import pytest
 import yaml
 
 from conftest import tiny_params
@@ -73,3 +76,29 @@ def test_with_tree_on_the_rollout_lists_the_tree_section_and_hashes_it(tmp_path)
     assert on["rollout"] != more["rollout"] and on["rollout"] != off["rollout"]
     # Only the rollout reads the tree keys; what follows re-runs through the rollout's outputs.
     assert {s: h for s, h in on.items() if s != "rollout"} == {s: h for s, h in more.items() if s != "rollout"}
+
+
+@pytest.mark.slow
+def test_a_trained_chain_project_runs_nothing_for_the_tree_section(tmp_path, tiny_model_dir):
+    """A chain project trained for one iteration through `tpgrpo run`: DVC recorded no tree key, so a params
+    file without the tree section (an older project's) is up to date for `dvc status`, and after the section
+    comes back with other values (tree off) `tpgrpo run` runs no stage."""
+    from conftest import make_tiny_project
+    from test_dvc_pipeline import env, tpgrpo_run
+
+    root = make_tiny_project(tmp_path / "project", tiny_model_dir)
+    raw = yaml.safe_load((root / "params.yaml").read_text())
+    raw["train"]["iterations"] = 1
+    (root / "params.yaml").write_text(yaml.safe_dump(raw, sort_keys=False))
+    first = tpgrpo_run(root)
+    assert first.returncode == 0, first.stdout[-3000:] + first.stderr[-3000:]
+    assert "tree" not in (root / "dvc.lock").read_text()
+    lacking = {k: v for k, v in raw.items() if k != "tree"}  # the params as before the tree section existed
+    (root / "params.yaml").write_text(yaml.safe_dump(lacking, sort_keys=False))
+    status = subprocess.run([sys.executable, "-m", "dvc", "status"], cwd=root, env=env(), capture_output=True,
+                            text=True)
+    assert status.returncode == 0 and "up to date" in status.stdout, status.stdout + status.stderr
+    raw["tree"].update({"children": 3, "roots": 2, "split_steps": "0,1"})  # edited while off: inert
+    (root / "params.yaml").write_text(yaml.safe_dump(raw, sort_keys=False))
+    second = tpgrpo_run(root)
+    assert second.returncode == 0 and "Running stage" not in second.stdout, second.stdout[-3000:]

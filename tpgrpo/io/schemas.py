@@ -66,7 +66,7 @@ PROBE = TableSchema("probe.parquet", "state", (
 # probe.parquet's metadata key (stored as tpgrpo.completion): exact | ode:M | x0 | none (tpgrpo.algo.probe_modes).
 PROBE_COMPLETION_KEY = "completion"
 
-# rollout.shape tree: the same table, a trajectory being an edge (step 0 = Q(parent), 1 = Q(child)), plus the tree.
+# tree.enabled: the same table, a trajectory being an edge (step 0 = Q(parent), 1 = Q(child)), plus the tree.
 PROBE_TREE = TableSchema("probe.parquet", "state", PROBE.columns + (
     Column("parent_trajectory", "int", "trajectory of the edge into the parent node; -1 below a root",
            per_trajectory=True),
@@ -221,7 +221,7 @@ TRAJECTORY_ARRAYS = (
     ArraySpec("x0_estimates", ("trajectory", "window_step", "channel", "height", "width"), "float32",
               "z_k - s_k v_k with the rollout's guided velocity at z_k (probe.completion x0 only)", optional=True,
               finite=True, bound=LATENT_BOUND),
-    # rollout.shape tree (tpgrpo.policy.tree_rollout): a row is an edge, indices are within its prompt group
+    # tree.enabled (tpgrpo.policy.tree_rollout): a row is an edge, indices are within its prompt group
     ArraySpec("tree_parent", ("trajectory",), "int32", "sample of the edge into the parent node; -1 below a root",
               optional=True),
     ArraySpec("tree_depth", ("trajectory",), "int32", "split index of the edge (0..L-1)", optional=True),

@@ -1,4 +1,4 @@
-"""The probe stage for a tree store (``rollout.shape: tree``, issue 35): every Q from the leaves, no model.
+"""The probe stage for a tree store (``tree.enabled``, issue 35): every Q from the leaves, no model.
 
 Each edge's child already has its exact ``Q(child)`` in the store (``final_reward``: the reward of the leaf its
 ODE children reach). ``Q(parent)`` is the ``final_reward`` of the prompt's edge whose ``tree_leaf`` is the
