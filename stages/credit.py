@@ -18,18 +18,23 @@ from tpgrpo.io.artifacts import IterationPaths, read_table, write_json, write_ta
 from tpgrpo.config import Config
 from tpgrpo.algo.credit import compute_credit
 from tpgrpo.stage_common import check_finite, provenance, stopwatch
-from tpgrpo.io.schemas import CREDIT, PROBE
+from tpgrpo.io.schemas import CREDIT, probe_schema
 
 
 def read_probe(cfg: Config, paths: IterationPaths):
     """The probe table credit works from (checked against ``schemas.PROBE``); for Flow-GRPO the probe stage
     wrote ``Q_k = R_fin`` from the rollout."""
-    return read_table(paths.probe, PROBE, "probe.parquet: run the probe stage first")
+    return read_table(paths.probe, probe_schema(paths.probe), "probe.parquet: run the probe stage first")
 
 
 def credit_table(probe: pd.DataFrame, cfg: Config) -> pd.DataFrame:
     """From the long probe table (rows (trajectory, step 0..K), checked against ``schemas.PROBE``) to the
     credit table (steps 0..K-1, ``schemas.CREDIT``)."""
+    if "parent_trajectory" in probe.columns:  # a tree (issue 35): one row per edge, K = 1
+        from tpgrpo.algo.tree_credit import tree_credit_table
+
+        c = cfg.credit
+        return tree_credit_table(probe, c.mode, c.balance, c.global_std, c.adv_clip)
     probe = probe.sort_values(["trajectory", "step"], kind="stable")
     N = probe["trajectory"].nunique()
     K1 = len(probe) // N
@@ -52,6 +57,16 @@ def credit_table(probe: pd.DataFrame, cfg: Config) -> pd.DataFrame:
     })
 
 
+def trained_rows(table: pd.DataFrame, probe: pd.DataFrame) -> pd.DataFrame:
+    """The credit rows the metrics count: every row of a chain; a tree's SDE edges only (an ODE edge has no
+    policy: its increment is 0 by construction and it is never trained, so counting it would halve the rates
+    at m = 1 and fill zero_increment_fraction with zeros that say nothing about the reward)."""
+    if "sde" not in probe.columns:
+        return table
+    sde = probe.groupby("trajectory")["sde"].first()
+    return table[table["trajectory"].map(sde).to_numpy(dtype=bool)]
+
+
 def run(cfg: Config, iteration: int, root: Path) -> dict:
     paths = IterationPaths(root, iteration)
     metrics: dict = {"iteration": iteration}
@@ -61,15 +76,16 @@ def run(cfg: Config, iteration: int, root: Path) -> dict:
         check_finite("advantage", table["advantage"], f"credit of iteration {iteration}")
         N, K1 = probe["trajectory"].nunique(), probe["step"].nunique()
         write_table(paths.credit, table, CREDIT, provenance(cfg, iteration, "credit"), trajectories=N, steps=K1 - 1)
-    tp_by_step = table.groupby("step")["turning_point"].mean()
+    counted = trained_rows(table, probe)
+    tp_by_step = counted.groupby("step")["turning_point"].mean()
     metrics.update({
-        "mode": cfg.credit.mode, "turning_point_rate": float(table["turning_point"].mean()),
+        "mode": cfg.credit.mode, "turning_point_rate": float(counted["turning_point"].mean()),
         "turning_point_rate_per_step": [float(x) for x in tp_by_step],
-        "zero_increment_fraction": float((table["incremental"] == 0).mean()),
-        "tp_positive_trend": int((table["turning_point"] & (table["trend"] > 0)).sum()),
-        "tp_negative_trend": int((table["turning_point"] & (table["trend"] < 0)).sum()),
-        "trend_mean": float(table.groupby("trajectory")["trend"].first().mean()),
-        "incremental_abs_mean": float(table["incremental"].abs().mean()),
+        "zero_increment_fraction": float((counted["incremental"] == 0).mean()),
+        "tp_positive_trend": int((counted["turning_point"] & (counted["trend"] > 0)).sum()),
+        "tp_negative_trend": int((counted["turning_point"] & (counted["trend"] < 0)).sum()),
+        "trend_mean": float(counted.groupby("trajectory")["trend"].first().mean()),
+        "incremental_abs_mean": float(counted["incremental"].abs().mean()),
         "forward_passes": 0,
     })
     write_json(paths.credit_metrics, metrics)

@@ -64,6 +64,10 @@ def run_final_reward(cfg: Config, iteration: int, root: Path) -> dict:
 
 
 def run(cfg: Config, iteration: int, root: Path) -> dict:
+    from tpgrpo.io import tree_probe
+
+    if tree_probe.is_tree_store(IterationPaths(root, iteration).trajectories):  # issue 35: Q from the leaves
+        return tree_probe.run(cfg, iteration, root)
     if cfg.credit.mode == "flow_grpo":
         return run_final_reward(cfg, iteration, root)
     paths = IterationPaths(root, iteration)

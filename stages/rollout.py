@@ -27,6 +27,10 @@ from tpgrpo.algo.probe_modes import parse_completion
 from tpgrpo.io.schemas import VELOCITIES_KEPT_ATTR
 
 def run(cfg: Config, iteration: int, root: Path) -> dict:
+    if cfg.tree.enabled:  # issue 35: ODE-anchored trees, one row per edge
+        from tpgrpo.policy import tree_rollout
+
+        return tree_rollout.run(cfg, iteration, root)
     paths = IterationPaths(root, iteration)
     metrics: dict = {"iteration": iteration}
     dist = current()

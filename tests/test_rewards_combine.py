@@ -161,13 +161,12 @@ def test_stages_declare_the_reward_params_they_read(tiny_project):
     import importlib
 
     from tpgrpo.config import load_config
-    from tpgrpo.pipeline.dvcfile import STAGE_PARAMS
 
     try:
-        from tests.test_stage_params import Recorder, covered
+        from tests.test_stage_params import Recorder, covered, declared
         from tests.tiny_reward_models import save_tiny_clip, save_tiny_owlvit
     except ImportError:  # pytest's rootdir import mode
-        from test_stage_params import Recorder, covered
+        from test_stage_params import Recorder, covered, declared
         from tiny_reward_models import save_tiny_clip, save_tiny_owlvit
 
     root = tiny_project
@@ -182,7 +181,7 @@ def test_stages_declare_the_reward_params_they_read(tiny_project):
         reads: set[str] = set()
         importlib.import_module(f"stages.{name}").run(Recorder(cfg, reads), iteration, root)
         assert {"reward_models.pickscore_path", "reward_models.device"} <= reads, name
-        undeclared = sorted(r for r in reads if not covered(r, STAGE_PARAMS[name]))
+        undeclared = sorted(r for r in reads if not covered(r, declared(name, cfg)))
         assert not undeclared, f"stage {name} reads {undeclared} but dvc.yaml does not list them"
 
 

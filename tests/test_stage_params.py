@@ -8,8 +8,7 @@ from pathlib import Path
 import pytest
 
 from tpgrpo.config import load_config
-from tpgrpo.pipeline.dvcfile import STAGE_PARAMS
-from tpgrpo.stage_params import EXECUTION_KNOBS
+from tpgrpo.stage_params import EXECUTION_KNOBS, stage_inputs, switches
 
 
 class Recorder:
@@ -37,6 +36,13 @@ def covered(read: str, declared: list[str]) -> bool:
     return read in EXECUTION_KNOBS or any(read == d or read.startswith(d + ".") for d in declared)
 
 
+def declared(name: str, cfg) -> list[str]:
+    """What stage ``name`` declares under ``cfg`` (dvc.yaml's list, tpgrpo.stage_params.stage_inputs), plus the
+    keys that switch its conditional sections on (``tree.enabled``): a chain rollout reads the switch to stay a
+    chain, and its value is recorded by the list it decides (``tree`` listed or not)."""
+    return [*stage_inputs(name, cfg), *switches(name)]
+
+
 def test_every_param_a_stage_reads_is_declared_in_dvc_yaml(tiny_project):
     root = tiny_project
     cfg = load_config(root / "params.yaml")
@@ -46,10 +52,11 @@ def test_every_param_a_stage_reads_is_declared_in_dvc_yaml(tiny_project):
     for name, iteration in plan:
         reads: set[str] = set()
         importlib.import_module(f"stages.{name}").run(Recorder(cfg, reads), iteration, root)
-        undeclared = sorted(r for r in reads if not covered(r, STAGE_PARAMS[name]))
+        undeclared = sorted(r for r in reads if not covered(r, declared(name, cfg)))
         assert not undeclared, f"stage {name} reads {undeclared} but dvc.yaml does not list them"
         assert reads, name
         every |= reads
+        assert not any(r.startswith("tree.") and r != "tree.enabled" for r in reads), name  # off: inert
     # No stale knob: each is read (reward_models.device only with model rewards: test_rewards_combine).
     assert set(EXECUTION_KNOBS) - {"reward_models.device"} <= every
 

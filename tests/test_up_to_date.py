@@ -77,6 +77,25 @@ def test_the_stage_graph_says_what_a_change_affects():
     assert ua.stages_of(raw, {"eval_prompts", "rollout"}, [2]) == {"eval_prompts", "rollout-0002"}
 
 
+def test_a_tree_edit_may_run_nothing_while_tree_is_off_and_the_rollout_on(tmp_path):
+    """The harness's prediction for the tree section: a tree key edited with tree.enabled off is inert (no
+    stage lists the section: nothing may run); with it on, the rollouts and all that follows may."""
+    from conftest import tiny_params
+
+    for enabled in (False, True):
+        h.write_params(tmp_path, tiny_params(train=dict(ua.BASE_TRAIN), tree={"split_steps": "0,1", "enabled": enabled}))
+        seq = ua.Seq(tmp_path, None, random.Random(0))
+        plan = ua._edit(seq, {"tree.children": [1, 2]}, "edit")
+        assert h.read_params(tmp_path)["tree"]["children"] == 2
+        if enabled:
+            assert {"rollout-0001", "probe-0002", "update-0003", "eval-0003", "summary"} <= plan.allowed
+            assert not {"eval_prompts", "baseline"} & plan.allowed
+        else:
+            assert plan.allowed == set() and "inert" in plan.what
+    switch = ua._edit(seq, {"tree.enabled": [False, True]}, "edit")  # on -> off: the rollouts re-run
+    assert {"rollout-0001", "rollout-0003"} <= switch.allowed
+
+
 def test_damage_is_in_place(tmp_path):
     path = tmp_path / "f.bin"
     path.write_bytes(bytes(range(64)))

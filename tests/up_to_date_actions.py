@@ -22,7 +22,9 @@ from pathlib import Path
 import up_to_date_harness as h
 
 BASE_TRAIN = {"iterations": 3, "block_size": 2}  # block 1-2 sealed, iteration 3 open: both paths exercised
-UPSTREAM = {"update.lr": [0.01, 0.005], "sampling.noise_level": [0.7, 0.5]}
+# tree.children: inert while tree.enabled is off (no stage lists the tree section), upstream while it is on.
+UPSTREAM = {"update.lr": [0.01, 0.005], "sampling.noise_level": [0.7, 0.5], "tree.enabled": [False, True],
+            "tree.children": [1, 2]}
 LEAF = {"eval.num_steps": [4, 3], "eval.samples_per_prompt": [2, 1], "task.eval_reward": ["geneval", "geneval_soft"],
         "credit.mode": ["tp", "incremental", "flow_grpo"], "update.ema": [False, True]}
 # The stage kinds that read each param (written here from the stages' code, not from dvcfile.STAGE_PARAMS,
@@ -30,7 +32,9 @@ LEAF = {"eval.num_steps": [4, 3], "eval.samples_per_prompt": [2, 1], "task.eval_
 READERS = {"update.lr": {"update"}, "sampling.noise_level": {"rollout", "eval", "baseline"},
            "eval.num_steps": {"eval", "baseline"}, "eval.samples_per_prompt": {"eval", "baseline", "eval_prompts"},
            "task.eval_reward": {"eval", "baseline"}, "credit.mode": {"credit"}, "update.ema": {"update"},
-           "probe.completion": {"probe"}}
+           "probe.completion": {"probe"}, "tree.enabled": {"rollout"},  # the probe follows the store's shape
+           "tree.children": {"rollout"}}
+TREE_SWITCH = "tree.enabled"  # the rollout reads the other tree keys only while it is on
 ALL_KINDS = {"rollout", "probe", "credit", "update", "eval", "eval_prompts", "baseline", "summary"}
 ONCE = {"eval_prompts", "baseline", "summary"}  # the stages a run has once, not per iteration
 # Code files each kind certainly runs on the tiny project (a comment appended must re-run those stages).
@@ -135,6 +139,8 @@ def _change(seq: Seq, table: dict) -> tuple[dict, dict, str, object, object]:
 
 def _edit(seq: Seq, table: dict, label: str) -> Plan:
     raw, before, key, old, new = _change(seq, table)
+    if key.startswith("tree.") and key != TREE_SWITCH and not h.get_param(raw, TREE_SWITCH):
+        return Plan(f"{label} {key}: {old!r} -> {new!r} (tree off: inert)", set(), restore=before)
     kinds = set(READERS[key])
     if key == "credit.mode" and "flow_grpo" in (old, new):
         kinds.add("probe")  # the probe stage appears or goes

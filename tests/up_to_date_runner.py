@@ -103,7 +103,8 @@ def new_project(root: Path, model_dir: Path, code_src: Path, refs: h.References)
     None, or why it failed."""
     from conftest import tiny_params
 
-    h.make_project(root, model_dir, code_src, tiny_params(train=dict(BASE_TRAIN)))
+    # split steps that fit the tiny schedule (T = 4), so turning tree.enabled on gives a valid params file
+    h.make_project(root, model_dir, code_src, tiny_params(train=dict(BASE_TRAIN), tree={"split_steps": "0,1"}))
     done = h.tpgrpo(root, "run")
     if done.returncode != 0:
         return f"first run failed: {done.stderr.strip()[-800:]}"

@@ -145,6 +145,21 @@ class RolloutConfig:
 
 
 @dataclass(frozen=True)
+class TreeConfig:
+    """ODE-anchored tree rollouts instead of chains (docs/tree.md); listed as an input only while enabled."""
+
+    enabled: bool = param(False, "sample ODE-anchored trees (every node's Q is a leaf's reward, no probe pass) "
+                          "instead of G chains", note="Off, the other tree keys are inert: editing them re-runs "
+                          "nothing. A tree ignores rollout.group_size and the sampling window: its samples are the "
+                          "leaves, roots x (children + 1)^(split steps) per prompt")
+    split_steps: str = param("0,3,6", "the schedule steps where every node spawns one ODE and `children` SDE "
+                             "children (comma-separated, increasing)", "step indices",
+                             rule="each in [0, sampling.num_steps - 2]")
+    children: int = param(1, "m, SDE children per node at each split step", "children", "> 0")
+    roots: int = param(1, "R, independent roots (initial noises) per prompt", "roots", "> 0")
+
+
+@dataclass(frozen=True)
 class ProbeConfig:
     """How the probe scores the state before each window step (Q_k)."""
 
@@ -278,6 +293,7 @@ class Config:
     remote_reward: RemoteRewardConfig = field(default_factory=RemoteRewardConfig)
     sampling: SamplingConfig = field(default_factory=SamplingConfig)
     rollout: RolloutConfig = field(default_factory=RolloutConfig)
+    tree: TreeConfig = field(default_factory=TreeConfig)
     probe: ProbeConfig = field(default_factory=ProbeConfig)
     credit: CreditConfig = field(default_factory=CreditConfig)
     update: UpdateConfig = field(default_factory=UpdateConfig)
@@ -329,6 +345,10 @@ def _check_consistency(cfg: Config) -> None:
             f"params: sampling.window_start + sampling.window_size = {s.window_start + s.window_size} with "
             f"sampling.step_kind = sde: expected <= {s.num_steps - 1} (sampling.num_steps - 1; an sde step "
             "at the last step puts noise into the final latent; cps may reach it)")
+    if cfg.tree.enabled:  # off, the tree keys are inert: not checked against the schedule either
+        from tpgrpo.algo.tree_shape import check_tree_params
+
+        check_tree_params(cfg)
     u = cfg.update
     if u.optimizer_steps_per_iter % u.epochs:
         raise ConfigError(

@@ -43,7 +43,8 @@ def inputs(section: str) -> list[str]:
 MODEL_PARAMS = inputs("model")  # also the key of cached prompt embeddings (tpgrpo.stage_common, eval_embeds)
 REWARD_PARAMS = [*inputs("reward_models"), "remote_reward"]  # read by every stage that scores images
 
-# The params each stage reads (DVC re-runs a stage when one of these changes). No stage lists `launch`, and
+# The params each stage reads in every configuration (DVC re-runs a stage when one of these changes); with
+# CONDITIONAL_PARAMS below, stage_inputs() gives the full list for a config. No stage lists `launch`, and
 # dvc.yaml's commands do not carry it: the process count never changes an artifact (nor the config hash
 # artifacts carry); `tpgrpo stage` reads it when it starts (tpgrpo.pipeline.launch). Nor an execution knob.
 STAGE_PARAMS = {
@@ -64,6 +65,40 @@ STAGE_PARAMS = {
     "summary": [*MODEL_PARAMS, "task.eval_prompts", "sampling", "eval", "rollout.batch_size", "update.lora_rank",
                 "update.lora_alpha", "credit.mode", "train.iterations"],
 }
+# Sections a stage reads only in some configurations, each with the test that says when. With the test false
+# the stage never reads the section, so it is not an input: editing it re-runs nothing, and a key added to it
+# leaves every existing stage's recorded params and config_hash as they were (a long run's history stays done).
+CONDITIONAL_PARAMS = {"rollout": [("tree", "tree.enabled")]}  # (section, the bool key that switches it on)
+
+
+def _switched_on(cfg: Config | dict, key: str) -> bool:
+    """``key`` (``"tree.enabled"``) of a :class:`Config` (or anything with its attributes), or of params.yaml
+    parsed as a mapping (what :func:`tpgrpo.pipeline.status.stage_params` reads: a missing section is off)."""
+    section, _, name = key.partition(".")
+    if not isinstance(cfg, dict):
+        return bool(getattr(getattr(cfg, section), name))
+    values = cfg.get(section)
+    return isinstance(values, dict) and values.get(name) is True
+
+
+def switches(stage: str) -> list[str]:
+    """The keys that switch a stage's conditional sections on (``["tree.enabled"]`` for the rollout): read by
+    the stage in every configuration, recorded through the list they decide (``tree`` in it or not)."""
+    return [switch for _, switch in CONDITIONAL_PARAMS.get(stage, [])]
+
+
+def stage_inputs(stage: str, cfg: Config | dict) -> list[str] | None:
+    """The params stage ``stage`` reads under ``cfg`` (a :class:`Config` or parsed params.yaml):
+    :data:`STAGE_PARAMS`' list plus each conditional section switched on (the rollout lists ``tree`` only
+    while ``tree.enabled``). What dvc.yaml lists, what ``config_hash`` hashes and what a stage notes it read.
+    None for a name no stage has."""
+    keys = STAGE_PARAMS.get(stage)
+    if keys is None:
+        return None
+    extra = [section for section, switch in CONDITIONAL_PARAMS.get(stage, []) if _switched_on(cfg, switch)]
+    return [*keys, *extra]
+
+
 STAGE_LOGS = ("rollout", "probe", "credit", "update", "eval")  # each writes data/iters/NNNN/<stage>.json
 # Stages that run on the processes the launch params ask for; credit and summary stay single.
 MULTI_PROCESS_STAGES = ("rollout", "probe", "update", "eval", "baseline")

@@ -66,6 +66,26 @@ PROBE = TableSchema("probe.parquet", "state", (
 # probe.parquet's metadata key (stored as tpgrpo.completion): exact | ode:M | x0 | none (tpgrpo.algo.probe_modes).
 PROBE_COMPLETION_KEY = "completion"
 
+# tree.enabled: the same table, a trajectory being an edge (step 0 = Q(parent), 1 = Q(child)), plus the tree.
+PROBE_TREE = TableSchema("probe.parquet", "state", PROBE.columns + (
+    Column("parent_trajectory", "int", "trajectory of the edge into the parent node; -1 below a root",
+           per_trajectory=True),
+    Column("depth", "int", "split index of the edge (0..L-1)", per_trajectory=True),
+    Column("sde", "bool", "an SDE edge (trained); False: the ODE child", per_trajectory=True),
+))
+
+
+def probe_schema(path) -> TableSchema:
+    """``PROBE_TREE`` when the Parquet file at ``path`` has the tree's columns, else ``PROBE`` (an unreadable
+    file is left to the read that follows, which reports it)."""
+    import pyarrow.parquet as pq
+
+    try:
+        names = pq.read_schema(path).names
+    except Exception:  # noqa: BLE001 - read_table reports a missing or damaged file in one line
+        return PROBE
+    return PROBE_TREE if "parent_trajectory" in names else PROBE
+
 CREDIT = TableSchema("credit.parquet", "window", (
     _TRAJECTORY, _PROMPT_ID, _SAMPLE,
     Column("step", "int", "window step k (0..K-1)"),
@@ -205,10 +225,21 @@ TRAJECTORY_ARRAYS = (
               "the rollout's guided velocity v_k at z_k, latent units per unit of sigma; each probe completion's "
               "first step (probe.completion exact and ode:M only; attribute velocities_kept)", optional=True,
               finite=True, bound=LATENT_BOUND),
+    # tree.enabled (tpgrpo.policy.tree_rollout): a row is an edge, indices are within its prompt group
+    ArraySpec("tree_parent", ("trajectory",), "int32", "sample of the edge into the parent node; -1 below a root",
+              optional=True),
+    ArraySpec("tree_depth", ("trajectory",), "int32", "split index of the edge (0..L-1)", optional=True),
+    ArraySpec("tree_sde", ("trajectory",), "bool", "an SDE edge (trained); False: the ODE child", optional=True),
+    ArraySpec("tree_root", ("trajectory",), "int32", "root of the edge within its prompt (0..R-1)", optional=True),
+    ArraySpec("tree_leaf", ("trajectory",), "int32", "leaf (within the prompt) the child reaches by ODE children",
+              optional=True),
+    ArraySpec("tree_parent_leaf", ("trajectory",), "int32", "leaf the parent reaches by ODE children",
+              optional=True),
 )
 # Attribute the rollout sets True when it stored ``velocities``: the probe then refuses a store that lacks
 # them (deleted) instead of recomputing, which it does for stores written before the array existed.
 VELOCITIES_KEPT_ATTR = "velocities_kept"
+TREE_ARRAYS = tuple(spec.name for spec in TRAJECTORY_ARRAYS if spec.name.startswith("tree_"))
 TRAJECTORY_ATTRS = ("prompts", "schedule_sigmas", "group_size", "num_steps", "shift", "window_start",
                     "window_size", "step_kind", "noise_level", "guidance_scale", "reward")
 

@@ -21,7 +21,7 @@ from tpgrpo.pipeline.blocks import (Block, full_blocks, read_lock, seal_files, s
                                     write_text_atomic)
 from tpgrpo.io.artifacts import EVAL_EMBEDS, EVAL_EMBEDS_LOG
 from tpgrpo.stage_params import (GLANCE, MULTI_PROCESS_STAGES, REWARD_PARAMS, STAGE_LOGS,  # noqa: F401 - re-exported
-                                 STAGE_PARAMS)
+                                 STAGE_PARAMS, stage_inputs)
 
 HEADER = ("# Generated from params.yaml by `tpgrpo dvc-yaml` (`tpgrpo run` does it before `dvc repro`).\n"
           "# Edit params.yaml, not this file.\n")
@@ -92,23 +92,23 @@ def iteration_stages(cfg: Config, i: int, manifests: bool = True) -> dict[str, d
     # renders: Flow-GRPO's probe loads no model and writes Q_k = R_fin from the rollout (stages/probe.py).
     stages: dict[str, dict] = {
         f"rollout-{i:04d}": {
-            "cmd": cmd("rollout"), "params": STAGE_PARAMS["rollout"],
+            "cmd": cmd("rollout"), "params": stage_inputs("rollout", cfg),
             "deps": [*code("rollout"), *scorers, *model, cfg.task.train_prompts, *prev],
             "outs": [f"{d}/trajectories.zarr", f"{d}/prompt_embeds.safetensors", f"{d}/rollout.json"]},
         f"probe-{i:04d}": {
-            "cmd": cmd("probe"), "params": STAGE_PARAMS["probe"],
+            "cmd": cmd("probe"), "params": stage_inputs("probe", cfg),
             "deps": [*code("probe"), *scorers, *model, f"{d}/trajectories.zarr", f"{d}/prompt_embeds.safetensors", *prev],
             "outs": [f"{d}/probe.parquet", f"{d}/probe.json"]},
         f"credit-{i:04d}": {
-            "cmd": cmd("credit"), "params": STAGE_PARAMS["credit"],
+            "cmd": cmd("credit"), "params": stage_inputs("credit", cfg),
             "deps": [*code("credit"), f"{d}/probe.parquet"],
             "outs": [f"{d}/credit.parquet", f"{d}/credit.json"]},
         f"update-{i:04d}": {
-            "cmd": cmd("update"), "params": STAGE_PARAMS["update"],
+            "cmd": cmd("update"), "params": stage_inputs("update", cfg),
             "deps": [*code("update"), *model, f"{d}/trajectories.zarr", f"{d}/prompt_embeds.safetensors", f"{d}/credit.parquet", *prev],
             "outs": [f"{d}/policy", f"{d}/update.json"]},
         f"eval-{i:04d}": {
-            "cmd": cmd("eval"), "params": STAGE_PARAMS["eval"],
+            "cmd": cmd("eval"), "params": stage_inputs("eval", cfg),
             "deps": [*code("eval"), *reward_folders(cfg, cfg.task.reward, cfg.task.eval_reward), *model,
                      cfg.task.eval_prompts, EVAL_EMBEDS, f"{d}/policy"],
             "outs": [_uncached(f"{d}/eval.parquet"), _uncached(f"{d}/eval.json")]},
@@ -167,7 +167,7 @@ def render(cfg: Config, root: Path | None = None, upto: int | None = None) -> di
     stages: dict[str, dict] = {"code": code_stage()} if manifests else {}
     stages["eval_prompts"] = eval_prompts_stage(cfg, manifests)
     stages["baseline"] = {
-        "cmd": stage_command(cfg, "baseline"), "params": STAGE_PARAMS["baseline"],
+        "cmd": stage_command(cfg, "baseline"), "params": stage_inputs("baseline", cfg),
         "deps": [*code_deps("eval", manifests), *reward_folders(cfg, cfg.task.reward, cfg.task.eval_reward),
                  cfg.model.path, cfg.task.eval_prompts, EVAL_EMBEDS],
         "outs": [_uncached("data/iters/baseline_eval.parquet"), _uncached("data/iters/baseline_eval.json")]}
@@ -187,7 +187,7 @@ def render(cfg: Config, root: Path | None = None, upto: int | None = None) -> di
 def eval_prompts_stage(cfg: Config, manifests: bool = True) -> dict:
     """The held-out prompts' text embeddings, encoded once per run; every eval and the baseline read them
     (their text encoders never load). A DVC-cached folder: at real size (T5-XXL) it is large."""
-    return {"cmd": stage_command(cfg, "eval_prompts"), "params": STAGE_PARAMS["eval_prompts"],
+    return {"cmd": stage_command(cfg, "eval_prompts"), "params": stage_inputs("eval_prompts", cfg),
             "deps": [*code_deps("eval_prompts", manifests), cfg.model.path, cfg.task.eval_prompts],
             "outs": [EVAL_EMBEDS, _uncached(EVAL_EMBEDS_LOG)]}
 
@@ -206,7 +206,7 @@ def summary_stage(cfg: Config, open_iters: list[int], sealed: list[Block], manif
     deps = [*code_deps("summary", manifests), "data/iters/baseline_eval.json",
             "data/iters/baseline_eval.parquet", *per_iter, *evals, *blocks, *last_iteration]
     return {
-        "cmd": "tpgrpo stage summary", "params": STAGE_PARAMS["summary"], "deps": list(dict.fromkeys(deps)),
+        "cmd": "tpgrpo stage summary", "params": stage_inputs("summary", cfg), "deps": list(dict.fromkeys(deps)),
         "outs": [_uncached(SUMMARY), _uncached("data/metrics/history.csv"), _uncached(EVAL_CURVE),
                  _uncached(TRAIN_CURVE), *[_uncached(f"data/reports/{name}") for name in figure_names(cfg)]],
         "metrics": [{f"data/metrics/{name}.json": {"cache": False}} for name in GLANCE]}

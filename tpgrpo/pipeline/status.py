@@ -112,7 +112,7 @@ def stage_params(params: Path, name: str, missing_ok: bool = False) -> dict | No
     PyYAML a string). ``missing_ok``: None when params.yaml is missing or unreadable."""
     from dvc.utils.serialize import parse_yaml
 
-    from tpgrpo.stage_params import STAGE_PARAMS
+    from tpgrpo.stage_params import stage_inputs
 
     try:
         raw = parse_yaml(Path(params).read_text(), str(params))
@@ -121,7 +121,7 @@ def stage_params(params: Path, name: str, missing_ok: bool = False) -> dict | No
             return None
         raise
     raw = raw if isinstance(raw, dict) else {}
-    keys = STAGE_PARAMS.get(name)
+    keys = stage_inputs(name, raw)  # the tree section only while params.yaml switches it on
     if keys is None:
         return flat_params(raw)
     selected = {}

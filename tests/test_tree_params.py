@@ -1,0 +1,104 @@
+"""The `tree` params section is an input only while tree sampling is on (tpgrpo.stage_params.stage_inputs).
+
+Why: a key added to a section a stage lists changes that stage's recorded params (dvc.lock) and its artifacts'
+config_hash, so DVC re-runs it in every iteration of an existing run folder (at 1,000 iterations, the whole
+history) for an edit that cannot change a result. The tree keys live in their own section, which the rollout
+lists only with ``tree.enabled``: a chain project renders and hashes exactly what it did before the tree
+existed (11d501c), an edit of a tree key while it is off re-runs nothing, and turning it on re-runs the
+rollout (and, through its outputs, what follows).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import subprocess
+import sys
+
+import pytest
+import yaml
+
+from conftest import tiny_params
+from tpgrpo.config import Config, config_from_dict
+from tpgrpo.pipeline.dvcfile import dvc_yaml_text, render
+from tpgrpo.pipeline.status import stage_params
+from tpgrpo.stage_common import provenance
+from tpgrpo.stage_params import STAGE_PARAMS
+
+STAGES = ("rollout", "probe", "credit", "update", "eval", "eval_prompts", "baseline", "summary")
+# The rollout section as on main 11d501c, before the tree: its recorded params and hash must stay these keys'.
+MAIN_ROLLOUT_KEYS = ["prompts_per_iter", "group_size", "batch_size"]
+
+
+def _project(tmp_path, name: str, **tree) -> tuple[Config, object]:
+    """The tiny params with ``tree`` overrides: (Config, the params.yaml written for it)."""
+    raw = tiny_params(tree=tree)
+    params = tmp_path / f"{name}.yaml"
+    params.write_text(yaml.safe_dump(raw, sort_keys=False))
+    return config_from_dict(raw), params
+
+
+def _hashes(cfg: Config) -> dict[str, str]:
+    """Every stage's artifact ``config_hash`` (what provenance writes) under ``cfg``."""
+    return {stage: provenance(cfg, 1, stage)["config_hash"] for stage in STAGES}
+
+
+def test_a_chain_project_records_and_hashes_what_it_did_before_the_tree(tmp_path):
+    cfg, params = _project(tmp_path, "chain")
+    assert [f.name for f in dataclasses.fields(cfg.rollout)] == MAIN_ROLLOUT_KEYS
+    stages = render(cfg, tmp_path)["stages"]
+    assert not any(p == "tree" or p.startswith("tree.") for s in stages.values() for p in s.get("params", []))
+    assert stages["rollout-0001"]["params"] == STAGE_PARAMS["rollout"]  # the list main renders
+    # What DVC records for the rollout (the leaves of its listed params): main's rollout keys, no tree key.
+    recorded = stage_params(params, "rollout")
+    assert sorted(k for k in recorded if k.startswith(("rollout.", "tree"))) == sorted(
+        f"rollout.{k}" for k in MAIN_ROLLOUT_KEYS)
+    # Its config_hash is the hash of main's list, over a rollout section holding main's keys only.
+    assert _hashes(cfg) == {s: cfg.params_hash(STAGE_PARAMS[s]) for s in STAGES}
+
+
+def test_with_tree_off_a_tree_edit_re_runs_nothing(tmp_path):
+    cfg, params = _project(tmp_path, "off")
+    edited, edited_params = _project(tmp_path, "off_edited", children=3, roots=2, split_steps="0,1")
+    assert dvc_yaml_text(cfg, tmp_path) == dvc_yaml_text(edited, tmp_path)
+    assert _hashes(cfg) == _hashes(edited)
+    assert all(stage_params(params, s) == stage_params(edited_params, s) for s in STAGES)
+
+
+def test_with_tree_on_the_rollout_lists_the_tree_section_and_hashes_it(tmp_path):
+    chain, _ = _project(tmp_path, "chain")
+    tree, params = _project(tmp_path, "on", enabled=True, split_steps="0,1")
+    wider, _ = _project(tmp_path, "on_wider", enabled=True, split_steps="0,1", children=2)
+    stages = render(tree, tmp_path)["stages"]
+    assert stages["rollout-0001"]["params"] == [*STAGE_PARAMS["rollout"], "tree"]
+    assert all("tree" not in s.get("params", []) for n, s in stages.items() if not n.startswith("rollout-"))
+    assert {"tree.enabled", "tree.children"} <= set(stage_params(params, "rollout"))
+    on, more, off = _hashes(tree), _hashes(wider), _hashes(chain)
+    assert on["rollout"] != more["rollout"] and on["rollout"] != off["rollout"]
+    # Only the rollout reads the tree keys; what follows re-runs through the rollout's outputs.
+    assert {s: h for s, h in on.items() if s != "rollout"} == {s: h for s, h in more.items() if s != "rollout"}
+
+
+@pytest.mark.slow
+def test_a_trained_chain_project_runs_nothing_for_the_tree_section(tmp_path, tiny_model_dir):
+    """A chain project trained for one iteration through `tpgrpo run`: DVC recorded no tree key, so a params
+    file without the tree section (an older project's) is up to date for `dvc status`, and after the section
+    comes back with other values (tree off) `tpgrpo run` runs no stage."""
+    from conftest import make_tiny_project
+    from test_dvc_pipeline import env, tpgrpo_run
+
+    root = make_tiny_project(tmp_path / "project", tiny_model_dir)
+    raw = yaml.safe_load((root / "params.yaml").read_text())
+    raw["train"]["iterations"] = 1
+    (root / "params.yaml").write_text(yaml.safe_dump(raw, sort_keys=False))
+    first = tpgrpo_run(root)
+    assert first.returncode == 0, first.stdout[-3000:] + first.stderr[-3000:]
+    assert "tree" not in (root / "dvc.lock").read_text()
+    lacking = {k: v for k, v in raw.items() if k != "tree"}  # the params as before the tree section existed
+    (root / "params.yaml").write_text(yaml.safe_dump(lacking, sort_keys=False))
+    status = subprocess.run([sys.executable, "-m", "dvc", "status"], cwd=root, env=env(), capture_output=True,
+                            text=True)
+    assert status.returncode == 0 and "up to date" in status.stdout, status.stdout + status.stderr
+    raw["tree"].update({"children": 3, "roots": 2, "split_steps": "0,1"})  # edited while off: inert
+    (root / "params.yaml").write_text(yaml.safe_dump(raw, sort_keys=False))
+    second = tpgrpo_run(root)
+    assert second.returncode == 0 and "Running stage" not in second.stdout, second.stdout[-3000:]

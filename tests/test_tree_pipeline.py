@@ -1,0 +1,198 @@
+"""tree.enabled: the tree rollout through the real CLI stages on the tiny project (issue 35): rollout -> probe -> credit ->
+update, every credit mode, and the config's one-line errors."""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pandas as pd
+import pytest
+import torch
+import yaml
+
+from conftest import make_tiny_project
+from test_pipeline_stages import iteration_dir, run_iteration, run_ok, stage
+from tpgrpo.config import ConfigError, config_from_dict
+
+TREE = {"enabled": True, "split_steps": "0,1", "children": 1, "roots": 2}  # the params' tree section
+# per root: edges 2 + 4 = 6 (3 SDE), leaves 4; 3 prompts x 2 roots
+EDGES, SDE_EDGES, LEAVES = 3 * 2 * 6, 3 * 2 * 3, 3 * 2 * 4
+
+
+def _tree_project(tmp_path, model_dir, mode="tp"):
+    root = make_tiny_project(tmp_path / "project", model_dir)
+    raw = yaml.safe_load((root / "params.yaml").read_text())
+    raw["tree"].update(TREE)
+    raw["credit"]["mode"] = mode
+    (root / "params.yaml").write_text(yaml.safe_dump(raw, sort_keys=False))
+    return root
+
+
+@pytest.fixture(scope="module")
+def tree_run(tmp_path_factory, tiny_model_dir):
+    root = _tree_project(tmp_path_factory.mktemp("tree"), tiny_model_dir)
+    run_iteration(root, 1, ("rollout", "probe", "credit", "update"))
+    return root
+
+
+def test_rollout_writes_one_row_per_edge_and_counts_its_passes(tree_run):
+    import zarr
+
+    d = iteration_dir(tree_run, 1)
+    store = zarr.open_group(str(d / "trajectories.zarr"), mode="r")
+    assert store["states"].shape == (EDGES, 2, 3, 32, 32) and store["log_probs"].shape == (EDGES, 1)
+    assert store.attrs["shape"] == "tree" and store.attrs["group_size"] == 12
+    sde = store["tree_sde"][:]
+    assert int(sde.sum()) == SDE_EDGES and (store["log_probs"][:][~sde] == 0).all()
+    rollout = json.loads((d / "rollout.json").read_text())
+    # T = 4, splits at 0 and 1: rows 1 + 2 + 4 + 4 = 11 per root; 6 roots; one call per step per chunk
+    assert rollout["forward_passes"] == 6 * 11 and rollout["decodes"] == LEAVES and rollout["sde_edges"] == SDE_EDGES
+
+
+def test_probe_assembles_q_from_the_leaves_and_q_is_the_ode_completion(tree_run):
+    from tpgrpo.algo.schedule import flow_sigmas
+    from tpgrpo.algo.trajectory import ode_complete
+    from tpgrpo.config import load_config
+    from tpgrpo.models import load_backend
+    from tpgrpo.tasks.rewards import get_reward
+
+    d = iteration_dir(tree_run, 1)
+    probe = pd.read_parquet(d / "probe.parquet").sort_values(["trajectory", "step"])
+    q = probe["reward"].to_numpy().reshape(EDGES, 2)
+    heads = probe[probe.step == 0].reset_index(drop=True)
+    assert json.loads((d / "probe.json").read_text())["forward_passes"] == 0
+    np.testing.assert_array_equal(q[~heads["sde"].to_numpy(), 0], q[~heads["sde"].to_numpy(), 1])  # ODE: d = 0
+    linked = heads["parent_trajectory"].to_numpy() >= 0
+    np.testing.assert_array_equal(q[linked, 0], q[heads["parent_trajectory"].to_numpy()[linked], 1])
+    # exactness through the stages: complete the stored states of the first prompt's edges with the probe's code
+    import zarr
+
+    store = zarr.open_group(str(d / "trajectories.zarr"), mode="r")
+    cfg = load_config(tree_run / "params.yaml")
+    backend = load_backend("tiny", tree_run / "data" / "base")
+    rows = np.arange(12)
+    embeds = backend.encode_prompts([heads["prompt"][0]]).select(torch.zeros(24, dtype=torch.long))
+    states = torch.from_numpy(store["states"][:12]).reshape(24, 3, 32, 32)  # (edge, parent/child) pairs
+    k = _split_step(store, rows)
+    steps = torch.from_numpy(np.stack([k, k + 1], 1).reshape(-1)).long()  # parent at step k, child at k + 1
+    final, _ = ode_complete(backend, states, steps, flow_sigmas(4, cfg.sampling.shift), embeds,
+                            cfg.sampling.guidance_scale, batch_size=64)
+    expected = get_reward(cfg.task.reward)(backend.decode(final), [{"task": "compositional"}] * 24).reward
+    np.testing.assert_allclose(q[:12].reshape(-1), expected, atol=1e-6)
+
+
+def _split_step(store, rows):
+    """Schedule step of each edge: its split index into the tree's split steps."""
+    split = store.attrs["tree_split_steps"]
+    return np.asarray(split)[store["tree_depth"][:][rows]]
+
+
+def test_credit_is_the_tree_credit_of_the_probe_table_and_update_trains_sde_edges(tree_run):
+    from tpgrpo.algo.tree_credit import tree_credit_table
+
+    d = iteration_dir(tree_run, 1)
+    credit = pd.read_parquet(d / "credit.parquet").sort_values("trajectory")
+    probe = pd.read_parquet(d / "probe.parquet")
+    expected = tree_credit_table(probe, "tp", "group", False, 5.0)
+    np.testing.assert_allclose(credit["advantage"].to_numpy(), expected["advantage"].to_numpy())
+    sde = probe[probe.step == 0].sort_values("trajectory")["sde"].to_numpy()
+    assert (credit["advantage"].to_numpy()[~sde] == 0).all() and (credit["advantage"].to_numpy()[sde] != 0).any()
+    update = json.loads((d / "update.json").read_text())
+    assert update["first_pass_ratio_max_dev"] < 1e-5  # the stored SDE log-probs are the sampling policy's
+    assert 0 < update["num_transitions"] <= SDE_EDGES and update["approx_kl_after"] > 0
+
+
+def test_credit_json_counts_only_the_sde_edges(tree_run):
+    """credit.json's rates (and the summary's tp_rate from them) are over the trained SDE edges: an ODE edge's
+    increment is 0 by construction and it has no policy, so counting it would dilute every rate."""
+    d = iteration_dir(tree_run, 1)
+    credit, log = pd.read_parquet(d / "credit.parquet"), json.loads((d / "credit.json").read_text())
+    heads = pd.read_parquet(d / "probe.parquet").query("step == 0").set_index("trajectory")
+    sde = credit[heads.loc[credit["trajectory"], "sde"].to_numpy()]
+    assert len(sde) == SDE_EDGES < len(credit) == EDGES
+    assert log["turning_point_rate"] == float(sde["turning_point"].mean())
+    assert log["zero_increment_fraction"] == float((sde["incremental"] == 0).mean()) < 0.5  # ODE zeros left out
+    assert log["incremental_abs_mean"] == float(sde["incremental"].abs().mean())
+    assert log["tp_positive_trend"] + log["tp_negative_trend"] <= int(sde["turning_point"].sum())
+
+
+@pytest.mark.parametrize("mode", ["flow_grpo", "incremental", "tp_unconstrained"])
+def test_every_credit_mode_runs_on_a_tree(tree_run, mode):
+    from tpgrpo.algo.tree_credit import tree_credit_table
+
+    probe = pd.read_parquet(iteration_dir(tree_run, 1) / "probe.parquet")
+    table = tree_credit_table(probe, mode, "group", False, 5.0)
+    assert len(table) == EDGES and np.isfinite(table["advantage"]).all()
+    assert (table["advantage"] != 0).any()
+
+
+def test_tree_params_errors_are_one_line():
+    from conftest import tiny_params
+
+    for tree, probe, match in (({**TREE, "split_steps": "0,3"}, "exact", r"tree.split_steps = '0,3'.*\[0, 2\]"),
+                               ({**TREE, "split_steps": "a"}, "exact", "comma-separated"),
+                               (TREE, "x0", "probe.completion = 'x0' with tree.enabled")):
+        raw = tiny_params(tree=tree, probe={"completion": probe})
+        with pytest.raises(ConfigError, match=match) as info:
+            config_from_dict(raw)
+        assert "\n" not in str(info.value)
+
+
+def test_the_tree_stages_read_only_the_params_they_declare(tmp_path, tiny_model_dir):
+    """As tests/test_stage_params.py for the chain: the tree's branches read no undeclared param."""
+    import importlib
+
+    from test_stage_params import Recorder, covered, declared
+    from tpgrpo.config import load_config
+
+    root = _tree_project(tmp_path, tiny_model_dir)
+    cfg = load_config(root / "params.yaml")
+    for name in ("rollout", "probe", "credit", "update"):
+        reads: set[str] = set()
+        importlib.import_module(f"stages.{name}").run(Recorder(cfg, reads), 1, root)
+        undeclared = sorted(r for r in reads if not covered(r, declared(name, cfg)))
+        assert not undeclared and reads, (name, undeclared)
+        assert any(r.startswith("tree.") and r != "tree.enabled" for r in reads) == (name == "rollout"), name
+    assert json.loads((iteration_dir(root, 1) / "probe.json").read_text())["completion"] == "tree"
+
+
+@pytest.mark.slow
+def test_two_processes_write_the_same_tree_as_one(tmp_path, tiny_model_dir):
+    """The tree rollout's chunks (one prompt group each here) over 2 processes (accelerate, gloo): the same
+    trajectories.zarr bytes, probe and credit tables as on 1 process."""
+    from test_distributed_stages import run_stage, tree_bytes
+
+    roots = []
+    for processes in (1, 2):
+        root = _tree_project(tmp_path / str(processes), tiny_model_dir)
+        raw = yaml.safe_load((root / "params.yaml").read_text())
+        raw["rollout"]["batch_size"] = 4
+        raw["launch"]["num_processes"] = processes
+        (root / "params.yaml").write_text(yaml.safe_dump(raw, sort_keys=False))
+        for name in ("rollout", "probe", "credit"):
+            out = run_stage(root, name)
+            assert out.returncode == 0, f"{processes} {name}:\n{out.stderr[-3000:]}"
+        roots.append(iteration_dir(root, 1))
+    one, two = roots
+    assert tree_bytes(one / "trajectories.zarr") == tree_bytes(two / "trajectories.zarr")
+    for name in ("probe.parquet", "credit.parquet"):
+        assert (one / name).read_bytes() == (two / name).read_bytes(), name
+    rollout = json.loads((two / "rollout.json").read_text())
+    assert rollout["processes"] == 2 and rollout["chunks"] == 3
+
+
+@pytest.mark.slow
+def test_tpgrpo_run_trains_a_tree_and_a_second_run_does_nothing(tmp_path, tiny_model_dir):
+    """The tree through the real `tpgrpo run` (dvc.yaml rendered, DVC runs the stages): both iterations,
+    then nothing left to run."""
+    from test_dvc_pipeline import tpgrpo_run
+
+    root = _tree_project(tmp_path, tiny_model_dir)
+    first = tpgrpo_run(root)
+    assert first.returncode == 0, first.stdout[-3000:] + first.stderr[-3000:]
+    for i in (1, 2):
+        assert json.loads((iteration_dir(root, i) / "probe.json").read_text())["completion"] == "tree"
+        assert (iteration_dir(root, i) / "policy" / "pytorch_lora_weights.safetensors").is_file()
+    second = tpgrpo_run(root)
+    assert second.returncode == 0 and "Running stage" not in second.stdout, second.stdout[-3000:]

@@ -1,0 +1,129 @@
+"""The rollout stage for ``tree.enabled`` (issue 35): sample ODE-anchored trees, decode and score the
+leaves only, write ``trajectories.zarr`` with one row per EDGE.
+
+The store keeps the chain's contract so that the update reads it unchanged: each edge is a "trajectory" of
+one window step, ``states (E, 2, C, H, W)`` = (parent state before the split step, child state after it),
+``log_probs (E, 1)`` (0 on ODE edges), ``sigmas (E, 2)``, ``final_reward`` = the reward of the leaf the child
+reaches by ODE children, i.e. Q(child). Attributes: ``group_size`` = edges per prompt, ``window_size`` 1,
+``window_start`` the first split step, plus ``shape: tree`` and the tree's parameters. Tree arrays, one value
+per edge: ``tree_parent`` (the parent edge's ``sample`` in the same prompt group, -1 below a root),
+``tree_depth``, ``tree_sde``, ``tree_root`` (root within the prompt), ``tree_leaf`` / ``tree_parent_leaf``
+(leaf within the prompt reached from the child / parent by ODE children). The probe assembles every Q from
+these with no model (:mod:`tpgrpo.io.tree_probe`).
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from tpgrpo.algo.seeds import sample_seed
+from tpgrpo.algo.tree import tree_rollout
+from tpgrpo.algo.tree_shape import TreeShape, parse_split_steps
+from tpgrpo.config import Config
+from tpgrpo.distributed import chunk_bar, current, row_chunks, run_chunks, warn_if_idle
+from tpgrpo.io.artifacts import IterationPaths, write_json
+from tpgrpo.io.trajectories import write_zarr
+from tpgrpo.policy.loading import load_policy, prompt_embeddings, sampler_spec, select_prompts
+from tpgrpo.stage_common import check_finite, provenance, stopwatch
+from tpgrpo.tasks.rewards import build_reward
+
+
+def tree_shape(cfg: Config) -> TreeShape:
+    """The rollout's :class:`TreeShape` from the ``tree`` params (checked by the config loader)."""
+    t = cfg.tree
+    return TreeShape(parse_split_steps(t.split_steps), t.children, t.roots)
+
+
+def edge_arrays(tree, leaf_reward: np.ndarray, leaf_strict: np.ndarray, roots_per_prompt: int,
+                per_root: tuple[int, int]) -> dict[str, np.ndarray]:
+    """The store's per-edge arrays of one chunk of whole prompt groups (``tree`` a :class:`TreeRollout` of
+    those roots, root-major); ``leaf_reward`` / ``leaf_strict`` ``(F,)`` of its leaves; ``per_root`` =
+    (edges, leaves) per root. Indices become prompt-local (``tree_parent``, ``tree_leaf``, ...)."""
+    edges_per_root, leaves_per_root = per_root
+    edge_base = (tree.root // roots_per_prompt) * roots_per_prompt * edges_per_root  # prompt's first edge
+    leaf_base = (tree.root // roots_per_prompt) * roots_per_prompt * leaves_per_root
+    parent = torch.where(tree.parent_edge >= 0, tree.parent_edge - edge_base, tree.parent_edge)
+    return {
+        "states": torch.stack([tree.parent_states, tree.child_states], 1).cpu().numpy(),
+        "log_probs": tree.log_probs[:, None].cpu().numpy(), "sigmas": tree.sigmas.numpy(),
+        "final_reward": leaf_reward[tree.leaf.numpy()].astype(np.float64),
+        "final_strict": leaf_strict[tree.leaf.numpy()].astype(bool),
+        "tree_parent": parent.numpy().astype(np.int32), "tree_depth": tree.depth.numpy().astype(np.int32),
+        "tree_sde": tree.sde.numpy(), "tree_root": (tree.root % roots_per_prompt).numpy().astype(np.int32),
+        "tree_leaf": (tree.leaf - leaf_base).numpy().astype(np.int32),
+        "tree_parent_leaf": (tree.parent_leaf - leaf_base).numpy().astype(np.int32),
+        "calls": np.array([tree.calls]), "passes": np.array([tree.passes]),
+        "decodes": np.array([tree.leaves.shape[0]]),
+    }
+
+
+def run(cfg: Config, iteration: int, root: Path) -> dict:
+    """The tree rollout stage (``stages.rollout.run`` branches here for ``tree.enabled``)."""
+    paths = IterationPaths(root, iteration)
+    metrics: dict = {"iteration": iteration, "shape": "tree"}
+    dist = current()
+    with stopwatch(metrics):
+        metas = select_prompts(cfg, root, iteration)
+        reward = build_reward(cfg.task.reward, cfg, root)
+        backend = load_policy(cfg, root, iteration)
+        spec, shape = sampler_spec(cfg), tree_shape(cfg)
+        R, P = shape.roots, len(metas)
+        per_root = (shape.edges_per_root(), shape.leaves_per_root())
+        root_prompt = np.repeat(np.arange(P), R)
+        seeds = [sample_seed(cfg.train.seed, iteration, metas[p]["id"], int(r), purpose="tree-root")
+                 for p, r in zip(root_prompt, np.tile(np.arange(R), P))]
+        embeds = prompt_embeddings(cfg, root, iteration, backend, [m["prompt"] for m in metas], write=True)
+        # whole prompt groups per chunk, at most rollout.batch_size leaves (final lineages) where a group fits
+        chunks = row_chunks(P * R, R, max(R, cfg.rollout.batch_size // per_root[1]))
+        warn_if_idle(dist, len(chunks), "rollout.batch_size")
+
+        def compute(c: int) -> dict:
+            rows = np.arange(*chunks[c])
+            tree = tree_rollout(backend, embeds.select(torch.as_tensor(root_prompt[rows])), [seeds[i] for i in rows],
+                                spec, shape, batch_size=cfg.rollout.batch_size)
+            leaf_prompts = [metas[root_prompt[rows[int(r)]]] for r in tree.leaf_root]
+            scored = reward(backend.decode(tree.leaves), leaf_prompts)
+            check_finite(f"reward {reward.name}", scored.reward, "rollout leaves")
+            return edge_arrays(tree, scored.reward, scored.strict, R, per_root)  # prompt-local indices
+
+        with chunk_bar(dist, f"rollout {iteration}") as progress:
+            merged = run_chunks(dist, paths.trajectories, len(chunks), compute, f"rollout of iteration {iteration}",
+                                progress=progress)
+        if merged is None:
+            return metrics
+        arrays, attrs = _store(cfg, merged, metas, spec, shape, seeds, iteration)
+        check_finite("old log-probs", arrays["log_probs"], f"rollout of iteration {iteration}")
+        write_zarr(paths.trajectories, arrays, attrs)
+    leaves = P * R * per_root[1]
+    sde = arrays["tree_sde"]
+    last = arrays["tree_depth"] == shape.depth - 1  # one last-depth edge per leaf: its final reward is the leaf's
+    metrics.update({"mean_reward": float(arrays["final_reward"][last].mean()),
+                    "strict_accuracy": float(arrays["final_strict"][last].mean()),
+                    "trajectories": int(sde.size), "sde_edges": int(sde.sum()), "leaves": leaves, "roots": P * R,
+                    "forward_passes": int(merged["passes"].sum()), "velocity_calls": int(merged["calls"].sum()),
+                    "decodes": int(merged["decodes"].sum()),
+                    "cfg_doubled": backend.cfg_doubles_batch and spec.guidance_scale != 1.0,
+                    "processes": dist.world, "chunks": len(chunks)})
+    write_json(paths.rollout_metrics, metrics)
+    return metrics
+
+
+def _store(cfg: Config, merged: dict, metas: list[dict], spec, shape: TreeShape, seeds: list[int], iteration: int):
+    """The arrays and attributes of ``trajectories.zarr`` from the merged chunks (edges prompt-major)."""
+    E_prompt = shape.roots * shape.edges_per_root()
+    prompt_index = np.repeat(np.arange(len(metas)), E_prompt)
+    root_row = prompt_index * shape.roots + merged["tree_root"]
+    arrays = {k: merged[k] for k in ("states", "log_probs", "sigmas", "final_reward", "final_strict", "tree_parent",
+                                     "tree_depth", "tree_sde", "tree_root", "tree_leaf", "tree_parent_leaf")}
+    arrays.update({"seeds": np.asarray(seeds, dtype=np.int64)[root_row], "prompt_index": prompt_index.astype(np.int32),
+                   "sample": np.tile(np.arange(E_prompt), len(metas)).astype(np.int32)})
+    attrs = {"prompts": metas, "schedule_sigmas": spec.sigmas.tolist(), "group_size": E_prompt,
+             "num_steps": spec.num_steps, "shift": cfg.sampling.shift, "window_start": shape.split_steps[0],
+             "window_size": 1, "step_kind": spec.step_kind, "noise_level": spec.noise_level,
+             "guidance_scale": spec.guidance_scale, "reward": cfg.task.reward, "shape": "tree",
+             "tree_split_steps": list(shape.split_steps), "tree_children": shape.children,
+             "tree_roots": shape.roots, **provenance(cfg, iteration, "rollout")}
+    return arrays, attrs
