@@ -31,7 +31,7 @@ def test_shipped_params_load_and_match_documented_defaults(raw):
 @pytest.mark.parametrize("mutate, expected", [
     (lambda r: r["credit"].update(modee="tp"), "unknown key credit.modee"),
     (lambda r: r["update"].pop("lr"), "missing key update.lr"),
-    (lambda r: r.pop("probe"), "missing section probe"),
+    (lambda r: r.pop("probe"), "missing section probe (its keys and defaults: docs/parameters.md)"),
     (lambda r: r.update(extra={}), "unknown section 'extra'"),
     (lambda r: r["credit"].update(mode="tpp"), "credit.mode = 'tpp': expected one of"),
     (lambda r: r["probe"].update(completion="ode:0"),

@@ -78,6 +78,18 @@ def test_with_tree_on_the_rollout_lists_the_tree_section_and_hashes_it(tmp_path)
     assert {s: h for s, h in on.items() if s != "rollout"} == {s: h for s, h in more.items() if s != "rollout"}
 
 
+@pytest.mark.parametrize("spelling", ["yes", "on", "True"])
+def test_a_yaml_1_1_true_switches_the_section_on_for_the_checks_as_for_the_stage(tmp_path, spelling):
+    """DVC (and the params-read checks) parse YAML 1.2, where `yes` is a string; the config loader reads it
+    as true and samples trees: the checks must then count the tree keys as read, as the stage does."""
+    from tpgrpo.config import load_config
+
+    _, params = _project(tmp_path, "spelt", enabled=True, split_steps="0,1")
+    params.write_text(params.read_text().replace("enabled: true", f"enabled: {spelling}"))
+    assert load_config(params).tree.enabled
+    assert {"tree.enabled", "tree.children"} <= set(stage_params(params, "rollout"))
+
+
 @pytest.mark.slow
 def test_a_trained_chain_project_runs_nothing_for_the_tree_section(tmp_path, tiny_model_dir):
     """A chain project trained for one iteration through `tpgrpo run`: DVC recorded no tree key, so a params

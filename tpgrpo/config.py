@@ -370,7 +370,7 @@ def config_from_dict(raw: Any) -> Config:
     sections = {}
     for name, cls in hints.items():
         if name not in raw:
-            raise ConfigError(f"params: missing section {name}")
+            raise ConfigError(f"params: missing section {name} (its keys and defaults: docs/parameters.md)")
         sections[name] = build_section(name, cls, raw[name])
     cfg = Config(**sections)
     _check_consistency(cfg)

@@ -78,7 +78,13 @@ def _switched_on(cfg: Config | dict, key: str) -> bool:
     if not isinstance(cfg, dict):
         return bool(getattr(getattr(cfg, section), name))
     values = cfg.get(section)
-    return isinstance(values, dict) and values.get(name) is True
+    value = values.get(name) if isinstance(values, dict) else None
+    # DVC parses YAML 1.2, where `yes` and `on` are strings; the config loader (PyYAML, YAML 1.1) reads
+    # them as true, and the stage then runs with the section switched on: so must this answer be.
+    return value is True or value in YAML11_TRUE
+
+
+YAML11_TRUE = ("yes", "Yes", "YES", "on", "On", "ON", "true", "True", "TRUE")  # PyYAML's bool resolver
 
 
 def switches(stage: str) -> list[str]:
