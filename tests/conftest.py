@@ -15,7 +15,8 @@ os.environ.setdefault("DVC_STUDIO_OFFLINE", "true")
 if os.environ.get("PYTEST_XDIST_WORKER"):
     # `make test` runs two workers on two cores: one torch thread each, as the processes they start
     # (a worker with torch's default of one thread per core would oversubscribe the machine 2x).
-    os.environ.setdefault("OMP_NUM_THREADS", "1")
+    if not os.environ.get("OMP_NUM_THREADS"):  # unset or empty (libgomp rejects an empty value)
+        os.environ["OMP_NUM_THREADS"] = "1"
 
 # A small but real configuration: 32x32 images (the detector's scale), 1 transformer block.
 TINY_PARAMS_OVERRIDES = {
