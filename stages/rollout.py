@@ -80,21 +80,22 @@ def run(cfg: Config, iteration: int, root: Path) -> dict:
             "sample": sample.astype(np.int32), "final_reward": merged["final_reward"],
             "final_strict": merged["final_strict"],
         }
-        if keep_x0:
-            arrays["x0_estimates"] = merged["x0_estimates"]
-        if keep_v:
-            arrays["velocities"] = merged["velocities"]
-        attrs = {"prompts": metas, "schedule_sigmas": spec.sigmas.tolist(), "group_size": G,
-                 "num_steps": spec.num_steps, "shift": cfg.sampling.shift,
-                 "window_start": spec.window_start, "window_size": spec.window_size,
-                 "step_kind": spec.step_kind, "noise_level": spec.noise_level,
-                 "guidance_scale": spec.guidance_scale, "reward": cfg.task.reward, VELOCITIES_KEPT_ATTR: keep_v,
-                 **provenance(cfg, iteration, "rollout")}
-        write_zarr(paths.trajectories, arrays, attrs)
+        arrays.update({name: merged[name] for name in ("x0_estimates", "velocities") if name in merged})
+        write_zarr(paths.trajectories, arrays, _store_attrs(cfg, iteration, spec, metas, keep_v))
     metrics.update(_metrics(arrays, spec, len(seeds), backend.cfg_doubles_batch), processes=dist.world,
                    chunks=len(chunks))
     write_json(paths.rollout_metrics, metrics)
     return metrics
+
+
+def _store_attrs(cfg: Config, iteration: int, spec, metas: list[dict], velocities_kept: bool) -> dict:
+    """The trajectory store's attributes: the prompts, the sampler that made the states, provenance."""
+    return {"prompts": metas, "schedule_sigmas": spec.sigmas.tolist(), "group_size": cfg.rollout.group_size,
+            "num_steps": spec.num_steps, "shift": cfg.sampling.shift,
+            "window_start": spec.window_start, "window_size": spec.window_size,
+            "step_kind": spec.step_kind, "noise_level": spec.noise_level,
+            "guidance_scale": spec.guidance_scale, "reward": cfg.task.reward, VELOCITIES_KEPT_ATTR: velocities_kept,
+            **provenance(cfg, iteration, "rollout")}
 
 
 def _score(reward, images: np.ndarray, metas: list[dict]):
