@@ -76,7 +76,7 @@ def test_each_mode_makes_the_passes_its_formula_says(backend, completion):
     embeds = backend.encode_prompts(["a red cube", "two blue balls", "a green cone"])
     states = _states(N * (K + 1)).reshape(N, K + 1, 3, 32, 32)
     _, passes = complete_window_states(counting, states, embeds, flow_sigmas(T, 1.0), start, 4.5, batch_size=5,
-                                       max_steps=mode.max_steps)
+                                       completion=mode)
     left = [T - (start + k) for k in range(K)]
     expected = N * sum(left if mode.kind == "exact" else [min(mode.max_steps, r) for r in left])
     assert counting.rows == passes == expected
@@ -91,7 +91,7 @@ def test_ode_with_m_equal_to_the_remaining_steps_is_exact_bit_for_bit(backend):
     embeds = backend.encode_prompts(["a red cube", "two blue balls"])
     states = _states(N * (K + 1), seed=1).reshape(N, K + 1, 3, 32, 32)
     run = lambda m: complete_window_states(backend, states, embeds, flow_sigmas(T, 1.0), start, 4.5,  # noqa: E731
-                                           batch_size=3, max_steps=m)[0]
+                                           batch_size=3, completion=ode(m))[0]
     exact = run(None)
     assert torch.equal(run(T - start), exact)  # M = the remaining steps of z_0, the most any state has
     assert not torch.allclose(run(1), exact, atol=1e-3)  # fewer steps do change the completion
@@ -105,7 +105,7 @@ def test_ode_m_takes_euler_steps_on_the_states_own_respaced_schedule(backend):
     sigmas = flow_sigmas(T, 1.0)
     embeds = backend.encode_prompts(["a red cube", "two blue balls"])
     x = _states(2, seed=2)
-    got, passes = ode_complete(backend, x, torch.full((2,), start), sigmas, embeds, 4.5, 8, max_steps=2)
+    got, passes = ode_complete(backend, x, torch.full((2,), start), sigmas, embeds, 4.5, 8, completion=ode(2))
     s3, s6 = float(sigmas[3]), float(sigmas[6])
     mid = x + velocity_at(backend, x, s3, embeds, 4.5) * (s6 - s3)
     want = mid + velocity_at(backend, mid, s6, embeds, 4.5) * (0.0 - s6)
@@ -302,3 +302,10 @@ def test_x0_estimates_in_the_trajectory_store_are_checked_like_the_other_arrays(
     arrays["x0_estimates"] = arrays["x0_estimates"][:, :k]
     write_zarr(tmp_path / "good.zarr", arrays, attrs)
     assert read_trajectories(tmp_path / "good.zarr")[0]["x0_estimates"].shape == (n, k, *arrays["states"].shape[2:])
+
+
+def ode(m: int | None):
+    """``ode:m`` as a parsed completion (None: ``exact``)."""
+    from tpgrpo.algo.probe_modes import Completion
+
+    return Completion("exact") if m is None else Completion("ode", m)

@@ -126,10 +126,10 @@ def test_the_completion_from_a_given_first_velocity_is_the_recomputed_one(tiny_m
     states = torch.randn((N, K + 1, 3, 32, 32), generator=torch.Generator().manual_seed(5))
     v = torch.stack([velocity_at(backend, states[:, k], float(sigmas[k]), embeds, 4.5) for k in range(K)], 1)
     for m in (None, 2):
-        plain, p0 = complete_window_states(backend, states, embeds, sigmas, 0, 4.5, 64, max_steps=m)
-        reused, p1 = complete_window_states(backend, states, embeds, sigmas, 0, 4.5, 64, max_steps=m, velocities=v)
-        assert p0 - p1 == N * K
         mode = parse_completion("exact" if m is None else f"ode:{m}")
+        plain, p0 = complete_window_states(backend, states, embeds, sigmas, 0, 4.5, 64, completion=mode)
+        reused, p1 = complete_window_states(backend, states, embeds, sigmas, 0, 4.5, 64, completion=mode, velocities=v)
+        assert p0 - p1 == N * K
         assert p1 == completion_passes(list(range(K)) * N, T, mode, first_step_given=True)
         torch.testing.assert_close(reused, plain, rtol=0, atol=1e-5)
 

@@ -54,6 +54,8 @@ class Completion:
         return 2 if self.kind in ("heun", "heun-grid") else 1
 
 
+EXACT = Completion("exact")  # every remaining step of the schedule, one Euler step each
+
 def parse_completion(value: object) -> Completion:
     """``"exact"`` | ``"x0"`` | ``"ode:M"`` | ``"grid:M"`` | ``"heun:M"`` | ``"heun-grid:M"`` (M an integer
     >= 1, written in decimal) -> :class:`Completion`.

@@ -21,7 +21,7 @@ from typing import Callable, Sequence
 
 import torch
 
-from tpgrpo.algo.probe_modes import Completion, visits
+from tpgrpo.algo.probe_modes import EXACT, Completion, visits
 from tpgrpo.algo.sampling import ode_step, sde_window, stochastic_step
 
 
@@ -128,15 +128,13 @@ def velocity_at(backend, x: torch.Tensor, sigma, embeds, guidance_scale: float) 
 def ode_complete(backend, states: torch.Tensor, start_steps: torch.Tensor, sigmas: torch.Tensor,
                  embeds, guidance_scale: float, batch_size: int,
                  on_step: Callable[[int], None] | None = None,
-                 max_steps: int | None = None,
                  first_velocities: torch.Tensor | None = None,
-                 completion: Completion | None = None) -> tuple[torch.Tensor, int]:
+                 completion: Completion = EXACT) -> tuple[torch.Tensor, int]:
     """ODE-complete M states to sigma 0 (spec section 4), batching all states at the same sigma.
 
     states: (M, C, H, W) float32, state m sits at sigma ``sigmas[start_steps[m]]``; embeds: one row per
     state. ``completion`` (:mod:`tpgrpo.algo.probe_modes`) says which schedule steps each state visits
-    (``visits``) and whether each step is Euler or Heun; None means ``exact`` when ``max_steps`` is None,
-    else ``ode:max_steps`` (at most that many Euler steps on the re-spaced schedule of ``respaced_steps``).
+    (``visits``) and whether each step is Euler or Heun (default ``exact``: every remaining step).
     The states advance in lockstep over the schedule's steps: at step j every state whose path visits
     ``s_j`` (and has not ended) is there, so one batched pass serves them all, each then stepping to its own
     next sigma. ``first_velocities``: (M, C, H, W) float32, the guided velocity at each state as given (the
@@ -145,8 +143,6 @@ def ode_complete(backend, states: torch.Tensor, start_steps: torch.Tensor, sigma
     (M, C, H, W) final latents on ``backend.device`` and the number of model forward passes (one per state
     per evaluation, not counting the CFG doubling).
     """
-    if completion is None:
-        completion = Completion("exact") if max_steps is None else Completion("ode", max_steps)
     x = states.to(backend.device, torch.float32, copy=True)
     num_steps = sigmas.numel() - 1
     after = _next_steps(start_steps, num_steps, completion)  # (M, T): schedule step each state goes to, or -1
@@ -219,14 +215,13 @@ def _next_steps(start_steps: torch.Tensor, num_steps: int, completion: Completio
 def complete_window_states(backend, states: torch.Tensor, embeds, sigmas: torch.Tensor, window_start: int,
                            guidance_scale: float, batch_size: int,
                            on_step: Callable[[int], None] | None = None,
-                           max_steps: int | None = None,
                            velocities: torch.Tensor | None = None,
-                           completion: Completion | None = None) -> tuple[torch.Tensor, int]:
+                           completion: Completion = EXACT) -> tuple[torch.Tensor, int]:
     """The probe (spec section 4): ODE-complete the window states z_0..z_{K-1} of N trajectories.
 
     states: (N, K+1, C, H, W) as a rollout stores them, on any device (z_K is left out: the rollout
-    completed it); embeds: one row per trajectory; ``max_steps``, ``completion``: as in
-    :func:`ode_complete` (both None = exact); ``velocities``: (N, K, C, H, W) the rollout's guided ``v_k``
+    completed it); embeds: one row per trajectory; ``completion``: as in :func:`ode_complete` (default
+    exact); ``velocities``: (N, K, C, H, W) the rollout's guided ``v_k``
     at each ``z_k``, or None: with them every completion's first step reuses ``v_k`` (K passes fewer per
     trajectory, the same completion up to float round-off). Returns final latents (N*K, C, H, W) on
     ``backend.device``, trajectory-major (row n*K + k completes z_k of trajectory n), and the number of
@@ -238,4 +233,4 @@ def complete_window_states(backend, states: torch.Tensor, embeds, sigmas: torch.
     start_steps = torch.arange(K).repeat(N) + window_start  # z_k sits at schedule step window_start + k
     rows = embeds.select(torch.arange(N).repeat_interleave(K))
     return ode_complete(backend, flat, start_steps, sigmas, rows, guidance_scale, batch_size, on_step=on_step,
-                        max_steps=max_steps, first_velocities=first, completion=completion)
+                        first_velocities=first, completion=completion)
