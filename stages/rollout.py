@@ -18,8 +18,8 @@ from tpgrpo.io.artifacts import IterationPaths, write_json
 from tpgrpo.io.trajectories import write_zarr
 from tpgrpo.config import Config
 from tpgrpo.distributed import chunk_bar, current, row_chunks, run_chunks, warn_if_idle
-from tpgrpo.policy.loading import load_policy, prompt_embeddings, sampler_spec, select_prompts
-from tpgrpo.stage_common import check_finite, provenance, stopwatch
+from tpgrpo.policy.loading import load_policy, prompt_embeddings, sampler_spec, select_prompts, store_attrs
+from tpgrpo.stage_common import check_finite, stopwatch
 from tpgrpo.algo.seeds import sample_seed
 from tpgrpo.tasks.rewards import build_reward
 from tpgrpo.algo.trajectory import rollout
@@ -81,21 +81,12 @@ def run(cfg: Config, iteration: int, root: Path) -> dict:
             "final_strict": merged["final_strict"],
         }
         arrays.update({name: merged[name] for name in ("x0_estimates", "velocities") if name in merged})
-        write_zarr(paths.trajectories, arrays, _store_attrs(cfg, iteration, spec, metas, keep_v))
+        attrs = store_attrs(cfg, iteration, spec, metas, **{VELOCITIES_KEPT_ATTR: keep_v})
+        write_zarr(paths.trajectories, arrays, attrs)
     metrics.update(_metrics(arrays, spec, len(seeds), backend.cfg_doubles_batch), processes=dist.world,
                    chunks=len(chunks))
     write_json(paths.rollout_metrics, metrics)
     return metrics
-
-
-def _store_attrs(cfg: Config, iteration: int, spec, metas: list[dict], velocities_kept: bool) -> dict:
-    """The trajectory store's attributes: the prompts, the sampler that made the states, provenance."""
-    return {"prompts": metas, "schedule_sigmas": spec.sigmas.tolist(), "group_size": cfg.rollout.group_size,
-            "num_steps": spec.num_steps, "shift": cfg.sampling.shift,
-            "window_start": spec.window_start, "window_size": spec.window_size,
-            "step_kind": spec.step_kind, "noise_level": spec.noise_level,
-            "guidance_scale": spec.guidance_scale, "reward": cfg.task.reward, VELOCITIES_KEPT_ATTR: velocities_kept,
-            **provenance(cfg, iteration, "rollout")}
 
 
 def _score(reward, images: np.ndarray, metas: list[dict]):

@@ -19,7 +19,7 @@ from tpgrpo.config import Config
 from tpgrpo.errors import PipelineError
 from tpgrpo.io.artifacts import IterationPaths, read_embeddings, require, write_embeddings
 from tpgrpo.io.schemas import EMBEDDING_FIELDS
-from tpgrpo.stage_common import resolve
+from tpgrpo.stage_common import provenance, resolve
 
 
 def select_prompts(cfg: Config, root: Path, iteration: int) -> list[dict]:
@@ -43,6 +43,18 @@ def sampler_spec(cfg: Config):
     return SamplerSpec(
         sigmas=flow_sigmas(s.num_steps, s.shift), window_start=s.window_start, window_size=s.window_size,
         step_kind=s.step_kind, noise_level=s.noise_level, guidance_scale=s.guidance_scale)
+
+
+def store_attrs(cfg: Config, iteration: int, spec, metas: list[dict], **fields) -> dict:
+    """A trajectory store's attributes: the prompts, the sampler that made the states (``spec``, a
+    :class:`SamplerSpec`), the reward, then ``fields`` (a key given there replaces the chain's value in
+    place; a new one comes after ``reward``), then provenance. The chain and the tree rollout share it."""
+    attrs = {"prompts": metas, "schedule_sigmas": spec.sigmas.tolist(), "group_size": cfg.rollout.group_size,
+             "num_steps": spec.num_steps, "shift": cfg.sampling.shift,
+             "window_start": spec.window_start, "window_size": spec.window_size,
+             "step_kind": spec.step_kind, "noise_level": spec.noise_level,
+             "guidance_scale": spec.guidance_scale, "reward": cfg.task.reward}
+    return {**attrs, **fields, **provenance(cfg, iteration, "rollout")}
 
 
 def sampling_from_attrs(attrs: dict):

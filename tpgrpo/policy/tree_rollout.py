@@ -26,8 +26,8 @@ from tpgrpo.config import Config
 from tpgrpo.distributed import chunk_bar, current, row_chunks, run_chunks, warn_if_idle
 from tpgrpo.io.artifacts import IterationPaths, write_json
 from tpgrpo.io.trajectories import write_zarr
-from tpgrpo.policy.loading import load_policy, prompt_embeddings, sampler_spec, select_prompts
-from tpgrpo.stage_common import check_finite, provenance, stopwatch
+from tpgrpo.policy.loading import load_policy, prompt_embeddings, sampler_spec, select_prompts, store_attrs
+from tpgrpo.stage_common import check_finite, stopwatch
 from tpgrpo.tasks.rewards import build_reward
 
 
@@ -120,10 +120,7 @@ def _store(cfg: Config, merged: dict, metas: list[dict], spec, shape: TreeShape,
                                      "tree_depth", "tree_sde", "tree_root", "tree_leaf", "tree_parent_leaf")}
     arrays.update({"seeds": np.asarray(seeds, dtype=np.int64)[root_row], "prompt_index": prompt_index.astype(np.int32),
                    "sample": np.tile(np.arange(E_prompt), len(metas)).astype(np.int32)})
-    attrs = {"prompts": metas, "schedule_sigmas": spec.sigmas.tolist(), "group_size": E_prompt,
-             "num_steps": spec.num_steps, "shift": cfg.sampling.shift, "window_start": shape.split_steps[0],
-             "window_size": 1, "step_kind": spec.step_kind, "noise_level": spec.noise_level,
-             "guidance_scale": spec.guidance_scale, "reward": cfg.task.reward, "shape": "tree",
-             "tree_split_steps": list(shape.split_steps), "tree_children": shape.children,
-             "tree_roots": shape.roots, **provenance(cfg, iteration, "rollout")}
+    attrs = store_attrs(cfg, iteration, spec, metas, group_size=E_prompt, window_start=shape.split_steps[0],
+                        window_size=1, shape="tree", tree_split_steps=list(shape.split_steps),
+                        tree_children=shape.children, tree_roots=shape.roots)
     return arrays, attrs
