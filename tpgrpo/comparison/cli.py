@@ -58,7 +58,7 @@ def _report_results(results: dict[str, str]) -> None:
 
 
 def _variants(modes: str, seeds: str, set_: list[str], mode_set: list[str], lr_sweep: str, sweep_seeds: str,
-              ablations: str, ablation_seeds: str) -> list:
+              ablations: str, ablation_seeds: str, tree_modes: str = "") -> list:
     """The comparison's variants from the command line: the main modes, the lr sweep, the ablations."""
     from tpgrpo.comparison import variants as arms
     from tpgrpo.config import ConfigError
@@ -70,8 +70,11 @@ def _variants(modes: str, seeds: str, set_: list[str], mode_set: list[str], lr_s
             raise ConfigError(f"--mode-set {item!r}: expected MODE:section.key=value")
         per_mode.setdefault(mode, {}).update(arms.parse_assignments([assignment], "--mode-set"))
     main = arms.main_variants(_list(modes, str, "--modes"), _list(seeds, int, "--seeds"),
-                             arms.parse_assignments(set_, "--set"), per_mode)
-    variants = list(main)
+                             arms.parse_assignments(set_, "--set"), per_mode) if modes else []
+    variants = [*main, *(arms.tree_variants(_list(tree_modes, str, "--tree-modes"), _list(seeds, int, "--seeds"),
+                                            arms.parse_assignments(set_, "--set")) if tree_modes else [])]
+    if not variants:
+        raise ConfigError("--modes and --tree-modes are both empty: nothing to train")
     if lr_sweep:
         variants += arms.lr_sweep_variants(main, _list(lr_sweep, float, "--lr-sweep"),
                                           _list(sweep_seeds, int, "--sweep-seeds"))
@@ -101,6 +104,8 @@ def run_command(
     ablations: Annotated[str, typer.Option(help="paper ablations of tp: all or some of noise0.4,noise1.0,"
                                            "window8,window4,cps")] = "",
     ablation_seeds: Annotated[str, typer.Option(help="training seeds of the ablations")] = "0",
+    tree_modes: Annotated[str, typer.Option(help="credit modes also trained on ODE-anchored trees "
+                                            "(tree.enabled=true), as arms tree-MODE, comma-separated")] = "",
     jobs: JobsOpt = 2,
     threads: ThreadsOpt = 1,
     refresh_code: Annotated[bool, typer.Option(help="snapshot stages/ and tpgrpo/ again (DVC then re-runs "
@@ -123,7 +128,7 @@ def run_command(
         config_from_dict(base_params)
         refuse_archive(out)
         variants = _variants(modes, seeds, set_ or [], mode_set or [], lr_sweep, sweep_seeds, ablations,
-                             ablation_seeds)
+                             ablation_seeds, tree_modes)
         specs = cmp.plan(out.resolve(), variants)
         for spec in specs:  # all checked before anything is written
             cmp.check_run(spec, base_params, iterations, base.resolve())

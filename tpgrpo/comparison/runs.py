@@ -245,8 +245,12 @@ def run_env(folder: Path, threads: int) -> dict[str, str]:
 
 
 def run_one(spec: RunSpec, threads: int) -> tuple[int, float]:
-    """``tpgrpo run`` in the run folder, output appended to its run.log; returns (exit code, seconds)."""
+    """``tpgrpo run`` in the run folder, output appended to its run.log and the machine to its machine.json
+    (:mod:`tpgrpo.comparison.machine`); returns (exit code, seconds)."""
+    from tpgrpo.comparison.machine import append_machine, machine_record
+
     start = time.time()
+    append_machine(spec.folder, machine_record(threads))  # before it trains: a killed attempt counts too
     with open(spec.folder / "run.log", "a") as log:
         log.write(f"=== tpgrpo run {time.strftime('%Y-%m-%d %H:%M:%S')} threads={threads}\n")
         log.flush()

@@ -75,6 +75,18 @@ def main_variants(modes: Sequence[str], seeds: Sequence[int], overrides: dict[st
             for m in modes]
 
 
+TREE_PREFIX = "tree-"  # a tree arm's name: the prefix and its credit mode (tree-tp)
+
+
+def tree_variants(modes: Sequence[str], seeds: Sequence[int], overrides: dict[str, Any] | None = None) -> list[Variant]:
+    """Credit modes trained on ODE-anchored trees (``tree.enabled``, docs/tree.md) instead of chains: main
+    arms named ``tree-MODE``, compared with flow_grpo's chains like every main arm."""
+    bad = [m for m in modes if m not in MODES]
+    if bad:
+        raise ConfigError(f"tree modes {list(modes)}: expected some of {', '.join(MODES)}")
+    return [Variant(f"{TREE_PREFIX}{m}", m, {**(overrides or {}), "tree.enabled": True}, tuple(seeds)) for m in modes]
+
+
 def lr_sweep_variants(main: Sequence[Variant], lrs: Sequence[float], seeds: Sequence[int]) -> list[Variant]:
     """Each main variant again at each learning rate of ``lrs`` (the step-size sweep)."""
     return [Variant(f"{v.name}-{lr_label(lr)}", v.mode, {**v.overrides, "update.lr": float(lr)}, tuple(seeds),

@@ -1,0 +1,102 @@
+"""Which machine a comparison run trained on, recorded per attempt, and whether two runs may be paired.
+
+The same training seed gave held-out 0.43 on one CPU and 0.46 on another: CPUs with other vector units
+(AVX-512, AMX, bf16) round the same float maths differently, and a few dozen policy steps amplify it to the size
+of the differences a comparison decides. So every ``tpgrpo run`` attempt of a comparison run appends the
+machine it ran on to the run folder's ``machine.json``; a run resumed on another machine has two records and
+pairs with nothing. The machine is the CPU model, the CPU flags that change float results (vector width, fused
+multiply-add, bf16 and AMX units), the torch version and the thread count: a change of any of them can change
+the numbers, a change of anything else (host name, memory, load) cannot.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import platform
+import time
+from pathlib import Path
+
+MACHINE_FILE = "machine.json"
+# CPU flags that select another kernel in torch's CPU backend (oneDNN / ATen vectorised code): the flags that can
+# change a float result. Others (virtualisation, security mitigations) cannot.
+NUMERIC_FLAGS = ("avx", "avx2", "fma", "f16c", "avx512f", "avx512bw", "avx512vl", "avx512_vnni", "avx512_bf16",
+                 "avx512_fp16", "amx_bf16", "amx_int8", "amx_tile", "avx_vnni", "neon", "asimd", "sve")
+# What makes two runs' numbers comparable; a record's other keys (time) describe the attempt only.
+IDENTITY_KEYS = ("cpu_model", "cpu_id", "numeric_flags", "machine", "torch", "threads")
+
+
+def _cpuinfo(path: Path = Path("/proc/cpuinfo")) -> tuple[str, str, set[str]]:
+    """(model name, "vendor family/model/stepping", flags) of the first CPU in ``path``. The numbers matter: a
+    virtual machine may name its CPU only "AMD EPYC", for several generations."""
+    fields: dict[str, str] = {}
+    if path.is_file():
+        for line in path.read_text(errors="replace").splitlines():
+            key, _, value = line.partition(":")
+            fields.setdefault(key.strip().lower(), value.strip())
+    model = fields.get("model name") or fields.get("cpu model") or platform.processor() or platform.machine()
+    cpu_id = "/".join(fields.get(k, "?") for k in ("vendor_id", "cpu family", "model", "stepping"))
+    return model, cpu_id, set((fields.get("flags") or fields.get("features") or "").split())
+
+
+def machine_record(threads: int, cpuinfo: Path = Path("/proc/cpuinfo")) -> dict:
+    """This machine as a run's numbers depend on it (``IDENTITY_KEYS``), plus the time of the attempt."""
+    import torch
+
+    model, cpu_id, flags = _cpuinfo(cpuinfo)
+    return {"cpu_model": model, "cpu_id": cpu_id, "numeric_flags": sorted(f for f in NUMERIC_FLAGS if f in flags),
+            "machine": platform.machine(), "torch": torch.__version__, "threads": int(threads),
+            "time": time.strftime("%Y-%m-%d %H:%M:%S")}
+
+
+def identity(record: dict) -> tuple:
+    """The part of a machine record two comparable runs share (JSON lists made hashable)."""
+    return tuple(json.dumps(record.get(k), sort_keys=True) for k in IDENTITY_KEYS)
+
+
+def read_machines(folder: Path) -> list[dict]:
+    """The run folder's machine records, one per attempt ([] for a run made before they were recorded)."""
+    path = Path(folder) / MACHINE_FILE
+    return json.loads(path.read_text()) if path.is_file() else []
+
+
+def append_machine(folder: Path, record: dict) -> None:
+    """Add one attempt's record to ``folder/machine.json`` (rewritten through a temporary file)."""
+    path = Path(folder) / MACHINE_FILE
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_text(json.dumps([*read_machines(folder), record], indent=2, sort_keys=True) + "\n")
+    os.replace(tmp, path)
+
+
+def describe(record: dict) -> str:
+    return (f"{record.get('cpu_model', '?')} ({record.get('cpu_id', '?')}) [{' '.join(record.get('numeric_flags', []))}], torch "
+            f"{record.get('torch', '?')}, {record.get('threads', '?')} thread(s)")
+
+
+def run_machine(folder: Path) -> tuple[tuple | None, str]:
+    """(identity, "") of a run trained on one machine throughout; (None, why) for a run with no record or
+    with attempts on different machines."""
+    records = read_machines(folder)
+    if not records:
+        return None, f"{folder}: no {MACHINE_FILE} (trained before machines were recorded)"
+    ids = {identity(r) for r in records}
+    if len(ids) > 1:
+        kinds = sorted({describe(r) for r in records})
+        return None, f"{folder}: resumed on another machine ({'; '.join(kinds)})"
+    return identity(records[0]), ""
+
+
+def machine_mismatch(folders: list[Path]) -> str:
+    """Why the runs in ``folders`` cannot be compared with each other on numbers ("" if they can): a run
+    without a record, a run resumed on another machine, or two runs on different machines."""
+    seen: dict[tuple, Path] = {}
+    for folder in folders:
+        ident, why = run_machine(folder)
+        if why:
+            return why
+        seen.setdefault(ident, folder)
+    if len(seen) > 1:
+        (a_id, a), (b_id, b) = list(seen.items())[:2]
+        return (f"{a} and {b} trained on different machines ({describe(read_machines(a)[0])} vs "
+                f"{describe(read_machines(b)[0])})")
+    return ""
