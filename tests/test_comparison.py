@@ -27,6 +27,23 @@ from tpgrpo.errors import PipelineError
 
 PROMPTS, SAMPLES = 6, 2
 SECONDS = {"rollout": 1.0, "probe": 2.0, "credit": 0.5, "update": 1.5}  # per iteration; eval 10 s, left out
+# What a fake run trained on (tpgrpo.comparison.provenance): one machine and one code for every fake run unless
+# a test says otherwise.
+FAKE_MACHINE = {"cpu_model": "Test CPU", "cpu_id": "Vendor/6/1/1", "numeric_flags": ["avx2", "fma"],
+                "machine": "x86_64", "torch": "2.13.0", "threads": 1, "time": "2026-12-03 00:00:00"}
+FAKE_CODE = {"files": {"stages/probe.py": "0" * 32, "tpgrpo/algo/credit.py": "1" * 32}, "libraries": {"torch": "2.13.0"}}
+
+
+def write_provenance(folder: Path, machines: list[dict] | None, code: dict | None) -> None:
+    """``machine.json`` (one record per attempt) and the numeric kinds' code manifests; None leaves one out."""
+    from tpgrpo.comparison.provenance import MACHINE_FILE, NUMERIC_KINDS
+
+    if machines is not None:
+        (folder / MACHINE_FILE).write_text(json.dumps(machines))
+    if code is not None:
+        (folder / "data" / "code").mkdir(parents=True, exist_ok=True)
+        for kind in NUMERIC_KINDS:
+            (folder / "data" / "code" / f"{kind}.json").write_text(json.dumps({"kind": kind, **code}))
 
 
 def eval_table(values) -> pd.DataFrame:
@@ -41,10 +58,11 @@ def eval_table(values) -> pd.DataFrame:
 
 def fake_run(out: Path, variant: str, mode: str, seed: int, rewards: dict[int, np.ndarray], budget: int,
              planned: int | None = None, family: str = "main", reference: str = "", scale: float = 1.0,
-             overrides: dict | None = None) -> Path:
+             overrides: dict | None = None, machines: list[dict] | None = [FAKE_MACHINE],
+             code: dict | None = FAKE_CODE) -> Path:
     """A finished run folder: run.json, params.yaml, baseline (iteration 0) and iterations 1..max(rewards)
     with stage JSONs (train seconds = scale x SECONDS) and eval tables (evaluated where ``rewards`` has
-    the iteration)."""
+    the iteration), trained on ``machines`` with ``code`` (:func:`write_provenance`)."""
     folder = out / variant / f"seed{seed}"
     params = tiny_params(credit={"mode": mode}, train={"seed": seed, "iterations": planned or budget})
     for key, value in (overrides or {}).items():
@@ -79,6 +97,7 @@ def fake_run(out: Path, variant: str, mode: str, seed: int, rewards: dict[int, n
                            eval_strict_accuracy=float(np.mean(rewards[i] > 0.5)))
         (d / "eval.json").write_text(json.dumps(metrics))
         (d / "policy").mkdir()
+    write_provenance(folder, machines, code)
     return folder
 
 

@@ -2,12 +2,13 @@
 
 A comparison root (:mod:`tpgrpo.comparison.runs`) holds gigabytes: trajectories, adapters, the model, DVC's cache.
 The report reads only a few kilobytes per iteration of it: the stage JSON logs, the per-image eval tables,
-each run's ``run.json`` and ``params.yaml``, and the root's ``commands.txt``, ``equal_wall.json`` and code
+each run's ``run.json``, ``params.yaml``, ``machine.json`` and numeric code manifests, and the root's ``commands.txt``, ``equal_wall.json`` and code
 ``SNAPSHOT.json``. An archive is a copy of the root pruned to exactly those files, in the same layout, so
 ``report --results ARCHIVE`` recomputes the same tables and figures as ``report --results ROOT`` did, long
 after the run folders are gone (they are machine-local and git-ignored). An archive cannot be trained further:
 ``ARCHIVE.json`` at its top marks it, and ``run`` / ``equal-wall`` refuse it. More seeds of the same comparison,
-trained later in another root, join it with :func:`add_to_archive` (their params must match, but for the seed).
+trained later in another root, join it with :func:`add_to_archive` (their params must match, but for the seed,
+and so must the machine and the code that computes numbers: :mod:`tpgrpo.comparison.provenance`).
 """
 
 from __future__ import annotations
@@ -18,6 +19,7 @@ import shutil
 import time
 from pathlib import Path
 
+from tpgrpo.comparison.provenance import MACHINE_FILE, NUMERIC_KINDS, mismatch
 from tpgrpo.comparison.runs import ITER_FILES, SUMMARY, discover
 from tpgrpo.errors import PipelineError
 
@@ -25,7 +27,7 @@ MARKER = "ARCHIVE.json"
 ROOT_FILES = ("commands.txt", "equal_wall.json", "load_cost.json", "code/SNAPSHOT.json")
 POOLED_KEYS = {"train.seed", "train.iterations"}  # runs that differ in nothing else pool as seeds of one variant
 RUN_FILES = ("run.json", "params.yaml", str(SUMMARY), "data/iters/baseline_eval.json",
-             "data/iters/baseline_eval.parquet")
+             "data/iters/baseline_eval.parquet", MACHINE_FILE, *(f"data/code/{k}.json" for k in NUMERIC_KINDS))
 ITERATION_FILES = (*ITER_FILES, "probe.json")  # what finishes an iteration, and the probe log where there is one
 
 
@@ -104,11 +106,24 @@ def _params_mismatch(run: dict, existing: list[dict]) -> str:
     return f"{run['variant']}/seed{run['seed']}: {', '.join(differ)} differ from the archived runs" if differ else ""
 
 
-def add_to_archive(root: Path, dest: Path) -> dict:
+def _provenance_refusal(runs: list[dict], existing: list[dict], accept: str) -> str:
+    """Why the new runs may not join the archived ones on provenance ("" if they may, or ``accept`` gives the
+    reason they are joined anyway): another machine, code that computes numbers differently, or no record."""
+    status, why = mismatch([Path(r["folder"]) for r in [*existing, *runs]])
+    if not status or accept:
+        return ""
+    hint = "pass --accept 'REASON' to add them anyway (the report then shows the reason)"
+    if status == "unknown":
+        return f"cannot check the machine and code of every run ({why}); {hint}"
+    return f"{why}: their numbers are not comparable; {hint}"
+
+
+def add_to_archive(root: Path, dest: Path, accept: str = "") -> dict:
     """Add the runs of ``root`` to the archive ``dest`` (replaced through a temporary copy): more training seeds
     of the archived comparison, trained later. Refused with one line where ``dest`` is no archive, already has
-    one of the runs, a run is unfinished, or a run's params differ from its variant's archived runs in more than the seed and the
-    iteration count. ``root``'s command lines are appended to commands.txt and its code snapshot kept as
+    one of the runs, a run is unfinished, a run's params differ from its variant's archived runs in more than the seed and the
+    iteration count, or (unless ``accept`` gives a reason, recorded) any run differs from the archived ones in
+    machine or numeric code, or has no record of them. ``root``'s command lines are appended to commands.txt and its code snapshot kept as
     ``code/SNAPSHOT-<k>.json`` (k = 2, 3, ...); ``ARCHIVE.json`` lists the addition under ``added``."""
     from tpgrpo.io.artifacts import atomic_path
 
@@ -126,6 +141,9 @@ def add_to_archive(root: Path, dest: Path) -> dict:
             if done < planned else _params_mismatch(run, existing)
         if why:
             raise PipelineError(f"{why}: nothing added")
+    why = _provenance_refusal(runs, existing, accept)
+    if why:
+        raise PipelineError(f"{why}: nothing added")
     record = json.loads((dest / MARKER).read_text())
     with atomic_path(dest) as tmp:
         shutil.copytree(dest, tmp)
@@ -145,7 +163,7 @@ def add_to_archive(root: Path, dest: Path) -> dict:
                 shutil.copy2(root / rel, tmp / rel)
         added = {"source": str(root), "time": time.strftime("%Y-%m-%d %H:%M:%S"), "runs": len(runs),
                  "files": len(files), "bytes": sum((tmp / rel).stat().st_size for rel in files),
-                 "snapshot": str(snapshot.relative_to(tmp))}
+                 "snapshot": str(snapshot.relative_to(tmp)), **({"accepted": accept} if accept else {})}
         record["added"] = [*record.get("added", []), added]
         (tmp / MARKER).write_text(json.dumps(record, indent=2, sort_keys=True) + "\n")
     return added

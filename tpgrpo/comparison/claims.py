@@ -15,8 +15,8 @@ from typing import Sequence
 import numpy as np
 import pandas as pd
 
-from tpgrpo.comparison.results import (MIN_PROMPTS, N_BOOT, RESULTS, WALL_KINDS, Pair, by_variant, collect_curves,
-                                       compare_pair)
+from tpgrpo.comparison.results import (MIN_PROMPTS, N_BOOT, NOT_COMPARABLE, RESULTS, WALL_KINDS, Pair, by_variant,
+                                       collect_curves, compare_pair)
 from tpgrpo.comparison.runs import BASELINE_MODE, discover, flatten
 from tpgrpo.comparison.stats import verdict
 from tpgrpo.errors import PipelineError
@@ -29,6 +29,9 @@ class Claim:
     paper: str                   # the paper's numbers
     pair: Pair
     requires: dict = field(default_factory=dict)  # {variant: {params key: value}} the claim presumes
+    # Read from the equal-wall pair B - A turned round: for an arm cheaper than flow_grpo, the equal-wall pass
+    # gives the extra iterations to A (the arm), and an equal-wall pair's B is always the one extended.
+    mirror: bool = False
 
 
 PAPER = "GenEval 0.9725 (TP) / 0.9714 (w/o constraint) vs 0.9673 (Flow-GRPO)"
@@ -52,6 +55,18 @@ CLAIMS = (
           {"tp": {"sampling.window_size": 9}}),
     Claim("cps", "cps steps beat sde steps", "not in the paper: its code release switched to cps",
           Pair("tp-cps", "tp"), {"tp": {"sampling.step_kind": "sde"}}),
+)
+TREE = "tree-tp"  # TP-GRPO on ODE-anchored trees (tpgrpo.comparison.variants.tree_variants)
+TREE_PAPERS = "not in the paper: BranchGRPO / TreeGRPO share prefixes, TempFlow-GRPO / G2RPO branch off an ODE anchor"
+TREE_CLAIMS = (
+    Claim("tree_beats_flow", "TP-GRPO on trees beats Flow-GRPO at the same iteration", TREE_PAPERS,
+          Pair(TREE, BASELINE_MODE)),
+    Claim("tree_equal_wall", "TP-GRPO on trees beats Flow-GRPO at equal wall-clock time (the tree given the "
+          "iterations its cheaper iteration buys)", TREE_PAPERS, Pair(TREE, BASELINE_MODE, "equal_wall"), mirror=True),
+    Claim("tree_beats_chain", "TP-GRPO on trees beats TP-GRPO on chains at the same iteration", TREE_PAPERS,
+          Pair(TREE, "tp")),
+    Claim("tree_turning_points", "on trees, turning points beat incremental credit at the same iteration",
+          TREE_PAPERS, Pair(TREE, "tree-incremental")),
 )
 
 
@@ -78,13 +93,14 @@ def standard_pairs(runs: Sequence[dict], curves: pd.DataFrame) -> list[tuple[str
     kinds = WALL_KINDS if "net_seconds" in curves and curves["net_seconds"].notna().any() else WALL_KINDS[:1]
     out = []
     if BASELINE_MODE in main:
-        extended = any(int(r["params"]["train"]["iterations"]) > int(r["budget"])
-                       for r in runs if r["variant"] == BASELINE_MODE)
+        extended = _extended(runs, BASELINE_MODE)
         for v in main:
             if v != BASELINE_MODE:
                 out.append(("defaults", Pair(v, BASELINE_MODE)))
                 if extended:
                     out += [("equal wall", Pair(v, BASELINE_MODE, k)) for k in kinds]
+                if _extended(runs, v):  # an arm cheaper than flow_grpo: it was given the extra iterations
+                    out += [("equal wall", Pair(BASELINE_MODE, v, k)) for k in kinds]
     out += [("ablation", Pair(v, r["reference"])) for v, r in
             {r["variant"]: r for r in runs if r["family"] == "ablation"}.items()]
     best = best_variants(runs, curves)
@@ -97,6 +113,11 @@ def standard_pairs(runs: Sequence[dict], curves: pd.DataFrame) -> list[tuple[str
                 if extended:
                     out += [("best lr, equal wall", Pair(v, flow, k)) for k in kinds]
     return out
+
+
+def _extended(runs: Sequence[dict], variant: str) -> bool:
+    """Whether an equal-wall pass raised ``variant``'s iterations above the comparison's budget."""
+    return any(int(r["params"]["train"]["iterations"]) > int(r["budget"]) for r in runs if r["variant"] == variant)
 
 
 def best_variants(runs: Sequence[dict], curves: pd.DataFrame) -> dict[str, str | None]:
@@ -130,9 +151,13 @@ def claim_row(claim: Claim, pairs: pd.DataFrame, runs: dict) -> dict:
                 if params.get(key) != value:
                     return {**row, "verdict": "not run", "note": f"{variant} has {key} = {params.get(key)}, "
                             f"not the paper's {value}"}
-    h = lookup(pairs, claim.pair)
+    h = lookup(pairs, Pair(claim.pair.b, claim.pair.a, claim.pair.kind)) if claim.mirror else lookup(pairs, claim.pair)
     if h is None or not np.isfinite(h["reward_diff"]):
         return {**row, "verdict": "not run", "note": "not compared" if h is None else h["note"]}
+    if claim.mirror:
+        h = mirrored(h)
+    if str(h.get("note") or "").startswith(NOT_COMPARABLE):
+        return {**row, "verdict": NOT_COMPARABLE, "note": h["note"]}
     keys = ("reward_diff", "reward_lo", "reward_hi", "reward_seed_lo", "reward_seed_hi", "reward_boot_lo",
             "reward_boot_hi", "seeds", "n_seeds", "per_seed_reward_diff")
     # the verdict is the interval over training seeds and prompts: over prompts alone, a difference one
@@ -154,14 +179,17 @@ def lookup(pairs: pd.DataFrame, pair: Pair) -> dict | None:
         hit = pairs[(pairs["a"] == a) & (pairs["b"] == b) & (pairs["kind"] == pair.kind)]
         if len(hit):
             h = hit.iloc[0].to_dict()
-            if sign < 0 and np.isfinite(h["reward_diff"]):
-                h.update(reward_diff=-h["reward_diff"], reward_lo=-h["reward_hi"], reward_hi=-h["reward_lo"],
-                         reward_seed_lo=-h["reward_seed_hi"], reward_seed_hi=-h["reward_seed_lo"],
-                         reward_boot_lo=-h["reward_boot_hi"], reward_boot_hi=-h["reward_boot_lo"],
-                         per_seed_reward_diff=", ".join(f"{-float(d):+.4f}"
-                                                        for d in h["per_seed_reward_diff"].split(",")))
-            return h
+            return mirrored(h) if sign < 0 and np.isfinite(h["reward_diff"]) else h
     return None
+
+
+def mirrored(h: dict) -> dict:
+    """A pairs-table row of A - B as B - A: the difference negated, every interval mirrored (they are
+    symmetric in the sign of the differences)."""
+    return {**h, "reward_diff": -h["reward_diff"], "reward_lo": -h["reward_hi"], "reward_hi": -h["reward_lo"],
+            "reward_seed_lo": -h["reward_seed_hi"], "reward_seed_hi": -h["reward_seed_lo"],
+            "reward_boot_lo": -h["reward_boot_hi"], "reward_boot_hi": -h["reward_boot_lo"],
+            "per_seed_reward_diff": ", ".join(f"{-float(d):+.4f}" for d in h["per_seed_reward_diff"].split(","))}
 
 
 def collect(out: Path, n_boot: int = N_BOOT) -> dict[str, pd.DataFrame]:
@@ -178,8 +206,10 @@ def collect(out: Path, n_boot: int = N_BOOT) -> dict[str, pd.DataFrame]:
     curves = with_net_seconds(curves, load_record(out))
     grouped = by_variant(runs)
     computed = {}
-    claims_here = [*CLAIMS, *best_lr_claims(runs, curves)]
-    for label, pair in [*standard_pairs(runs, curves), *(("claim", c.pair) for c in claims_here)]:
+    claims_here = [*CLAIMS, *best_lr_claims(runs, curves),
+                   *(TREE_CLAIMS if any(r["variant"] == TREE for r in runs) else ())]
+    asked = [Pair(c.pair.b, c.pair.a, c.pair.kind) if c.mirror else c.pair for c in claims_here]
+    for label, pair in [*standard_pairs(runs, curves), *(("claim", p) for p in asked)]:
         reverse = Pair(pair.b, pair.a, pair.kind)
         if pair not in computed and not (pair.kind == "iteration" and reverse in computed):
             computed[pair] = {"set": label, **compare_pair(pair, grouped, curves, n_boot)}

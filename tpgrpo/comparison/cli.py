@@ -249,6 +249,9 @@ def archive_command(
     to: Annotated[Path, typer.Option("--to", help="archive folder (replaced whole), e.g. docs/replication/runs/NAME")],
     add: Annotated[bool, typer.Option("--add", help="add the root's runs (more seeds, same params) to the existing "
                                       "archive TO instead of replacing it")] = False,
+    accept: Annotated[str, typer.Option("--accept", help="with --add: the reason to add runs whose machine or "
+                                        "numeric code differs from the archived runs', or is not recorded "
+                                        "(refused without it; the report shows it)")] = "",
 ) -> None:
     """Copy the root's result files (stage logs, per-image eval tables, run.json, params.yaml, commands.txt,
     equal_wall.json, load_cost.json, the code snapshot's record) to TO, in the same layout: `report --results
@@ -257,7 +260,7 @@ def archive_command(
     from tpgrpo.errors import PipelineError
 
     try:
-        record = add_to_archive(results, to) if add else write_archive(results, to)
+        record = add_to_archive(results, to, accept) if add else write_archive(results, to)
     except PipelineError as exc:
         _fail(str(exc))
     typer.echo(f"{to}: {record['runs']} runs, {record['files']} files, {record['bytes'] / 1e6:.2f} MB")

@@ -310,6 +310,21 @@ def draw_figures(tables: dict, runs: list[dict], fig_dir: Path, label: str) -> l
     return drawn
 
 
+def machine_lines(runs: list[dict]) -> list[str]:
+    """Which machines the runs trained on (``machine.json``: every attempt), or that they were not recorded."""
+    from tpgrpo.comparison.provenance import describe, read_machines
+
+    kinds: dict[str, int] = {}
+    for run in runs:
+        for desc in dict.fromkeys(describe(m) for m in read_machines(Path(run["folder"]))) or ["not recorded"]:
+            kinds[desc] = kinds.get(desc, 0) + 1
+    if list(kinds) == ["not recorded"]:
+        return ["Machines: not recorded (these runs predate `machine.json`).", ""]
+    return ["Machines: " + "; ".join(f"{k} ({n} runs)" for k, n in kinds.items())
+            + (" -- more than one: pairs across them are flagged *not comparable*."
+               if len([k for k in kinds if k != "not recorded"]) > 1 else "."), ""]
+
+
 def section(out: Path, fig_dir: Path, md_dir: Path, n_boot: int = N_BOOT) -> list[str]:
     """The Markdown section of one comparison root (and its figures)."""
     import os
@@ -330,7 +345,8 @@ def section(out: Path, fig_dir: Path, md_dir: Path, n_boot: int = N_BOOT) -> lis
         lines += [f"Read from an archive of `{a['source']}` made {a['time']} (`tpgrpo compare archive`: the "
                   f"runs' result files only, {a['runs']} runs, {a['bytes'] / 1e6:.2f} MB)."]
         lines += [f"Added to it: {x['runs']} runs of `{x['source']}` made {x['time']} (`tpgrpo compare archive --add`, "
-                  f"{x['bytes'] / 1e6:.2f} MB)." for x in a.get("added", [])]
+                  f"{x['bytes'] / 1e6:.2f} MB)." + (f" Accepted despite another machine or code: {x['accepted']}"
+                                                   if x.get("accepted") else "") for x in a.get("added", [])]
         lines += [""]
     if commands:
         lines += ["Built by:", "", "```", *commands, "```", ""]
@@ -343,6 +359,7 @@ def section(out: Path, fig_dir: Path, md_dir: Path, n_boot: int = N_BOOT) -> lis
             lines += [f"Code{whose}: commit `{snapshot.get('commit', '?')[:12]}`"
                       + (f" with {changed} changed files" if changed else "")
                       + f", snapshot taken {snapshot.get('time', '?')}.", ""]
+    lines += machine_lines(runs)
     for w in equal_wall_records(out):
         lines += [f"Equal wall clock: {w['reference']} took {w['reference_s_per_iter']} s per iteration, {w['target']} "
                   f"{w['target_s_per_iter']} s (ratio {w['ratio']}), so {w['target']} ran {w['iterations']} iterations "

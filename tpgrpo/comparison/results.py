@@ -25,6 +25,7 @@ import pandas as pd
 
 from tpgrpo.comparison.stats import (PAIR_KEYS, paired_bootstrap, read_eval_table, seed_prompt_bootstrap,
                                      seed_prompt_t_interval, verdict)  # noqa: F401 - verdict: also imported from here
+from tpgrpo.comparison.provenance import mismatch
 from tpgrpo.comparison.runs import TRAIN_STAGES, stage_seconds
 from tpgrpo.errors import PipelineError
 
@@ -32,6 +33,7 @@ RESULTS = "results"  # OUT/results/: curves, tp_rates, pairs, claims (CSV and Pa
 SCORES = {"reward": "eval_reward", "strict": "eval_strict"}
 LEVEL, N_BOOT = 0.95, 10_000
 WALL_KINDS = ("equal_wall", "equal_wall_net")
+NOT_COMPARABLE = "not comparable"  # a pair's note starts with it where its runs differ in machine or numeric code
 MIN_PROMPTS = 20  # fewer held-out prompts than this: a bootstrap over prompts says little (noted in the claims)
 
 
@@ -243,7 +245,12 @@ def compare_pair(pair: Pair, runs: dict, curves: pd.DataFrame, n_boot: int = N_B
     a, b, seeds = sides
     diff = paired_difference([x[:2] for x in a], [x[:2] for x in b], n_boot=n_boot)
     per_seed = diff.pop("per_seed_reward_diff")
+    status, why = mismatch([Path(x[0]) for x in (*a, *b)])
     return {**row, "seeds": _fmt(seeds) if len(seeds) == 1 else ",".join(map(str, seeds)),
             "iteration_a": _fmt([x[1] for x in a]), "iteration_b": _fmt([x[1] for x in b]),
             "seconds_a": float(np.mean([x[2] for x in a])), "seconds_b": float(np.mean([x[2] for x in b])),
-            **diff, "per_seed_reward_diff": ", ".join(f"{d:+.4f}" for d in per_seed), "note": ""}
+            **diff, "per_seed_reward_diff": ", ".join(f"{d:+.4f}" for d in per_seed),
+            # runs on other machines or other numeric code differ by as much as the verdicts decide: flagged,
+            # and a claim on such a pair gets no verdict (tpgrpo.comparison.claims); unrecorded runs (older
+            # than the records) are not flagged: nothing is known either way
+            "note": f"{NOT_COMPARABLE}: {why}" if status == "differ" else ""}

@@ -246,8 +246,8 @@ def run_env(folder: Path, threads: int) -> dict[str, str]:
 
 def run_one(spec: RunSpec, threads: int) -> tuple[int, float]:
     """``tpgrpo run`` in the run folder, output appended to its run.log and the machine to its machine.json
-    (:mod:`tpgrpo.comparison.machine`); returns (exit code, seconds)."""
-    from tpgrpo.comparison.machine import append_machine, machine_record
+    (:mod:`tpgrpo.comparison.provenance`); returns (exit code, seconds)."""
+    from tpgrpo.comparison.provenance import append_machine, machine_record
 
     start = time.time()
     append_machine(spec.folder, machine_record(threads))  # before it trains: a killed attempt counts too

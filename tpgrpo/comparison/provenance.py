@@ -1,4 +1,4 @@
-"""Which machine a comparison run trained on, recorded per attempt, and whether two runs may be paired.
+"""Which machine and which code a comparison run trained with, and whether two runs may be paired.
 
 The same training seed gave held-out 0.43 on one CPU and 0.46 on another: CPUs with other vector units
 (AVX-512, AMX, bf16) round the same float maths differently, and a few dozen policy steps amplify it to the size
@@ -7,6 +7,12 @@ machine it ran on to the run folder's ``machine.json``; a run resumed on another
 pairs with nothing. The machine is the CPU model, the CPU flags that change float results (vector width, fused
 multiply-add, bf16 and AMX units), the torch version and the thread count: a change of any of them can change
 the numbers, a change of anything else (host name, memory, load) cannot.
+
+The code is the run's own record of it: the code manifests ``data/code/<kind>.json`` that every project keeps
+(:mod:`tpgrpo.pipeline.code_manifest`: the md5 of every file that computes a stage kind's artifacts, and the
+library versions). Two runs whose manifests of the kinds that compute numbers differ ran code that may compute
+other numbers; an edit to the command line, the orchestration or the docs is in no manifest, so a commit
+that only touches those pairs fine.
 """
 
 from __future__ import annotations
@@ -18,6 +24,8 @@ import time
 from pathlib import Path
 
 MACHINE_FILE = "machine.json"
+# The stage kinds whose code computes a run's numbers (not eval_prompts / summary: they copy and collect).
+NUMERIC_KINDS = ("rollout", "probe", "credit", "update", "eval")
 # CPU flags that select another kernel in torch's CPU backend (oneDNN / ATen vectorised code): the flags that can
 # change a float result. Others (virtualisation, security mitigations) cannot.
 NUMERIC_FLAGS = ("avx", "avx2", "fma", "f16c", "avx512f", "avx512bw", "avx512vl", "avx512_vnni", "avx512_bf16",
@@ -86,17 +94,49 @@ def run_machine(folder: Path) -> tuple[tuple | None, str]:
     return identity(records[0]), ""
 
 
-def machine_mismatch(folders: list[Path]) -> str:
-    """Why the runs in ``folders`` cannot be compared with each other on numbers ("" if they can): a run
-    without a record, a run resumed on another machine, or two runs on different machines."""
-    seen: dict[tuple, Path] = {}
+def code_record(folder: Path) -> dict | None:
+    """``{kind: {"files": {path: md5}, "libraries": {...}}}`` of the run's numeric kinds, None without manifests."""
+    out = {}
+    for kind in NUMERIC_KINDS:
+        path = Path(folder) / "data" / "code" / f"{kind}.json"
+        if not path.is_file():
+            return None
+        record = json.loads(path.read_text())
+        out[kind] = {"files": record.get("files", {}), "libraries": record.get("libraries", {})}
+    return out
+
+
+def code_difference(a: dict, b: dict) -> list[str]:
+    """The files and libraries two code records disagree on (sorted, deduplicated across kinds)."""
+    differ = set()
+    for kind in NUMERIC_KINDS:
+        for part in ("files", "libraries"):
+            x, y = a[kind][part], b[kind][part]
+            differ |= {k for k in set(x) | set(y) if x.get(k) != y.get(k)}
+    return sorted(differ)
+
+
+def mismatch(folders: list[Path]) -> tuple[str, str]:
+    """Whether the runs in ``folders`` may be compared on numbers: ``("", "")`` if they may; ``("unknown",
+    why)`` where a run has no machine or code record (trained before they were kept); ``("differ", why)`` where
+    a run was resumed on another machine or two runs differ in machine or in code that computes numbers."""
+    machines: dict[tuple, Path] = {}
     for folder in folders:
         ident, why = run_machine(folder)
-        if why:
-            return why
-        seen.setdefault(ident, folder)
-    if len(seen) > 1:
-        (a_id, a), (b_id, b) = list(seen.items())[:2]
-        return (f"{a} and {b} trained on different machines ({describe(read_machines(a)[0])} vs "
-                f"{describe(read_machines(b)[0])})")
-    return ""
+        if ident is None:
+            return ("unknown" if not read_machines(folder) else "differ"), why
+        machines.setdefault(ident, folder)
+    if len(machines) > 1:
+        (_, a), (_, b) = list(machines.items())[:2]
+        return "differ", (f"{a} and {b} trained on different machines ({describe(read_machines(a)[0])} vs "
+                          f"{describe(read_machines(b)[0])})")
+    codes = [(folder, code_record(folder)) for folder in folders]
+    missing = [f for f, c in codes if c is None]
+    if missing:
+        return "unknown", f"{missing[0]}: no code manifests (data/code/*.json)"
+    for folder, code in codes[1:]:
+        differ = code_difference(codes[0][1], code)
+        if differ:
+            return "differ", (f"{codes[0][0]} and {folder} ran different code that computes numbers "
+                              f"({', '.join(differ[:4])}{', ...' if len(differ) > 4 else ''})")
+    return "", ""

@@ -1,0 +1,179 @@
+"""Machine and code provenance of comparison runs, and the tree arms of a comparison.
+
+The same training seed gave held-out 0.43 on one CPU and 0.46 on another: pairs across machines, or across code
+that computes numbers differently, are flagged in the report (no verdict) and refused by ``archive --add``
+unless a reason is given. Run folders are built by hand (tests/test_comparison.py's fakes).
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+from test_comparison import FAKE_CODE, FAKE_MACHINE, fake_run, make_comparison, noisy, write_provenance
+
+from tpgrpo.comparison import runs as cmp
+from tpgrpo.comparison.archive import add_to_archive, write_archive
+from tpgrpo.comparison.claims import collect
+from tpgrpo.comparison.provenance import (MACHINE_FILE, machine_record, mismatch, read_machines)
+from tpgrpo.comparison.report import write_report
+from tpgrpo.errors import PipelineError
+
+OTHER_MACHINE = {**FAKE_MACHINE, "cpu_id": "Vendor/6/2/1", "numeric_flags": ["amx_bf16", "avx2", "avx512f", "fma"]}
+CPUINFO = """processor\t: 0
+vendor_id\t: AuthenticAMD
+cpu family\t: 25
+model\t\t: 17
+model name\t: AMD EPYC
+stepping\t: 1
+flags\t\t: fpu vme avx avx2 fma avx512f avx512_bf16 hypervisor ssbd
+processor\t: 1
+model name\t: something else
+"""
+
+
+def test_machine_record_reads_the_cpu_and_only_the_flags_that_change_float_results(tmp_path):
+    (tmp_path / "cpuinfo").write_text(CPUINFO)
+    record = machine_record(3, tmp_path / "cpuinfo")
+    assert record["cpu_model"] == "AMD EPYC" and record["cpu_id"] == "AuthenticAMD/25/17/1"
+    assert record["numeric_flags"] == ["avx", "avx2", "avx512_bf16", "avx512f", "fma"]  # not hypervisor, ssbd
+    assert record["threads"] == 3 and record["torch"]
+
+
+def folder_with(tmp_path: Path, name: str, machines, code) -> Path:
+    folder = tmp_path / name
+    (folder / "data").mkdir(parents=True)
+    write_provenance(folder, machines, code)
+    return folder
+
+
+@pytest.mark.parametrize("machines_b, code_b, status, words", [
+    ([FAKE_MACHINE], FAKE_CODE, "", ""),
+    ([{**FAKE_MACHINE, "time": "later"}], FAKE_CODE, "", ""),  # another attempt's time is not the machine
+    ([OTHER_MACHINE], FAKE_CODE, "differ", "different machines"),
+    ([FAKE_MACHINE, OTHER_MACHINE], FAKE_CODE, "differ", "resumed on another machine"),
+    ([{**FAKE_MACHINE, "threads": 2}], FAKE_CODE, "differ", "different machines"),
+    ([FAKE_MACHINE], {**FAKE_CODE, "files": {**FAKE_CODE["files"], "stages/probe.py": "f" * 32}}, "differ",
+     "different code that computes numbers (stages/probe.py)"),
+    ([FAKE_MACHINE], {**FAKE_CODE, "libraries": {"torch": "2.14.0"}}, "differ", "(torch)"),
+    (None, FAKE_CODE, "unknown", "no machine.json"),
+    ([FAKE_MACHINE], None, "unknown", "no code manifests"),
+])
+def test_mismatch_names_what_differs(tmp_path, machines_b, code_b, status, words):
+    a = folder_with(tmp_path, "a", [FAKE_MACHINE], FAKE_CODE)
+    b = folder_with(tmp_path, "b", machines_b, code_b)
+    got, why = mismatch([a, b])
+    assert got == status and words in why
+
+
+def test_every_attempt_appends_its_machine_even_a_failed_one(tmp_path):
+    """The launcher records the machine before ``tpgrpo run`` starts: a run that fails (here: no params.yaml)
+    or is killed still has its attempt recorded, so a resume elsewhere is seen."""
+    from tpgrpo.comparison.variants import RunSpec, Variant
+
+    folder = tmp_path / "flow_grpo" / "seed0"
+    folder.mkdir(parents=True)
+    spec = RunSpec(Variant("flow_grpo", "flow_grpo"), 0, folder)
+    for attempt in (1, 2):
+        code, _ = cmp.run_one(spec, threads=1)
+        assert code != 0 and len(read_machines(folder)) == attempt
+    assert mismatch([folder])[0] == "unknown"  # one machine, but no code manifests: nothing ran
+
+
+def two_machine_comparison(out: Path) -> None:
+    """tp seed 1 trained on another machine than everything else."""
+    make_comparison(out)
+    (out / "tp" / "seed1" / MACHINE_FILE).write_text(json.dumps([OTHER_MACHINE]))
+
+
+def test_the_report_flags_pairs_across_machines_and_gives_them_no_verdict(tmp_path):
+    two_machine_comparison(tmp_path / "cmp")
+    tables = collect(tmp_path / "cmp", n_boot=50)
+    pairs = tables["pairs"].set_index(["a", "b", "kind"])
+    assert pairs.loc[("tp", "flow_grpo", "iteration"), "note"].startswith("not comparable: ")
+    assert pairs.loc[("incremental", "flow_grpo", "iteration"), "note"] == ""  # seed 0 only: one machine
+    claim = tables["claims"].set_index("a").loc["tp"].iloc[0]
+    assert claim["verdict"] == "not comparable"
+    text = write_report([tmp_path / "cmp"], tmp_path / "report.md", n_boot=50).read_text()
+    assert "more than one: pairs across them are flagged" in text and "Vendor/6/2/1" in text
+
+
+def test_archive_add_refuses_another_machine_or_code_unless_a_reason_is_given(tmp_path):
+    first, dest = tmp_path / "cmp", tmp_path / "archive"
+    make_comparison(first)
+    write_archive(first, dest)
+    assert (dest / "tp" / "seed0" / MACHINE_FILE).is_file() and (dest / "tp" / "seed0" / "data/code/probe.json").is_file()
+    base = noisy(0.3, 0)
+    elsewhere = tmp_path / "elsewhere"
+    fake_run(elsewhere, "tp", "tp", 2, {0: base, 2: noisy(0.5, 40), 4: noisy(0.7, 41)}, 4, machines=[OTHER_MACHINE])
+    with pytest.raises(PipelineError, match="different machines.*--accept"):
+        add_to_archive(elsewhere, dest)
+    changed = tmp_path / "changed"
+    fake_run(changed, "tp", "tp", 3, {0: base, 2: noisy(0.5, 42), 4: noisy(0.7, 43)}, 4,
+             code={**FAKE_CODE, "files": {**FAKE_CODE["files"], "tpgrpo/algo/credit.py": "e" * 32}})
+    with pytest.raises(PipelineError, match="tpgrpo/algo/credit.py"):
+        add_to_archive(changed, dest)
+    unrecorded = tmp_path / "unrecorded"
+    fake_run(unrecorded, "tp", "tp", 4, {0: base, 2: noisy(0.5, 44), 4: noisy(0.7, 45)}, 4, machines=None)
+    with pytest.raises(PipelineError, match="cannot check the machine"):
+        add_to_archive(unrecorded, dest)
+    assert {r["seed"] for r in cmp.discover(dest) if r["variant"] == "tp"} == {0, 1}  # nothing was added
+    same = tmp_path / "same"
+    fake_run(same, "tp", "tp", 5, {0: base, 2: noisy(0.5, 46), 4: noisy(0.7, 47)}, 4)
+    assert add_to_archive(same, dest)["runs"] == 1
+    added = add_to_archive(elsewhere, dest, accept="checked: seed 0 gives the same credit table on both CPUs")
+    assert added["accepted"].startswith("checked")
+    text = write_report([dest], tmp_path / "report.md", n_boot=50).read_text()
+    assert "Accepted despite another machine or code: checked" in text
+
+
+def tree_comparison(out: Path) -> None:
+    """flow_grpo at 1.2 s/iteration (no probe) beaten at equal wall clock by tree-tp at 0.6 s/iteration (its
+    probe is model-free but timed), extended to 8."""
+    base = noisy(0.3, 0)
+    for s in (0, 1):
+        fake_run(out, "flow_grpo", "flow_grpo", s, {0: base, 2: noisy(0.45, s + 3), 4: noisy(0.5, s + 4)}, 4,
+                 scale=0.4)
+        fake_run(out, "tree-tp", "tp", s, {0: base, 2: noisy(0.45, s + 20), 4: noisy(0.5, s + 21),
+                                           6: noisy(0.65, s + 22), 8: noisy(0.7, s + 23)}, 4, planned=8,
+                 scale=0.12, overrides={"tree.enabled": True})
+        fake_run(out, "tree-incremental", "incremental", s, {0: base, 2: noisy(0.4, s + 30), 4: noisy(0.45, s + 31)},
+                 4, scale=0.12, overrides={"tree.enabled": True})
+
+
+def test_a_tree_arm_extended_at_equal_wall_clock_is_paired_the_right_way_round(tmp_path):
+    """The equal-wall pass gave tree-tp (the cheaper arm) the extra iterations: the pair is flow_grpo - tree-tp
+    with tree-tp at the iteration flow_grpo's 4 iterations of seconds buy (8), and the claim "the tree beats
+    Flow-GRPO at equal wall clock" reads it turned round: +0.2, confirmed."""
+    tree_comparison(tmp_path / "cmp")
+    tables = collect(tmp_path / "cmp", n_boot=50)
+    pair = tables["pairs"].set_index(["a", "b", "kind"]).loc[("flow_grpo", "tree-tp", "equal_wall")]
+    assert (pair["iteration_a"], pair["iteration_b"]) == ("4", "8")
+    claims = tables["claims"].set_index("claim")
+    wall = claims.loc["TP-GRPO on trees beats Flow-GRPO at equal wall-clock time (the tree given the iterations its "
+                      "cheaper iteration buys)"]
+    assert wall["reward_diff"] == pytest.approx(-pair["reward_diff"]) and wall["reward_diff"] > 0.15
+    assert wall["verdict"] == "confirmed"
+    same = claims.loc["TP-GRPO on trees beats Flow-GRPO at the same iteration"]
+    assert abs(same["reward_diff"]) < 0.1
+    assert claims.loc["on trees, turning points beat incremental credit at the same iteration", "reward_diff"] > 0
+    assert claims.loc["TP-GRPO on trees beats TP-GRPO on chains at the same iteration", "verdict"] == "not run"
+    headline = tables["headline"].set_index("variant")
+    assert "tree-tp" in headline.index  # iterations to flow_grpo's best, as for every main arm
+
+
+def test_tree_modes_make_tree_arms_with_the_tree_switched_on(tmp_path):
+    from tpgrpo.comparison.cli import _variants
+    from tpgrpo.config import ConfigError
+
+    arms = {v.name: v for v in _variants("flow_grpo", "0,1", [], [], "", "", "", "", tree_modes="tp,incremental")}
+    assert list(arms) == ["flow_grpo", "tree-tp", "tree-incremental"]
+    assert arms["tree-tp"].overrides == {"tree.enabled": True} and arms["tree-tp"].mode == "tp"
+    assert "tree.enabled" not in arms["flow_grpo"].overrides
+    only = _variants("", "0", ["eval.every=3"], [], "", "", "", "", tree_modes="incremental")
+    assert [(v.name, v.overrides) for v in only] == [("tree-incremental", {"eval.every": 3, "tree.enabled": True})]
+    with pytest.raises(ConfigError, match="tree modes \\['tpx'\\]"):
+        _variants("", "0", [], [], "", "", "", "", tree_modes="tpx")
+    with pytest.raises(ConfigError, match="both empty"):
+        _variants("", "0", [], [], "", "", "", "", tree_modes="")
