@@ -21,7 +21,7 @@ from tpgrpo.distributed import current
 from tpgrpo.policy.loading import load_policy, prompt_embeddings, sampling_from_attrs
 from tpgrpo.stage_common import stopwatch
 from tpgrpo.policy.lora import LoraEMA
-from tpgrpo.policy.states import LazyStates
+from tpgrpo.policy.states import store_states
 from tpgrpo.io.schemas import CREDIT
 from tpgrpo.algo.seeds import sample_seed
 from tpgrpo.policy.checkpoint import load_training_state, save_policy
@@ -80,9 +80,10 @@ def run(cfg: Config, iteration: int, root: Path) -> dict:
     metrics: dict = {"iteration": iteration}
     dist = current()
     with stopwatch(metrics):
-        # x0_estimates, velocities: the probe's, never read here
-        arrays, attrs = read_trajectories(paths.trajectories, lazy=("x0_estimates", "velocities", "states"))
-        states = LazyStates(arrays["states"]).verify()  # all checked a file at a time; read per micro-batch
+        # x0_estimates, velocities: the probe's, never read here; a tree's edges read its node_states
+        arrays, attrs = read_trajectories(paths.trajectories,
+                                          lazy=("x0_estimates", "velocities", "states", "node_states"))
+        states = store_states(arrays, len(attrs["prompts"])).verify()  # checked a file at a time; read per micro-batch
         N, K1 = states.shape[:2]
         metas = attrs["prompts"]
         credit = read_table(  # rows must be this store's trajectories x window steps, in its prompt groups

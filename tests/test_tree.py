@@ -87,6 +87,28 @@ def test_structure(grown):
     assert len(set(tree.leaf.tolist())) == tree.leaves.shape[0]  # every leaf is some node's ODE leaf
 
 
+def test_each_state_is_one_node(grown):
+    """Each distinct state is kept once: siblings share their parent's node; splits 2 and 3 are adjacent, so a
+    depth-1 child IS the parent state of its depth-2 edges (the same node); splits 0 and 2 are not."""
+    tree, _, _ = grown
+    B, m1 = 2, SHAPE.children + 1
+    assert SHAPE.nodes_per_root() == (1 + 3) + (3 + 9) + (0 + 27)
+    assert tree.node_states.shape[0] == B * SHAPE.nodes_per_root() == tree.node_root.numel()
+    used = torch.cat([tree.parent_node, tree.child_node]).unique()
+    assert torch.equal(used, torch.arange(tree.node_states.shape[0]))  # every node is some edge's end
+    assert len(set(tree.child_node.tolist())) == tree.child_node.numel()  # a child state is its edge's own
+    assert torch.equal(tree.node_root[tree.parent_node], tree.root)
+    for e in range(tree.sde.numel()):
+        p = int(tree.parent_edge[e])
+        if p >= 0 and int(tree.depth[e]) == 2:
+            assert tree.parent_node[e] == tree.child_node[p]  # adjacent splits: one state, one node
+        elif p >= 0:
+            assert tree.parent_node[e] != tree.child_node[p]  # ODE steps in between: two states
+    assert (tree.parent_node.bincount(minlength=tree.node_states.shape[0])[tree.parent_node] == m1).all()
+    _, first = torch.unique(tree.node_states.flatten(1), dim=0, return_inverse=True)
+    assert first.unique().numel() == tree.node_states.shape[0]  # no two nodes hold the same latent
+
+
 def test_one_velocity_call_per_schedule_step_siblings_share_it(grown):
     tree, _, counting = grown
     assert tree.calls == T == len(counting.sizes)  # not one call per node

@@ -4,6 +4,7 @@ update, every credit mode, and the config's one-line errors."""
 from __future__ import annotations
 
 import json
+import shutil
 
 import numpy as np
 import pandas as pd
@@ -12,12 +13,14 @@ import torch
 import yaml
 
 from conftest import make_tiny_project
+from test_integrity import flip_bytes
 from test_pipeline_stages import iteration_dir, run_iteration, run_ok, stage
 from tpgrpo.config import ConfigError, config_from_dict
 
 TREE = {"enabled": True, "split_steps": "0,1", "children": 1, "roots": 2}  # the params' tree section
-# per root: edges 2 + 4 = 6 (3 SDE), leaves 4; 3 prompts x 2 roots
-EDGES, SDE_EDGES, LEAVES = 3 * 2 * 6, 3 * 2 * 3, 3 * 2 * 4
+# per root: edges 2 + 4 = 6 (3 SDE), leaves 4, nodes 1 + 2 + 4 = 7 (split 1 follows split 0: the depth-0
+# children are the depth-1 parents); 3 prompts x 2 roots
+EDGES, SDE_EDGES, LEAVES, NODES = 3 * 2 * 6, 3 * 2 * 3, 3 * 2 * 4, 3 * 2 * 7
 
 
 def _tree_project(tmp_path, model_dir, mode="tp"):
@@ -41,7 +44,10 @@ def test_rollout_writes_one_row_per_edge_and_counts_its_passes(tree_run):
 
     d = iteration_dir(tree_run, 1)
     store = zarr.open_group(str(d / "trajectories.zarr"), mode="r")
-    assert store["states"].shape == (EDGES, 2, 3, 32, 32) and store["log_probs"].shape == (EDGES, 1)
+    assert "states" not in store and store["log_probs"].shape == (EDGES, 1)
+    assert store["node_states"].shape == (NODES, 3, 32, 32)  # each state once: 42 where per edge were 72
+    parent, child = store["tree_parent_node"][:], store["tree_child_node"][:]
+    assert parent.max() < 14 and child.max() < 14 and len(set(child[:12])) == 12  # prompt-local, a child each
     assert store.attrs["shape"] == "tree" and store.attrs["group_size"] == 12
     sde = store["tree_sde"][:]
     assert int(sde.sum()) == SDE_EDGES and (store["log_probs"][:][~sde] == 0).all()
@@ -73,7 +79,8 @@ def test_probe_assembles_q_from_the_leaves_and_q_is_the_ode_completion(tree_run)
     backend = load_backend("tiny", tree_run / "data" / "base")
     rows = np.arange(12)
     embeds = backend.encode_prompts([heads["prompt"][0]]).select(torch.zeros(24, dtype=torch.long))
-    states = torch.from_numpy(store["states"][:12]).reshape(24, 3, 32, 32)  # (edge, parent/child) pairs
+    nodes = np.stack([store["tree_parent_node"][:12], store["tree_child_node"][:12]], 1).reshape(-1)
+    states = torch.from_numpy(store["node_states"][:14][nodes])  # (edge, parent/child) pairs, prompt 0's nodes
     k = _split_step(store, rows)
     steps = torch.from_numpy(np.stack([k, k + 1], 1).reshape(-1)).long()  # parent at step k, child at k + 1
     final, _ = ode_complete(backend, states, steps, flow_sigmas(4, cfg.sampling.shift), embeds,
@@ -86,6 +93,21 @@ def _split_step(store, rows):
     """Schedule step of each edge: its split index into the tree's split steps."""
     split = store.attrs["tree_split_steps"]
     return np.asarray(split)[store["tree_depth"][:][rows]]
+
+
+def test_the_update_reads_each_edge_pair_from_the_node_store(tree_run):
+    """NodeStates: edge e's (parent, child) states are its two node_states rows, each node read once."""
+    from tpgrpo.io.trajectories import read_trajectories
+    from tpgrpo.policy.states import NodeStates, store_states
+
+    arrays, attrs = read_trajectories(iteration_dir(tree_run, 1) / "trajectories.zarr", lazy=("node_states",))
+    states = store_states(arrays, len(attrs["prompts"])).verify()
+    assert isinstance(states, NodeStates) and states.shape == (EDGES, 2, 3, 32, 32)
+    nodes, base = arrays["node_states"][:], arrays["prompt_index"].astype(np.int64) * (NODES // 3)
+    x, x_next = states.pairs(torch.arange(EDGES), torch.zeros(EDGES, dtype=torch.long))
+    np.testing.assert_array_equal(x.numpy(), nodes[arrays["tree_parent_node"] + base])
+    np.testing.assert_array_equal(x_next.numpy(), nodes[arrays["tree_child_node"] + base])
+    assert states.peak_read_bytes == NODES * 3 * 32 * 32 * 4  # all 42 nodes, once each (72 edge states)
 
 
 def test_credit_is_the_tree_credit_of_the_probe_table_and_update_trains_sde_edges(tree_run):
@@ -125,6 +147,51 @@ def test_every_credit_mode_runs_on_a_tree(tree_run, mode):
     table = tree_credit_table(probe, mode, "group", False, 5.0)
     assert len(table) == EDGES and np.isfinite(table["advantage"]).all()
     assert (table["advantage"] != 0).any()
+
+
+def _set(store, name, index, value):
+    import zarr
+
+    zarr.open_array(str(store / name), mode="r+")[index] = value  # checksums recomputed: decodes fine
+
+
+def _old_layout(store):
+    """The layout before the node store: each edge's (parent, child) states in 'states', no node arrays."""
+    import zarr
+
+    for name in ("node_states", "tree_parent_node", "tree_child_node"):
+        shutil.rmtree(store / name)
+    zarr.open_group(str(store), mode="r+").create_array("states", data=np.zeros((EDGES, 2, 3, 32, 32), np.float32))
+
+
+NODE = "node_states/c/0/0/0/0"  # the one file of the 42 nodes (64 per file)
+TREE_DAMAGE = {  # damage to the node store -> (stage that reads it, words of its one-line error)
+    "flipped bytes in the node_states file": (lambda s: flip_bytes(s / NODE), "update",
+                                              ["array 'node_states' is damaged", "fails its checksum"]),
+    "the node_states file deleted": (lambda s: (s / NODE).unlink(), "probe",
+                                     ["array 'node_states' has 0 of its 1 chunk files"]),
+    "node_states deleted": (lambda s: shutil.rmtree(s / "node_states"), "update", ["missing array 'node_states'"]),
+    "a child node out of range": (lambda s: _set(s, "tree_child_node", 5, 14), "update",
+                                  ["array 'tree_child_node' has values", "..14; expected 0..13"]),
+    "a parent node below 0": (lambda s: _set(s, "tree_parent_node", 7, -1), "probe",
+                              ["array 'tree_parent_node' has values -1..", "expected 0..13"]),
+    "a store of the old layout": (_old_layout, "probe", ["tree store of the old layout", "re-run the rollout"]),
+    "NaN in node_states": (lambda s: _set(s, "node_states", (5, 0, 3, 3), np.nan), "update",
+                           ["array 'node_states' has 1 non-finite values (first at [5, 0, 3, 3]"]),
+}
+
+
+@pytest.mark.parametrize("case", list(TREE_DAMAGE))
+def test_a_damaged_node_store_is_one_line_naming_the_store_and_array(tree_run, tmp_path, case):
+    damage, name, words = TREE_DAMAGE[case]
+    root = shutil.copytree(tree_run, tmp_path / "project")
+    damage(iteration_dir(root, 1) / "trajectories.zarr")
+    result = stage(root, name, 1)
+    lines = [line for line in result.output.splitlines() if line.strip() and "it/s]" not in line]
+    assert result.exit_code == 2 and lines[-1].startswith("error: "), result.output
+    assert "Traceback" not in result.output and "trajectories.zarr (iteration 1)" in lines[-1], lines[-1]
+    for word in words:
+        assert word in lines[-1], lines[-1]
 
 
 def test_tree_params_errors_are_one_line():

@@ -7,9 +7,11 @@ its log-prob); every other step is a deterministic ODE step. Following ODE child
 reaches a leaf, and that leaf's reward IS the node's exact ``Q = R(ODE-complete(node))``: no probe pass, no
 extra decode.
 
-Edges are the unit of storage and training. An edge of depth j (the j-th split step, ``k = split_steps[j]``)
-goes from its parent state (at sigma ``s_k``, the lineage's latent just before step k) to its child state (at
-``s_{k+1}``, just after it). Leaves are the latents at sigma 0, one per lineage alive at the end.
+Edges are the unit of training. An edge of depth j (the j-th split step, ``k = split_steps[j]``) goes from its
+parent state (at sigma ``s_k``, the lineage's latent just before step k) to its child state (at ``s_{k+1}``,
+just after it). Each distinct state is kept once, as a *node* (``node_states``): a parent's state serves its
+m + 1 edges, and a child that splits again at the very next step is that split's parent state too; an edge
+holds its parent and child node indices. Leaves are the latents at sigma 0, one per lineage alive at the end.
 
 Batching: at every schedule step ONE velocity call serves every lineage alive at that step, across all roots
 and prompts (siblings share their parent's pass at a split; ``batch_size`` may cut the call into chunks for
@@ -34,10 +36,13 @@ from tpgrpo.algo.tree_shape import TreeShape, parse_split_steps  # noqa: F401 - 
 @dataclass(frozen=True)
 class TreeRollout:
     """A batch of trees, E edges, root-major (a root's edges contiguous, in creation order: by depth, then
-    parent, then child with the ODE child first); F leaves, root-major.
+    parent, then child with the ODE child first); V nodes (distinct states) and F leaves, root-major.
 
     Fields:
-        parent_states / child_states: ``(E, C, H, W)`` float32, the latent before / after the edge's step.
+        node_states: ``(V, C, H, W)`` float32, each distinct state once (in creation order within a root: per
+            split, the lineages' states before it when not already kept, then their children).
+        parent_node / child_node: ``(E,)`` int64, the rows of ``node_states`` before / after the edge's step
+            (``parent_states`` / ``child_states``: those rows); node_root: ``(V,)`` int64.
         log_probs: ``(E,)`` float32, the SDE edge's old log-prob (sampler's convention); 0 on ODE edges.
         sigmas: ``(E, 2)`` float32, ``(s_k, s_{k+1})`` of the edge's schedule step k.
         steps: ``(E,)`` int64, the schedule step k; depth: ``(E,)`` int64, the split index j (0..L-1).
@@ -51,8 +56,10 @@ class TreeRollout:
         calls / passes: velocity calls made / rows through them (not counting CFG's doubling).
     """
 
-    parent_states: torch.Tensor
-    child_states: torch.Tensor
+    node_states: torch.Tensor
+    parent_node: torch.Tensor
+    child_node: torch.Tensor
+    node_root: torch.Tensor
     log_probs: torch.Tensor
     sigmas: torch.Tensor
     steps: torch.Tensor
@@ -67,6 +74,16 @@ class TreeRollout:
     root_leaf: torch.Tensor
     calls: int
     passes: int
+
+    @property
+    def parent_states(self) -> torch.Tensor:
+        """``(E, C, H, W)``: the latent before each edge's step (a copy per edge, for tests and inspection)."""
+        return self.node_states[self.parent_node.to(self.node_states.device)]
+
+    @property
+    def child_states(self) -> torch.Tensor:
+        """``(E, C, H, W)``: the latent after each edge's step."""
+        return self.node_states[self.child_node.to(self.node_states.device)]
 
 
 def edge_noise_seed(root_seed: int, depth: int, node: int, child: int) -> int:
@@ -121,20 +138,25 @@ def tree_rollout(backend, embeds, seeds: Sequence[int], spec: SamplerSpec, shape
     position = [0] * B  # each lineage's node index among its root's nodes at the current depth
     owners: list[list[int]] = [[-1 - b] for b in range(B)]  # edges (or -1 - root) whose ODE path this lineage is
     edges: list[dict] = []
+    nodes: list[tuple[torch.Tensor, torch.Tensor]] = []  # (states, their roots) per block of new nodes
+    x_node = None  # node of each row of x; None once an ODE step made new states
     calls = passes = 0
     for step in range(spec.num_steps):
         s, s_next = float(sigmas[step]), float(sigmas[step + 1])
         v, n = _velocity(backend, x, s, embeds.select(lineage_root), spec.guidance_scale, batch_size)
         calls, passes = calls + n, passes + x.shape[0]
         if step not in shape.split_steps:
-            x = ode_step(x, v, s, s_next)
+            x, x_node = ode_step(x, v, s, s_next), None
             continue
+        if x_node is None:  # the lineages' states before this split are new nodes
+            x_node = _new_nodes(nodes, x, lineage_root)
         depth = shape.split_steps.index(step)
         noise = _noise([int(seeds[r]) for r in lineage_root], position, depth, m, tuple(x.shape[1:]))
         children, log_probs = split(x, v, s, s_next, spec, m, noise)
         first = sum(len(e["sde"]) for e in edges)
         parent_edge = [max(o[-1], -1) for o in owners]  # the edge into each lineage's current node
-        edges.append({"parent": x.repeat_interleave(m + 1, 0), "child": children, "log_probs": log_probs,
+        child_node = _new_nodes(nodes, children, lineage_root.repeat_interleave(m + 1))
+        edges.append({"parent": x_node.repeat_interleave(m + 1), "child": child_node, "log_probs": log_probs,
                       "step": step, "depth": depth, "sde": [j > 0 for _ in range(x.shape[0]) for j in range(m + 1)],
                       "parent_edge": [p for p in parent_edge for _ in range(m + 1)],
                       "root": lineage_root.repeat_interleave(m + 1).tolist()})
@@ -142,11 +164,29 @@ def tree_rollout(backend, embeds, seeds: Sequence[int], spec: SamplerSpec, shape
                   for a, o in enumerate(owners) for j in range(m + 1)]
         position = [p * (m + 1) + j for p in position for j in range(m + 1)]
         lineage_root = lineage_root.repeat_interleave(m + 1)
-        x = children
-    return _assemble(edges, owners, x, lineage_root, sigmas, B, calls, passes)
+        x, x_node = children, child_node
+    return _assemble(edges, nodes, owners, x, lineage_root, sigmas, B, calls, passes)
 
 
-def _assemble(edges, owners, leaves, leaf_root, sigmas, B: int, calls: int, passes: int) -> TreeRollout:
+def _new_nodes(nodes: list, states: torch.Tensor, roots: torch.Tensor) -> torch.Tensor:
+    """Append ``states`` (A rows, of roots ``roots``) to ``nodes``; returns their (A,) node indices."""
+    first = sum(block.shape[0] for block, _ in nodes)
+    nodes.append((states, roots))
+    return torch.arange(first, first + states.shape[0])
+
+
+def _sort_nodes(nodes: list, parent: torch.Tensor, child: torch.Tensor):
+    """Node states root-major (creation order within a root), their roots, and ``parent`` / ``child`` node
+    indices renumbered to match."""
+    states = torch.cat([block for block, _ in nodes])
+    roots = torch.cat([r for _, r in nodes])
+    order = torch.sort(roots, stable=True).indices
+    rank = torch.empty_like(order)
+    rank[order] = torch.arange(order.numel())
+    return states[order.to(states.device)], roots[order], rank[parent], rank[child]
+
+
+def _assemble(edges, nodes, owners, leaves, leaf_root, sigmas, B: int, calls: int, passes: int) -> TreeRollout:
     """Concatenate the per-depth edge records, resolve each edge's leaves, and sort root-major."""
     E = sum(len(e["sde"]) for e in edges)
     leaf, root_leaf = torch.empty(E, dtype=torch.int64), torch.empty(B, dtype=torch.int64)
@@ -169,9 +209,10 @@ def _assemble(edges, owners, leaves, leaf_root, sigmas, B: int, calls: int, pass
     leaf_rank[leaf_order] = torch.arange(leaf_order.numel())
     pe = parent_edge[order]
     dev = leaves.device
+    node_states, node_root, parent_node, child_node = _sort_nodes(
+        nodes, torch.cat([e["parent"] for e in edges])[order], torch.cat([e["child"] for e in edges])[order])
     return TreeRollout(
-        parent_states=torch.cat([e["parent"] for e in edges])[order.to(dev)],
-        child_states=torch.cat([e["child"] for e in edges])[order.to(dev)],
+        node_states=node_states, parent_node=parent_node, child_node=child_node, node_root=node_root,
         log_probs=torch.cat([e["log_probs"] for e in edges])[order.to(dev)],
         sigmas=torch.stack([sigmas[steps], sigmas[steps + 1]], 1)[order].float(), steps=steps[order],
         depth=torch.tensor([e["depth"] for e in edges for _ in e["sde"]], dtype=torch.int64)[order],

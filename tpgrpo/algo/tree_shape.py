@@ -45,6 +45,13 @@ class TreeShape:
         """ODE and SDE edges per root: (m+1) * sum_{j<L} (m+1)^j."""
         return sum((self.children + 1) ** (j + 1) for j in range(self.depth))
 
+    def nodes_per_root(self) -> int:
+        """Distinct states a tree store keeps per root (``node_states``): at split j, the (m+1)^j lineages'
+        states before the step (unless split j - 1 is the step just before: they are its children, already
+        kept) and their (m+1)^(j+1) children after it."""
+        s, m1 = self.split_steps, self.children + 1
+        return sum(m1 ** (j + 1) + (0 if j and s[j] == s[j - 1] + 1 else m1 ** j) for j in range(self.depth))
+
     def sde_edges_per_root(self) -> int:
         """Trained transitions per root: m * sum_{j<L} (m+1)^j."""
         return self.children * sum((self.children + 1) ** j for j in range(self.depth))

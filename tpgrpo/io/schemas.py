@@ -235,11 +235,20 @@ TRAJECTORY_ARRAYS = (
               optional=True),
     ArraySpec("tree_parent_leaf", ("trajectory",), "int32", "leaf the parent reaches by ODE children",
               optional=True),
+    # a tree keeps each distinct state once (no 'states'): an edge's two states are rows of node_states
+    ArraySpec("node_states", ("node", "channel", "height", "width"), "float32",
+              "latent of each tree node, once (prompt-major, node_states rows / prompts per prompt)", optional=True,
+              finite=True, bound=LATENT_BOUND),
+    ArraySpec("tree_parent_node", ("trajectory",), "int32", "node (within the prompt) of the state before the "
+              "edge's step", optional=True),
+    ArraySpec("tree_child_node", ("trajectory",), "int32", "node (within the prompt) of the state after it",
+              optional=True),
 )
 # Attribute the rollout sets True when it stored ``velocities``: the probe then refuses a store that lacks
 # them (deleted) instead of recomputing, which it does for stores written before the array existed.
 VELOCITIES_KEPT_ATTR = "velocities_kept"
 TREE_ARRAYS = tuple(spec.name for spec in TRAJECTORY_ARRAYS if spec.name.startswith("tree_"))
+TREE_NODE_ARRAYS = ("node_states", "tree_parent_node", "tree_child_node")  # required in a tree store
 TRAJECTORY_ATTRS = ("prompts", "schedule_sigmas", "group_size", "num_steps", "shift", "window_start",
                     "window_size", "step_kind", "noise_level", "guidance_scale", "reward")
 
@@ -252,10 +261,14 @@ def check_trajectories(arrays: dict, attrs: dict, source: str, loaded: bool = Tr
     for key in TRAJECTORY_ATTRS:
         if key not in attrs:
             _fail(source, f"missing attribute '{key}' (written by the rollout stage)")
+    tree = attrs.get("shape") == "tree"
+    if tree and "states" in arrays:
+        _fail(source, "a tree store of the old layout (one parent and one child state per edge in 'states', no "
+                      "'node_states'): re-run the rollout (`tpgrpo stage rollout`) to write the node layout")
     sizes: dict[str, tuple[int, str]] = {}
     for spec in TRAJECTORY_ARRAYS:
         if spec.name not in arrays:
-            if spec.optional:
+            if not _required(spec, tree):
                 continue
             _fail(source, f"missing array '{spec.name}' ({spec.meaning})")
         arr = arrays[spec.name]
@@ -268,6 +281,13 @@ def check_trajectories(arrays: dict, attrs: dict, source: str, loaded: bool = Tr
         if loaded is True or spec.name in loaded:
             check_array_values(spec, arr, source)
     _check_trajectory_structure(arrays, attrs, sizes, source)
+
+
+def _required(spec: ArraySpec, tree: bool) -> bool:
+    """Whether a store must hold ``spec``'s array: a chain its ``states``, a tree its node arrays instead."""
+    if spec.name == "states":
+        return not tree
+    return (spec.name in TREE_NODE_ARRAYS and tree) or not spec.optional
 
 
 def check_array_values(spec: ArraySpec, values, source: str, row_offset: int = 0) -> None:
@@ -304,7 +324,13 @@ def _check_trajectory_structure(arrays: dict, attrs: dict, sizes: dict, source: 
     n, groups, g = sizes["trajectory"][0], len(attrs["prompts"]), int(attrs["group_size"])
     if n != groups * g:
         _fail(source, f"holds {n} trajectories; {groups} prompts x group_size {g} expected")
-    for name, bound in (("prompt_index", groups), ("sample", g)):
+    bounds = [("prompt_index", groups), ("sample", g)]
+    if "node_states" in arrays:  # a tree: node indices are within the prompt's node_states rows
+        nodes = sizes["node"][0]
+        if nodes % groups:
+            _fail(source, f"array 'node_states' has {nodes} nodes; expected a multiple of the {groups} prompts")
+        bounds += [(name, nodes // groups) for name in ("tree_parent_node", "tree_child_node")]
+    for name, bound in bounds:
         values = np.asarray(arrays[name])
         if values.size and (values.min() < 0 or values.max() >= bound):
             _fail(source, f"array '{name}' has values {values.min()}..{values.max()}; expected 0..{bound - 1}")

@@ -3,7 +3,8 @@
 Every array is stored one file per 64 trajectories with a crc32c per chunk (a flipped byte fails to decode, it
 does not decode to finite nonsense); ``states`` keep each (trajectory, state) compressed and checksummed on its
 own inside its file (a zarr shard), so the update reads only the states a micro-batch uses
-(:mod:`tpgrpo.policy.states`). Reads check values against :data:`tpgrpo.io.schemas.TRAJECTORY_ARRAYS`.
+(:mod:`tpgrpo.policy.states`), and a tree's ``node_states`` each node likewise. Reads check values against
+:data:`tpgrpo.io.schemas.TRAJECTORY_ARRAYS`.
 """
 
 from __future__ import annotations
@@ -13,6 +14,10 @@ from pathlib import Path
 
 from tpgrpo.io.artifacts import atomic_path, first_line, require
 from tpgrpo.io.schemas import TRAJECTORY_ARRAYS, ArtifactError, check_array_values, check_trajectories, conform_arrays
+
+
+# arrays stored as shards of single states: name -> leading index dims ((trajectory, state) or (node,))
+SHARDED = {"states": 2, "node_states": 1}
 
 
 def _chunk_codecs() -> list:
@@ -37,8 +42,10 @@ def write_zarr(path: Path, arrays: dict, attrs: dict) -> None:
         for name, data in arrays.items():
             chunks = (min(64, data.shape[0]),) + data.shape[1:]
             # states: one file per 64 trajectories as the other arrays, each (trajectory, state) compressed
-            # and checksummed on its own inside it (a shard), so the update reads only the states it uses
-            layout = {"shards": chunks, "chunks": (1, 1, *data.shape[2:])} if name == "states" else {"chunks": chunks}
+            # and checksummed on its own inside it (a shard), so the update reads only the states it uses;
+            # a tree's node_states likewise, one file per 64 nodes, each node on its own inside it
+            lead = SHARDED.get(name)
+            layout = {"shards": chunks, "chunks": (1,) * lead + data.shape[lead:]} if lead else {"chunks": chunks}
             # every chunk stored, fill-valued ones too: a missing chunk file is then damage, not zeros
             arr = group.create_array(name, data=data, **layout, compressors=_chunk_codecs(),
                                      config={"write_empty_chunks": True})

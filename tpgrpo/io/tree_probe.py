@@ -83,7 +83,7 @@ def run(cfg: Config, iteration: int, root: Path) -> dict:
     if not current().is_main:
         return metrics
     with stopwatch(metrics):
-        arrays, attrs = read_trajectories(paths.trajectories, lazy=("states",))
+        arrays, attrs = read_trajectories(paths.trajectories, lazy=("node_states",))
         frame = tree_probe_table(arrays, attrs["prompts"], str(paths.trajectories))
         meta = {**provenance(cfg, iteration, "probe"), PROBE_COMPLETION_KEY: "tree"}
         write_table(paths.probe, frame, PROBE_TREE, meta, trajectories=len(arrays["sample"]), steps=2)

@@ -8,6 +8,9 @@ micro-batch, only the (trajectory, state) pairs it uses. Stores written since (`
 shard): a read decodes just those states. An older store (one chunk per 64 whole trajectories) reads the
 same values, decoding every chunk a micro-batch's trajectories fall in. The values are the stored
 float32 bytes, so the update computes the same numbers as on the materialised tensor.
+
+A tree store keeps each distinct state once (``node_states``) and each edge its two node indices:
+:class:`NodeStates` shows it as the same ``(E, 2, C, H, W)`` states (:func:`store_states` picks the class).
 """
 
 from __future__ import annotations
@@ -52,7 +55,7 @@ class LazyStates:
             mine = np.flatnonzero(n == row)
             cols, at = np.unique(np.concatenate([k[mine], k[mine] + 1]), return_inverse=True)
             block = self.array.oindex((np.array([row]), cols))[0]  # (S, C, H, W)
-            _check_block(block, row, cols, self.array)
+            _check_block(block, self.array, lambda s: f"trajectory {int(row)}, state {int(cols[s])}")
             x[mine], x_next[mine] = block[at[:len(mine)]], block[at[len(mine):]]
             read += block.nbytes
         self.reads += 1
@@ -60,16 +63,57 @@ class LazyStates:
         return torch.from_numpy(x), torch.from_numpy(x_next)
 
 
-def _check_block(block: np.ndarray, row: int, cols: np.ndarray, array: CheckedArray) -> None:
-    """Refuse non-finite states ``block`` (S, C, H, W) of trajectory ``row`` (a store changed after
-    ``verify``, or never verified): one line naming the store and the first bad (trajectory, state)."""
+class NodeStates(LazyStates):
+    """A tree store's ``(E, 2, C, H, W)`` edge states, read on use from ``node_states (V, C, H, W)``: edge e's
+    (parent, child) states are rows ``nodes[e]`` (global rows), each node read once per ``pairs`` call."""
+
+    def __init__(self, array: CheckedArray, nodes: np.ndarray):
+        super().__init__(array)
+        self.nodes = nodes
+        self.shape, self.ndim = (nodes.shape[0], 2, *array.shape[1:]), 5
+
+    def verify(self) -> "NodeStates":
+        """Check every stored node (one chunk file of ``array`` in memory at a time); idempotent."""
+        if not self.verified:
+            for start in range(0, self.array.shape[0], self.array.chunk_rows):
+                self.array[start:start + self.array.chunk_rows]
+            self.verified = True
+        return self
+
+    def pairs(self, n_idx: torch.Tensor, k_idx: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """As :meth:`LazyStates.pairs`; reads the distinct nodes the B transitions use (at most 2B)."""
+        n, k = n_idx.numpy(), k_idx.numpy()
+        rows, at = np.unique(np.concatenate([self.nodes[n, k], self.nodes[n, k + 1]]), return_inverse=True)
+        block = self.array.oindex((rows,))  # (S, C, H, W)
+        _check_block(block, self.array, lambda i: f"node {int(rows[i])}")
+        self.reads += 1
+        self.peak_read_bytes = max(self.peak_read_bytes, block.nbytes)
+        out = block[at]
+        return torch.from_numpy(out[:len(n)]), torch.from_numpy(out[len(n):])
+
+
+def store_states(arrays: dict, num_prompts: int) -> LazyStates:
+    """The lazy states of a store of ``num_prompts`` prompts read with ``states`` / ``node_states`` lazy: a
+    chain's ``states``, or a tree's edges mapped onto its ``node_states`` (node_states rows / prompts per
+    prompt; indices checked in range by ``read_trajectories``)."""
+    if "node_states" not in arrays:
+        return LazyStates(arrays["states"])
+    per_prompt = arrays["node_states"].shape[0] // num_prompts
+    base = arrays["prompt_index"].astype(np.int64)[:, None] * per_prompt
+    nodes = np.stack([arrays["tree_parent_node"], arrays["tree_child_node"]], 1).astype(np.int64) + base
+    return NodeStates(arrays["node_states"], nodes)
+
+
+def _check_block(block: np.ndarray, array: CheckedArray, where) -> None:
+    """Refuse non-finite states ``block`` (S, C, H, W) (a store changed after ``verify``, or never verified):
+    one line naming the store and the first bad state, ``where(s)`` for block row s."""
     lo, hi = block.min(), block.max()  # NaN and inf propagate: no block-sized temporaries on the good path
     if np.isfinite(lo) and np.isfinite(hi):
         return
     bad = ~np.isfinite(block)
     first = np.argwhere(bad)[0]
     raise PipelineError(f"{array.source}: array '{array.name}' has {int(bad.sum())} non-finite value(s) in the "
-                        f"states one micro-batch read (first at trajectory {int(row)}, state {int(cols[first[0]])})")
+                        f"states one micro-batch read (first at {where(first[0])})")
 
 
 def state_pairs(latents, n_idx: torch.Tensor, k_idx: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

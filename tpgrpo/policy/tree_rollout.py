@@ -1,15 +1,17 @@
 """The rollout stage for ``tree.enabled`` (issue 35): sample ODE-anchored trees, decode and score the
-leaves only, write ``trajectories.zarr`` with one row per EDGE.
+leaves only, write ``trajectories.zarr`` with one row per EDGE and each distinct state once.
 
-The store keeps the chain's contract so that the update reads it unchanged: each edge is a "trajectory" of
-one window step, ``states (E, 2, C, H, W)`` = (parent state before the split step, child state after it),
-``log_probs (E, 1)`` (0 on ODE edges), ``sigmas (E, 2)``, ``final_reward`` = the reward of the leaf the child
-reaches by ODE children, i.e. Q(child). Attributes: ``group_size`` = edges per prompt, ``window_size`` 1,
-``window_start`` the first split step, plus ``shape: tree`` and the tree's parameters. Tree arrays, one value
-per edge: ``tree_parent`` (the parent edge's ``sample`` in the same prompt group, -1 below a root),
-``tree_depth``, ``tree_sde``, ``tree_root`` (root within the prompt), ``tree_leaf`` / ``tree_parent_leaf``
-(leaf within the prompt reached from the child / parent by ODE children). The probe assembles every Q from
-these with no model (:mod:`tpgrpo.io.tree_probe`).
+Each edge is a "trajectory" of one window step: ``log_probs (E, 1)`` (0 on ODE edges), ``sigmas (E, 2)``,
+``final_reward`` = the reward of the leaf the child reaches by ODE children, i.e. Q(child). Its two states
+(parent before the split step, child after it) are rows ``tree_parent_node`` / ``tree_child_node`` of
+``node_states (V, C, H, W)``, prompt-major with V / prompts nodes per prompt (``TreeShape.nodes_per_root``
+per root), indices within the prompt: a parent's state is kept once for its m + 1 edges (the update reads
+the pairs through :class:`tpgrpo.policy.states.NodeStates`). Attributes: ``group_size`` = edges per prompt,
+``window_size`` 1, ``window_start`` the first split step, plus ``shape: tree`` and the tree's parameters.
+Tree arrays, one value per edge: ``tree_parent`` (the parent edge's ``sample`` in the same prompt group, -1
+below a root), ``tree_depth``, ``tree_sde``, ``tree_root`` (root within the prompt), ``tree_leaf`` /
+``tree_parent_leaf`` (leaf within the prompt reached from the child / parent by ODE children). The probe
+assembles every Q from these with no model (:mod:`tpgrpo.io.tree_probe`).
 """
 
 from __future__ import annotations
@@ -38,16 +40,18 @@ def tree_shape(cfg: Config) -> TreeShape:
 
 
 def edge_arrays(tree, leaf_reward: np.ndarray, leaf_strict: np.ndarray, roots_per_prompt: int,
-                per_root: tuple[int, int]) -> dict[str, np.ndarray]:
-    """The store's per-edge arrays of one chunk of whole prompt groups (``tree`` a :class:`TreeRollout` of
-    those roots, root-major); ``leaf_reward`` / ``leaf_strict`` ``(F,)`` of its leaves; ``per_root`` =
-    (edges, leaves) per root. Indices become prompt-local (``tree_parent``, ``tree_leaf``, ...)."""
-    edges_per_root, leaves_per_root = per_root
-    edge_base = (tree.root // roots_per_prompt) * roots_per_prompt * edges_per_root  # prompt's first edge
-    leaf_base = (tree.root // roots_per_prompt) * roots_per_prompt * leaves_per_root
+                per_root: tuple[int, int, int]) -> dict[str, np.ndarray]:
+    """The store's arrays of one chunk of whole prompt groups (``tree`` a :class:`TreeRollout` of those roots,
+    root-major): per edge, and ``node_states``; ``leaf_reward`` / ``leaf_strict`` ``(F,)`` of its leaves;
+    ``per_root`` = (edges, leaves, nodes) per root. Indices become prompt-local (``tree_parent``, ...)."""
+    edges_per_root, leaves_per_root, nodes_per_root = per_root
+    first_root = (tree.root // roots_per_prompt) * roots_per_prompt  # each edge's prompt's first root
+    edge_base, leaf_base, node_base = (first_root * n for n in per_root[:3])
     parent = torch.where(tree.parent_edge >= 0, tree.parent_edge - edge_base, tree.parent_edge)
     return {
-        "states": torch.stack([tree.parent_states, tree.child_states], 1).cpu().numpy(),
+        "node_states": tree.node_states.cpu().numpy(),
+        "tree_parent_node": (tree.parent_node - node_base).numpy().astype(np.int32),
+        "tree_child_node": (tree.child_node - node_base).numpy().astype(np.int32),
         "log_probs": tree.log_probs[:, None].cpu().numpy(), "sigmas": tree.sigmas.numpy(),
         "final_reward": leaf_reward[tree.leaf.numpy()].astype(np.float64),
         "final_strict": leaf_strict[tree.leaf.numpy()].astype(bool),
@@ -71,7 +75,7 @@ def run(cfg: Config, iteration: int, root: Path) -> dict:
         backend = load_policy(cfg, root, iteration)
         spec, shape = sampler_spec(cfg), tree_shape(cfg)
         R, P = shape.roots, len(metas)
-        per_root = (shape.edges_per_root(), shape.leaves_per_root())
+        per_root = (shape.edges_per_root(), shape.leaves_per_root(), shape.nodes_per_root())
         root_prompt = np.repeat(np.arange(P), R)
         seeds = [sample_seed(cfg.train.seed, iteration, metas[p]["id"], int(r), purpose="tree-root")
                  for p, r in zip(root_prompt, np.tile(np.arange(R), P))]
@@ -116,8 +120,9 @@ def _store(cfg: Config, merged: dict, metas: list[dict], spec, shape: TreeShape,
     E_prompt = shape.roots * shape.edges_per_root()
     prompt_index = np.repeat(np.arange(len(metas)), E_prompt)
     root_row = prompt_index * shape.roots + merged["tree_root"]
-    arrays = {k: merged[k] for k in ("states", "log_probs", "sigmas", "final_reward", "final_strict", "tree_parent",
-                                     "tree_depth", "tree_sde", "tree_root", "tree_leaf", "tree_parent_leaf")}
+    arrays = {k: merged[k] for k in ("node_states", "log_probs", "sigmas", "final_reward", "final_strict",
+                                     "tree_parent", "tree_depth", "tree_sde", "tree_root", "tree_leaf",
+                                     "tree_parent_leaf", "tree_parent_node", "tree_child_node")}
     arrays.update({"seeds": np.asarray(seeds, dtype=np.int64)[root_row], "prompt_index": prompt_index.astype(np.int32),
                    "sample": np.tile(np.arange(E_prompt), len(metas)).astype(np.int32)})
     attrs = store_attrs(cfg, iteration, spec, metas, group_size=E_prompt, window_start=shape.split_steps[0],
