@@ -34,11 +34,11 @@ def provenance(cfg: Config, iteration: int, stage: str) -> dict[str, str]:
     declares in dvc.yaml), with which versions."""
     from importlib.metadata import version
 
-    from tpgrpo.stage_params import stage_inputs
+    from tpgrpo.stage_params import hashed_inputs
 
     return {
         "tpgrpo_version": __version__, "stage": stage, "iteration": str(iteration),
-        "config_hash": cfg.params_hash(stage_inputs(stage, cfg)), "torch_version": version("torch"),  # not torch.__version__: no import
+        "config_hash": cfg.params_hash(hashed_inputs(stage, cfg)), "torch_version": version("torch"),  # not torch.__version__: no import
         "python_version": platform.python_version(),
     }
 
