@@ -31,7 +31,8 @@ def resolve(root: Path, path: str) -> Path:
 
 def provenance(cfg: Config, iteration: int, stage: str) -> dict[str, str]:
     """Metadata every artifact carries: what made it, from which params (a hash of the params the stage
-    declares in dvc.yaml), with which versions."""
+    declares in dvc.yaml, and of the key that picks its code path while it picks the other one:
+    :func:`tpgrpo.stage_params.hashed_inputs`), with which versions."""
     from importlib.metadata import version
 
     from tpgrpo.stage_params import hashed_inputs
