@@ -12,7 +12,7 @@ import pytest
 import yaml
 from conftest import REPO, make_tiny_project, tiny_params
 
-from tpgrpo.pipeline.code_manifest import (ALL_CODE, KIND_STAGES, RENDER_PARAMS, STAGE_KIND, check_code, kind_code, manifest_path,
+from tpgrpo.pipeline.code_manifest import (ALL_CODE, KIND_STAGES, MANIFEST_PARAMS, RENDER_PARAMS, STAGE_KIND, check_code, kind_code, manifest_path,
                                           uses_code_files, write_manifests)
 from tpgrpo.config import config_from_dict
 from tpgrpo.pipeline.dvcfile import render
@@ -29,7 +29,8 @@ def test_each_stage_depends_on_its_kinds_manifest_and_no_code_file(mode):
     cfg = config_from_dict(tiny_params(train={"iterations": 2}, credit={"mode": mode}))
     stages = render(cfg)["stages"]
     code = stages.pop("code")
-    assert code["cmd"] == "tpgrpo stage code" and code["deps"] == ALL_CODE and code["params"] == RENDER_PARAMS
+    assert code["cmd"] == "tpgrpo stage code" and code["deps"] == ALL_CODE
+    assert code["params"] == [*RENDER_PARAMS, *MANIFEST_PARAMS] == [*RENDER_PARAMS, "credit.mode"]
     assert code["outs"] == [{manifest_path(kind): {"cache": False}} for kind in KIND_STAGES]
     assert all(path.startswith(tuple(ALL_CODE)) for kind in KIND_STAGES for path in kind_code(REPO, kind))
     for name, stage in stages.items():
@@ -155,7 +156,10 @@ def test_a_project_locked_with_code_files_keeps_that_layout(tmp_path):
     for name, stage in stages.items():
         assert not any(dep.startswith("data/code/") for dep in stage["deps"]), name
         assert set(kind_code(REPO, _kind(name, cfg))) <= set(stage["deps"]), name
+    # no manifest records the probe's code path there: it lists credit.mode, as such a project's lock recorded it
+    assert "credit.mode" in stages["probe-0001"]["params"]
     (tmp_path / "dvc.lock").unlink()
+    assert "credit.mode" not in render(cfg, tmp_path)["stages"]["probe-0001"]["params"]
     assert "code" in render(cfg, tmp_path)["stages"]  # a new project: manifests
     assert not uses_code_files({"stages": {"code": {"cmd": "tpgrpo stage code", "deps": [{"path": "stages/a.py"}]}}})
 

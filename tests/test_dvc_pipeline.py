@@ -106,7 +106,8 @@ def test_repro_trains_then_reruns_only_what_changed(tiny_project):
 
     set_param(root, "credit", "mode", "tp_unconstrained")
     rerun = ran(repro(root))
-    assert "credit-0001" in rerun and "update-0001" in rerun  # and the probe: it lists credit.mode
+    assert "credit-0001" in rerun and "update-0001" in rerun  # not the probe: scored either way
+    assert "probe-0001" not in rerun
     assert not any(name.startswith(("rollout-0001", "baseline")) for name in rerun)
 
     set_param(root, "credit", "mode", "flow_grpo")  # the same stages: the probe loads no model, Q_k = R_fin

@@ -392,11 +392,13 @@ def test_sealed_run_keeps_dvc_guarantees_retention_and_sharing_through_a_remote(
               for p in (root / "data" / "iters" / f"{i:04d}" / name).rglob("*") if p.is_file()]
     assert cached and all(p.stat().st_nlink == 1 for p in cached)  # copies: damage in place never reaches the cache
 
-    _set(root, "credit", {"mode": "incremental"})  # exactly probe (it lists credit.mode) onward re-runs, also in the block
+    # exactly credit onward re-runs, also in the block (and the code stage, which records whether the mode is
+    # flow_grpo in the probe's manifest: the probe does not list the mode, so iteration 1's probe stays)
+    _set(root, "credit", {"mode": "incremental"})
     changed = _tpgrpo(root, "run")
     assert "unsealed iters-0001-0002" in changed and "sealed iters-0001-0002" in changed
-    assert _ran(changed)[:2] == ["probe-0001", "credit-0001"] and "rollout-0002" in _ran(changed)
-    assert not any(n in _ran(changed) for n in ("rollout-0001", "baseline"))
+    assert [n for n in _ran(changed) if n != "code"][:1] == ["credit-0001"] and "rollout-0002" in _ran(changed)
+    assert not any(n in _ran(changed) for n in ("rollout-0001", "probe-0001", "baseline"))
     _clean(root)
 
     _set(root, "retention", {"keep_trajectories": 1, "keep_adapter_every": 2})

@@ -96,6 +96,23 @@ def test_a_tree_edit_may_run_nothing_while_tree_is_off_and_the_rollout_on(tmp_pa
     assert {"rollout-0001", "rollout-0003"} <= switch.allowed
 
 
+def test_a_credit_mode_edit_may_re_run_the_probe_only_to_or_from_flow_grpo(tmp_path):
+    """The harness's prediction for credit.mode: the probe reads it only to know whether it is flow_grpo, so
+    between tp, incremental and tp_unconstrained iteration 1's probe may not run (the credit and all that follows
+    may); to or from flow_grpo it may."""
+    from conftest import tiny_params
+
+    h.write_params(tmp_path, tiny_params(train=dict(ua.BASE_TRAIN), credit={"mode": "tp"}))
+    seq = ua.Seq(tmp_path, None, random.Random(0))
+    for old, new in (("tp", "incremental"), ("incremental", "tp_unconstrained"), ("tp_unconstrained", "flow_grpo"),
+                     ("flow_grpo", "tp")):
+        plan = ua._edit(seq, {"credit.mode": [old, new]}, "edit")
+        assert h.read_params(tmp_path)["credit"]["mode"] == new
+        assert {"credit-0001", "update-0001", "probe-0002", "summary"} <= plan.allowed, (old, new)
+        assert ("probe-0001" in plan.allowed) == ("flow_grpo" in (old, new)), (old, new)
+        assert not {"rollout-0001", "eval_prompts", "baseline"} & plan.allowed
+
+
 def test_damage_is_in_place(tmp_path):
     path = tmp_path / "f.bin"
     path.write_bytes(bytes(range(64)))
@@ -137,6 +154,15 @@ def test_cheap_actions_keep_up_to_date_correct(tmp_path, template, references):
 @pytest.mark.parametrize("seed", [1, 2])
 def test_random_user_actions_keep_up_to_date_correct(tmp_path, template, references, seed):
     _sequence(tmp_path, template, references, seed=seed, length=5, actions=CI_ACTIONS)
+
+
+@pytest.mark.slow
+def test_switching_among_the_scored_credit_modes_re_runs_no_probe(tmp_path, template, references, monkeypatch):
+    """Two leaf edits among tp, incremental and tp_unconstrained (the seed-70 bench sequences found the probe
+    listing credit.mode: every probe re-ran, iteration 1's and the sealed block's included): check (c) fails
+    if iteration 1's probe runs."""
+    monkeypatch.setattr(ua, "LEAF", {"credit.mode": ["tp", "incremental", "tp_unconstrained"]})
+    _sequence(tmp_path, template, references, seed=70, length=2, actions=["edit_leaf"])
 
 
 def test_a_sealed_block_allowed_to_run_allows_exactly_its_own_stages():

@@ -89,7 +89,7 @@ def run_command(params: ParamsOpt = Path("params.yaml")) -> None:
     try:
         cfg = load_config(params)
         raw = read_as_dvc(Path(params))  # values as DVC reads them
-        refresh_manifests(root)  # a code edit shows in the manifests before the blocks are checked against them
+        refresh_manifests(root, cfg)  # a code edit (or a code path's switch) shows in the manifests before the blocks are checked against them
         _echo_unsealed(unseal_changed(root, cfg, raw, upto=0))  # structural changes (block size, length) at once
         pending = set(stale_seals(root, cfg, raw))  # the rest block by block, as the repros reach them
         check_records(root, pending)  # a block that cannot be unsealed stops the run before anything runs

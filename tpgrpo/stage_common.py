@@ -31,14 +31,15 @@ def resolve(root: Path, path: str) -> Path:
 
 def provenance(cfg: Config, iteration: int, stage: str) -> dict[str, str]:
     """Metadata every artifact carries: what made it, from which params (a hash of the params the stage
-    declares in dvc.yaml), with which versions."""
+    declares in dvc.yaml, and of the key that picks its code path while it picks the other one:
+    :func:`tpgrpo.stage_params.hashed_inputs`), with which versions."""
     from importlib.metadata import version
 
-    from tpgrpo.stage_params import stage_inputs
+    from tpgrpo.stage_params import hashed_inputs
 
     return {
         "tpgrpo_version": __version__, "stage": stage, "iteration": str(iteration),
-        "config_hash": cfg.params_hash(stage_inputs(stage, cfg)), "torch_version": version("torch"),  # not torch.__version__: no import
+        "config_hash": cfg.params_hash(hashed_inputs(stage, cfg)), "torch_version": version("torch"),  # not torch.__version__: no import
         "python_version": platform.python_version(),
     }
 

@@ -50,8 +50,9 @@ REWARD_PARAMS = [*inputs("reward_models"), "remote_reward"]  # read by every sta
 STAGE_PARAMS = {
     "rollout": [*MODEL_PARAMS, "task.train_prompts", "task.reward", "sampling", "rollout", "probe.completion",
                 "update.lora_rank", "update.lora_alpha", "train.seed", *REWARD_PARAMS],
-    "probe": [*MODEL_PARAMS, "probe", "credit.mode", "update.lora_rank", "update.lora_alpha", "train.seed",
-              *REWARD_PARAMS],
+    # The probe reads credit.mode only to know whether it is flow_grpo (PATH_SWITCHES below), so it does not
+    # list the mode: switching among the scored modes re-runs no probe.
+    "probe": [*MODEL_PARAMS, "probe", "update.lora_rank", "update.lora_alpha", "train.seed", *REWARD_PARAMS],
     "credit": ["credit"],
     "update": [*MODEL_PARAMS, *inputs("update"), "train.seed"],
     "eval": [*MODEL_PARAMS, "task", "sampling", "eval", "rollout.batch_size", "update.lora_rank",
@@ -71,6 +72,41 @@ STAGE_PARAMS = {
 CONDITIONAL_PARAMS = {"rollout": [("tree", "tree.enabled")]}  # (section, the bool key that switches it on)
 
 
+# Params a stage reads only to pick one of two code paths, each with the value that picks the other path and
+# that path's name. The probe reads credit.mode only to know whether it is flow_grpo (no model loaded, Q_k =
+# R_fin from the rollout). dvc.yaml cannot list the choice (every credit mode renders the same stages, so that
+# `dvc exp run -S credit.mode=...` runs what `tpgrpo run` renders), so the stage's code manifest records it
+# (tpgrpo.pipeline.code_manifest: a "path" entry, absent on the default path, so a tp run's manifests stay
+# as they were) and its config_hash hashes the key on that path only. Switching among the other values
+# re-runs nothing; switching to or from the named value re-runs the stage (its manifest changed).
+PATH_SWITCHES = {"probe": ("credit.mode", "flow_grpo", "final_reward")}  # stage: (key, value, path name)
+
+
+def code_path(stage: str, cfg: Config | dict) -> str | None:
+    """The name of the other code path ``stage`` takes under ``cfg`` (``"final_reward"`` for the probe under
+    ``credit.mode: flow_grpo``), or None on its default path (and for a stage without one)."""
+    if stage not in PATH_SWITCHES:
+        return None
+    key, value, name = PATH_SWITCHES[stage]
+    section, _, leaf = key.partition(".")
+    if isinstance(cfg, dict):
+        values = cfg.get(section)
+        now = values.get(leaf) if isinstance(values, dict) else None
+    else:
+        now = getattr(getattr(cfg, section), leaf)
+    return name if now == value else None
+
+
+def hashed_inputs(stage: str, cfg: Config | dict) -> list[str] | None:
+    """What an artifact's ``config_hash`` hashes: :func:`stage_inputs`, plus a path switch's key while it
+    picks the other path (the probe under flow_grpo hashes ``credit.mode``; under tp, incremental and
+    tp_unconstrained the same list, hence the same hash)."""
+    keys = stage_inputs(stage, cfg)
+    if keys is None or code_path(stage, cfg) is None:
+        return keys
+    return [*keys, PATH_SWITCHES[stage][0]]
+
+
 def _switched_on(cfg: Config | dict, key: str) -> bool:
     """``key`` (``"tree.enabled"``) of a :class:`Config` (or anything with its attributes), or of params.yaml
     parsed as a mapping (what :func:`tpgrpo.pipeline.status.stage_params` reads: a missing section is off)."""
@@ -88,15 +124,18 @@ YAML11_TRUE = ("yes", "Yes", "YES", "on", "On", "ON", "true", "True", "TRUE")  #
 
 
 def switches(stage: str) -> list[str]:
-    """The keys that switch a stage's conditional sections on (``["tree.enabled"]`` for the rollout): read by
-    the stage in every configuration, recorded through the list they decide (``tree`` in it or not)."""
-    return [switch for _, switch in CONDITIONAL_PARAMS.get(stage, [])]
+    """The keys that switch a stage's conditional sections on (``["tree.enabled"]`` for the rollout) or pick its
+    code path (``["credit.mode"]`` for the probe): read by the stage in every configuration, recorded through
+    what they decide (``tree`` listed or not; the probe manifest's path)."""
+    return [switch for _, switch in CONDITIONAL_PARAMS.get(stage, [])] + (
+        [PATH_SWITCHES[stage][0]] if stage in PATH_SWITCHES else [])
 
 
 def stage_inputs(stage: str, cfg: Config | dict) -> list[str] | None:
     """The params stage ``stage`` reads under ``cfg`` (a :class:`Config` or parsed params.yaml):
     :data:`STAGE_PARAMS`' list plus each conditional section switched on (the rollout lists ``tree`` only
-    while ``tree.enabled``). What dvc.yaml lists, what ``config_hash`` hashes and what a stage notes it read.
+    while ``tree.enabled``). What dvc.yaml lists and what a stage notes it read; ``config_hash`` hashes
+    :func:`hashed_inputs`.
     None for a name no stage has."""
     keys = STAGE_PARAMS.get(stage)
     if keys is None:

@@ -26,7 +26,7 @@ import hashlib
 import json
 from pathlib import Path
 
-from tpgrpo.stage_params import inputs
+from tpgrpo.stage_params import PATH_SWITCHES, code_path, inputs
 
 CODE_DIR = "data/code"
 REPO = Path(__file__).resolve().parents[2]  # the checkout this package runs from
@@ -50,6 +50,10 @@ ALL_CODE = ["stages", "tpgrpo"]
 # their deps and commands (the reward-model folders: reward_models, but its device, an execution knob that no
 # stage records). Other params change values DVC reads itself, never the stages.
 RENDER_PARAMS = ["train.iterations", "train.block_size", "model.path", "task", *inputs("reward_models")]
+# The params the manifests read: the keys that pick a stage kind's code path (tpgrpo.stage_params.PATH_SWITCHES;
+# the probe's manifest says "path": "final_reward" under credit.mode flow_grpo). The code stage lists them too,
+# so it re-runs (a second) when one changes, and rewrites a manifest only when the path changed.
+MANIFEST_PARAMS = [key for key, _, _ in PATH_SWITCHES.values()]
 # Libraries whose version is part of every manifest. No file of the project changes when one is upgraded:
 # `tpgrpo run` rewrites the manifests before each repro (DVC then re-runs the code stage, whose outputs are
 # not cached so its run cache cannot restore old ones, and the stages whose manifest changed), and under
@@ -88,24 +92,39 @@ def code_deps(kind: str, manifests: bool) -> list[str]:
     return [manifest_path(kind)] if manifests else kind_code(REPO, kind)
 
 
-def manifest(root: Path, kind: str) -> dict:
-    """``{"kind", "files": {path: md5}, "libraries": {name: version}}`` for the kind's code (sorted paths)."""
-    return {"kind": kind, "files": _hashes(root, kind_code(root, kind)), "libraries": library_versions()}
+def manifest(root: Path, kind: str, cfg=None) -> dict:
+    """``{"kind", "files": {path: md5}, "libraries": {name: version}}`` for the kind's code (sorted paths), plus
+    ``"path"`` where ``cfg`` (a Config or parsed params.yaml; None: ``root/params.yaml``) picks the kind's other
+    code path (:func:`tpgrpo.stage_params.code_path`; absent on the default path, as before paths existed)."""
+    found = {"kind": kind, "files": _hashes(root, kind_code(root, kind)), "libraries": library_versions()}
+    path = code_path(kind, _params_of(root) if cfg is None else cfg)
+    return found if path is None else {**found, "path": path}
+
+
+def _params_of(root: Path) -> dict:
+    """``root/params.yaml`` parsed (empty when missing or unreadable: the default paths)."""
+    import yaml
+
+    try:
+        raw = yaml.safe_load((root / "params.yaml").read_text())
+    except (OSError, yaml.YAMLError):
+        return {}
+    return raw if isinstance(raw, dict) else {}
 
 
 def _hashes(root: Path, files: list[str]) -> dict[str, str]:
     return {f: hashlib.md5((root / f).read_bytes()).hexdigest() for f in files}
 
 
-def manifest_text(root: Path, kind: str) -> str:
-    return json.dumps(manifest(root, kind), indent=1, sort_keys=True) + "\n"
+def manifest_text(root: Path, kind: str, cfg=None) -> str:
+    return json.dumps(manifest(root, kind, cfg), indent=1, sort_keys=True) + "\n"
 
 
-def write_manifests(root: Path) -> list[Path]:
+def write_manifests(root: Path, cfg=None) -> list[Path]:
     """Write every kind's manifest under ``root/data/code`` (all computed first, then each written to a
     temporary file and renamed); returns them. A manifest's bytes change exactly when a file of its kind's
     code changes."""
-    texts = {kind: manifest_text(root, kind) for kind in KIND_STAGES}
+    texts = {kind: manifest_text(root, kind, cfg) for kind in KIND_STAGES}
     from tpgrpo.io.artifacts import atomic_path
 
     written = []
@@ -116,7 +135,7 @@ def write_manifests(root: Path) -> list[Path]:
     return written
 
 
-def refresh_manifests(root: Path) -> None:
+def refresh_manifests(root: Path, cfg=None) -> None:
     """Rewrite the manifests of a project that has them where they differ (a library upgraded since the code
     stage wrote them): DVC then sees the code stage's outputs changed and re-runs it and what they feed."""
     if not (root / CODE_DIR).is_dir():
@@ -124,24 +143,26 @@ def refresh_manifests(root: Path) -> None:
     from tpgrpo.io.artifacts import atomic_path
 
     for kind in KIND_STAGES:
-        path, text = root / manifest_path(kind), manifest_text(root, kind)
+        path, text = root / manifest_path(kind), manifest_text(root, kind, cfg)
         if not path.is_file() or path.read_text() != text:
             with atomic_path(path) as tmp:
                 tmp.write_text(text)
 
 
-def check_code(root: Path, kind: str) -> None:
+def check_code(root: Path, kind: str, cfg=None) -> None:
     """Refuse to run a stage whose recorded code is not what would run: DVC records the manifest as the
     stage's input, so a file edited (or a library upgraded) after the ``code`` stage wrote it would be
     recorded as code it did not run. No manifest (a stage run by hand in a fresh folder): nothing to check."""
     path = root / manifest_path(kind)
     if not path.is_file():
         return
-    recorded, now = json.loads(path.read_text()), manifest(root, kind)
+    recorded, now = json.loads(path.read_text()), manifest(root, kind, cfg)
     changed = sorted(f for f in set(recorded.get("files", {})) | set(now["files"])
                      if recorded.get("files", {}).get(f) != now["files"].get(f))
     changed += sorted(f"{name} {recorded.get('libraries', {}).get(name)} -> {v}"
                       for name, v in now["libraries"].items() if recorded.get("libraries", {}).get(name) != v)
+    if recorded.get("path") != now.get("path"):  # params.yaml changed the path after the code stage ran
+        changed.append(f"code path {recorded.get('path') or 'default'} -> {now.get('path') or 'default'}")
     if changed:
         from tpgrpo.errors import PipelineError
 
@@ -150,14 +171,14 @@ def check_code(root: Path, kind: str) -> None:
                             "`tpgrpo stage code` then `dvc repro`")
 
 
-def check_stage_code(root: Path, stage: str) -> None:
+def check_stage_code(root: Path, stage: str, cfg=None) -> None:
     """:func:`check_code` and :func:`check_running_code` for ``tpgrpo stage NAME`` when DVC runs it
     (``DVC_STAGE`` set): a stage run by hand is recorded by nothing, and the next ``dvc repro`` re-runs the
     code stage before it anyway."""
     import os
 
     if os.environ.get("DVC_STAGE") and stage in STAGE_KIND and (root / manifest_path(STAGE_KIND[stage])).is_file():
-        check_code(root, STAGE_KIND[stage])
+        check_code(root, STAGE_KIND[stage], cfg)
         check_running_code(root, STAGE_KIND[stage])
 
 
@@ -211,7 +232,7 @@ def code_stage() -> dict:
     """The dvc.yaml stage that writes the manifests from all the code, and checks that dvc.yaml is what
     params.yaml renders (so it lists the params the rendering reads: it re-runs, in a second, when one
     changes)."""
-    return {"cmd": "tpgrpo stage code", "deps": ALL_CODE, "params": RENDER_PARAMS,
+    return {"cmd": "tpgrpo stage code", "deps": ALL_CODE, "params": [*RENDER_PARAMS, *MANIFEST_PARAMS],
             "outs": [{manifest_path(kind): {"cache": False}} for kind in KIND_STAGES]}
 
 

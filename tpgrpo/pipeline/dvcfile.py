@@ -21,7 +21,7 @@ from tpgrpo.pipeline.blocks import (Block, full_blocks, read_lock, seal_files, s
                                     write_text_atomic)
 from tpgrpo.io.artifacts import EVAL_EMBEDS, EVAL_EMBEDS_LOG
 from tpgrpo.stage_params import (GLANCE, MULTI_PROCESS_STAGES, REWARD_PARAMS, STAGE_LOGS,  # noqa: F401 - re-exported
-                                 STAGE_PARAMS, stage_inputs)
+                                 PATH_SWITCHES, STAGE_PARAMS, stage_inputs)
 
 HEADER = ("# Generated from params.yaml by `tpgrpo dvc-yaml` (`tpgrpo run` does it before `dvc repro`).\n"
           "# Edit params.yaml, not this file.\n")
@@ -76,6 +76,14 @@ def stage_command(cfg: Config, name: str, iteration: int | None = None) -> str: 
     return "tpgrpo stage " + name + ("" if iteration is None else f" --iter {iteration}")
 
 
+def path_params(kind: str, cfg: Config, manifests: bool) -> list[str]:
+    """The params a stage of ``kind`` lists: :func:`tpgrpo.stage_params.stage_inputs`; in a project of the
+    older layout (no code manifests to record a code path), also the key that picks its code path
+    (``credit.mode`` for the probe), as such a project's dvc.lock recorded it."""
+    keys = stage_inputs(kind, cfg)
+    return keys if manifests or kind not in PATH_SWITCHES else [*keys, PATH_SWITCHES[kind][0]]
+
+
 def iteration_stages(cfg: Config, i: int, manifests: bool = True) -> dict[str, dict]:
     """The rollout, probe, credit, update and eval stages of iteration ``i``; each depends on its kind's
     code manifest (``manifests`` False: on the code files, the layout of older projects)."""
@@ -89,14 +97,15 @@ def iteration_stages(cfg: Config, i: int, manifests: bool = True) -> dict[str, d
     # params is re-run by DVC (its log changed) even when its table came out the same. The price: a stage
     # re-run by hand with the same params is re-run once more by DVC (its log's wall_seconds differ).
     # Every credit mode has the same stages, so that `dvc exp run -S credit.mode=...` runs what `tpgrpo run`
-    # renders: Flow-GRPO's probe loads no model and writes Q_k = R_fin from the rollout (stages/probe.py).
+    # renders: Flow-GRPO's probe loads no model and writes Q_k = R_fin from the rollout (stages/probe.py). The
+    # probe does not list credit.mode: its manifest records whether the mode is flow_grpo (path_params).
     stages: dict[str, dict] = {
         f"rollout-{i:04d}": {
             "cmd": cmd("rollout"), "params": stage_inputs("rollout", cfg),
             "deps": [*code("rollout"), *scorers, *model, cfg.task.train_prompts, *prev],
             "outs": [f"{d}/trajectories.zarr", f"{d}/prompt_embeds.safetensors", f"{d}/rollout.json"]},
         f"probe-{i:04d}": {
-            "cmd": cmd("probe"), "params": stage_inputs("probe", cfg),
+            "cmd": cmd("probe"), "params": path_params("probe", cfg, manifests),
             "deps": [*code("probe"), *scorers, *model, f"{d}/trajectories.zarr", f"{d}/prompt_embeds.safetensors", *prev],
             "outs": [f"{d}/probe.parquet", f"{d}/probe.json"]},
         f"credit-{i:04d}": {

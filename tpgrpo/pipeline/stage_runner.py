@@ -76,9 +76,9 @@ def run_stage(name: str, iteration: int | None, params: Path) -> None:
             distributed.init(cfg.model.device, cfg.launch.timeout_s, f"stage {label}")
         main = distributed.current().is_main  # one process notes the stage for `tpgrpo status`
         record_stage(root, name, iteration, "running", enabled=main)
-        check_stage_code(root, name)  # the code DVC will record is the code that runs (before and after)
+        check_stage_code(root, name, cfg)  # the code DVC will record is the code that runs (before and after)
         module.run(cfg, iteration, root=root)
-        check_stage_code(root, name)
+        check_stage_code(root, name, cfg)  # against the params it ran with
         check_params_unchanged(params, name, label, read)  # DVC records params.yaml as it is when we exit
         if main:  # ... after it has hashed our outputs: `tpgrpo run` compares this note with what it recorded
             note_params_read(root, name if iteration is None else f"{name}-{iteration:04d}", read)
@@ -141,8 +141,9 @@ def code_stage(params: ParamsOpt = Path("params.yaml")) -> None:
 
     root = Path(params).resolve().parent
     try:
-        check_rendered(load_config(params), root)
-        write_manifests(root)
+        cfg = load_config(params)
+        check_rendered(cfg, root)
+        write_manifests(root, cfg)
     except (FileNotFoundError, ConfigError) as exc:
         fail(str(exc))
 
