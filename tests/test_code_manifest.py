@@ -211,16 +211,16 @@ def test_the_code_stage_lists_every_param_the_rendering_reads():
 
     from tpgrpo.config import ConfigError
 
-    base = tiny_params(train={"iterations": 3, "block_size": 0})
+    base = tiny_params(train={"iterations": 3, "block_size": 0}, tree={"split_steps": "0,1"})  # valid if enabled
     rendered = render(config_from_dict(base))
     for section, values in base.items():
         for key, value in values.items():
             name = f"{section}.{key}"
-            if any(name == p or name.startswith(p + ".") for p in RENDER_PARAMS) or isinstance(value, (bool, dict)):
+            if any(name == p or name.startswith(p + ".") for p in RENDER_PARAMS) or isinstance(value, dict):
                 continue
-            raw = copy.deepcopy(base)
-            raw[section][key] = (value + 1) if isinstance(value, (int, float)) else (
-                "flow_grpo" if name == "credit.mode" else value)
+            raw = copy.deepcopy(base)  # a bool flipped (tree.enabled changes the rollout's params list)
+            raw[section][key] = (not value) if isinstance(value, bool) else (value + 1) if isinstance(
+                value, (int, float)) else ("flow_grpo" if name == "credit.mode" else value)
             try:
                 cfg = config_from_dict(raw)
             except ConfigError:

@@ -26,7 +26,7 @@ import hashlib
 import json
 from pathlib import Path
 
-from tpgrpo.stage_params import PATH_SWITCHES, code_path, inputs
+from tpgrpo.stage_params import CONDITIONAL_PARAMS, PATH_SWITCHES, code_path, inputs
 
 CODE_DIR = "data/code"
 REPO = Path(__file__).resolve().parents[2]  # the checkout this package runs from
@@ -49,7 +49,10 @@ ALL_CODE = ["stages", "tpgrpo"]
 # The params dvc.yaml's rendering reads (tpgrpo.pipeline.dvcfile.render; a test checks the list): the stages,
 # their deps and commands (the reward-model folders: reward_models, but its device, an execution knob that no
 # stage records). Other params change values DVC reads itself, never the stages.
-RENDER_PARAMS = ["train.iterations", "train.block_size", "model.path", "task", *inputs("reward_models")]
+# A conditional section's switch (tree.enabled) too: it decides whether the rollout lists the section, so
+# `dvc exp run -S tree.enabled=true` re-runs the code stage, which then refuses the stale dvc.yaml.
+RENDER_PARAMS = ["train.iterations", "train.block_size", "model.path", "task", *inputs("reward_models"),
+                 *(switch for pairs in CONDITIONAL_PARAMS.values() for _, switch in pairs)]
 # The params the manifests read: the keys that pick a stage kind's code path (tpgrpo.stage_params.PATH_SWITCHES;
 # the probe's manifest says "path": "final_reward" under credit.mode flow_grpo). The code stage lists them too,
 # so it re-runs (a second) when one changes, and rewrites a manifest only when the path changed.
