@@ -267,8 +267,8 @@ def test_flow_grpo_probe_scores_nothing_and_leaves_the_advantages_unchanged(roll
 
 def test_every_credit_mode_renders_the_same_stages_and_the_flow_grpo_probe_imports_no_model_library(rolled_out):
     """`dvc exp run -S credit.mode=...` changes params.yaml, not dvc.yaml: every mode has the same stages and
-    dependencies (only the params' values differ), and the probe lists credit.mode (it scores nothing for
-    flow_grpo)."""
+    dependencies (only the params' values differ). The probe does not list credit.mode (it reads only whether it
+    is flow_grpo, which its code manifest records); the code stage lists it, to write that record."""
     from tpgrpo.pipeline.dvcfile import render
 
     rendered = {mode: render(_cfg(credit={"mode": mode})) for mode in ("tp", "tp_unconstrained", "incremental",
@@ -276,7 +276,7 @@ def test_every_credit_mode_renders_the_same_stages_and_the_flow_grpo_probe_impor
     assert all(r == rendered["tp"] for r in rendered.values())
     stages = rendered["flow_grpo"]["stages"]
     assert f"data/iters/{FIRST:04d}/probe.parquet" in stages[f"credit-{FIRST:04d}"]["deps"]
-    assert "credit.mode" in stages[f"probe-{FIRST:04d}"]["params"]
+    assert "credit.mode" not in stages[f"probe-{FIRST:04d}"]["params"] and "credit.mode" in stages["code"]["params"]
     code = (
         "import sys; from pathlib import Path; sys.path.insert(0, sys.argv[1]); sys.path.insert(0, sys.argv[2])\n"
         "from conftest import tiny_params; from tpgrpo.config import config_from_dict; import stages.probe\n"
