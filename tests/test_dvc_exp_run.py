@@ -61,6 +61,6 @@ def test_dvc_exp_run_for_each_credit_mode_gives_what_tpgrpo_run_gives(tmp_path, 
     assert not (root / "data" / "iters" / "0002").exists()
     # switching the tree on changes what the rollout lists (the tree section): refused too, not run on the chain's
     # dvc.yaml (the code stage lists tree.enabled)
-    refused = _dvc(root, "exp", "run", "-S", "tree.enabled=true", "-S", "tree.split_steps=0,1")
+    refused = _dvc(root, "exp", "run", "-S", "tree.enabled=true", "-S", "tree.split_steps='0,1'")  # quoted: no sweep
     assert refused.returncode != 0
     assert "dvc.yaml was rendered from other params than params.yaml's" in refused.stdout + refused.stderr

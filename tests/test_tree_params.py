@@ -11,6 +11,7 @@ rollout (and, through its outputs, what follows).
 from __future__ import annotations
 
 import dataclasses
+import json
 import subprocess
 import sys
 
@@ -96,9 +97,10 @@ def test_a_yaml_1_1_true_switches_the_section_on_for_the_checks_as_for_the_stage
 
 @pytest.mark.slow
 def test_a_trained_chain_project_runs_nothing_for_the_tree_section(tmp_path, tiny_model_dir):
-    """A chain project trained for one iteration through `tpgrpo run`: DVC recorded no tree key, so a params
-    file without the tree section (an older project's) is up to date for `dvc status`, and after the section
-    comes back with other values (tree off) `tpgrpo run` runs no stage."""
+    """A chain project trained for one iteration through `tpgrpo run`: DVC recorded no tree key but the code
+    stage's switch (tree.enabled, which decides what dvc.yaml lists), so for a params file without the tree
+    section (an older project's) `dvc status` names the code stage only (a second's work, no iteration stage),
+    and after the section comes back with other values (tree off) `tpgrpo run` runs no stage."""
     from conftest import make_tiny_project
     from test_dvc_pipeline import env, tpgrpo_run
 
@@ -108,12 +110,15 @@ def test_a_trained_chain_project_runs_nothing_for_the_tree_section(tmp_path, tin
     (root / "params.yaml").write_text(yaml.safe_dump(raw, sort_keys=False))
     first = tpgrpo_run(root)
     assert first.returncode == 0, first.stdout[-3000:] + first.stderr[-3000:]
-    assert "tree" not in (root / "dvc.lock").read_text()
+    lock = yaml.safe_load((root / "dvc.lock").read_text())["stages"]
+    assert lock["code"]["params"]["params.yaml"]["tree.enabled"] is False
+    assert all("tree" not in json.dumps(entry) for name, entry in lock.items() if name != "code")
     lacking = {k: v for k, v in raw.items() if k != "tree"}  # the params as before the tree section existed
     (root / "params.yaml").write_text(yaml.safe_dump(lacking, sort_keys=False))
     status = subprocess.run([sys.executable, "-m", "dvc", "status"], cwd=root, env=env(), capture_output=True,
                             text=True)
-    assert status.returncode == 0 and "up to date" in status.stdout, status.stdout + status.stderr
+    assert status.returncode == 0 and "code:" in status.stdout, status.stdout + status.stderr
+    assert not any(f"{s}-0001" in status.stdout for s in ("rollout", "probe", "credit", "update", "eval")), status.stdout
     raw["tree"].update({"children": 3, "roots": 2, "split_steps": "0,1"})  # edited while off: inert
     (root / "params.yaml").write_text(yaml.safe_dump(raw, sort_keys=False))
     second = tpgrpo_run(root)

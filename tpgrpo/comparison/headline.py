@@ -84,7 +84,8 @@ def headline_row(curves: pd.DataFrame, variant: str, budget: int, target: float,
 
 def headline_table(curves: pd.DataFrame, runs: dict) -> pd.DataFrame:
     """Per main variant (``runs``: ``{variant: {seed: run}}``) how soon it reaches Flow-GRPO's best held-out
-    reward within the budget: see the module docstring. Empty without main flow_grpo runs, or where
+    reward within the budget (within its extra iterations for a mode extended at equal wall clock, as a
+    cheaper tree is): see the module docstring. Empty without main flow_grpo runs, or where
     flow_grpo's mean never rose above the base model's (there is then no reward to reach)."""
     main = [v for v, seeds in runs.items() if next(iter(seeds.values()))["family"] == "main"]
     if BASELINE_MODE not in main:
@@ -98,5 +99,13 @@ def headline_table(curves: pd.DataFrame, runs: dict) -> pd.DataFrame:
     order = [BASELINE_MODE, *sorted(set(main) - {BASELINE_MODE})]
     # seconds from the seeds every mode has: runs trained side by side; seeds added later ran under other load
     time_seeds = sorted(set.intersection(*(set(runs[v]) for v in order)))
-    rows = [headline_row(curves, v, budget, target, target_iteration, time_seeds) for v in order]
+    rows = [headline_row(curves, v, _horizon(runs[v], budget) if v != BASELINE_MODE else budget, target,
+                         target_iteration, time_seeds) for v in order]
     return pd.DataFrame(rows, columns=COLUMNS)
+
+
+def _horizon(seeds: dict, budget: int) -> int:
+    """How far a mode's curve is followed: the budget, or, for a mode the equal-wall pass extended (an arm
+    cheaper than flow_grpo, such as a tree), the iterations every seed of it was given: it reaches Flow-GRPO's
+    best there, if at all, and its seconds say what that cost."""
+    return max(budget, min(int(r["params"]["train"]["iterations"]) for r in seeds.values()))
