@@ -88,13 +88,7 @@ def code_path(stage: str, cfg: Config | dict) -> str | None:
     if stage not in PATH_SWITCHES:
         return None
     key, value, name = PATH_SWITCHES[stage]
-    section, _, leaf = key.partition(".")
-    if isinstance(cfg, dict):
-        values = cfg.get(section)
-        now = values.get(leaf) if isinstance(values, dict) else None
-    else:
-        now = getattr(getattr(cfg, section), leaf)
-    return name if now == value else None
+    return name if _value(cfg, key) == value else None
 
 
 def hashed_inputs(stage: str, cfg: Config | dict) -> list[str] | None:
@@ -107,14 +101,22 @@ def hashed_inputs(stage: str, cfg: Config | dict) -> list[str] | None:
     return [*keys, PATH_SWITCHES[stage][0]]
 
 
+def _value(cfg: Config | dict, key: str):
+    """``key`` (``"section.name"``) of a :class:`Config` (or anything with its attributes), or of params.yaml
+    parsed as a mapping (None where the section or key is missing)."""
+    section, _, name = key.partition(".")
+    if not isinstance(cfg, dict):
+        return getattr(getattr(cfg, section), name)
+    values = cfg.get(section)
+    return values.get(name) if isinstance(values, dict) else None
+
+
 def _switched_on(cfg: Config | dict, key: str) -> bool:
     """``key`` (``"tree.enabled"``) of a :class:`Config` (or anything with its attributes), or of params.yaml
     parsed as a mapping (what :func:`tpgrpo.pipeline.status.stage_params` reads: a missing section is off)."""
-    section, _, name = key.partition(".")
+    value = _value(cfg, key)
     if not isinstance(cfg, dict):
-        return bool(getattr(getattr(cfg, section), name))
-    values = cfg.get(section)
-    value = values.get(name) if isinstance(values, dict) else None
+        return bool(value)
     # DVC parses YAML 1.2, where `yes` and `on` are strings; the config loader (PyYAML, YAML 1.1) reads
     # them as true, and the stage then runs with the section switched on: so must this answer be.
     return value is True or value in YAML11_TRUE
