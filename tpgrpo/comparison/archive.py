@@ -21,13 +21,14 @@ from pathlib import Path
 
 from tpgrpo.comparison.provenance import MACHINE_FILE, NUMERIC_KINDS, mismatch
 from tpgrpo.comparison.runs import ITER_FILES, SUMMARY, discover
+from tpgrpo.pipeline.code_manifest import manifest_path
 from tpgrpo.errors import PipelineError
 
 MARKER = "ARCHIVE.json"
 ROOT_FILES = ("commands.txt", "equal_wall.json", "load_cost.json", "code/SNAPSHOT.json")
 POOLED_KEYS = {"train.seed", "train.iterations"}  # runs that differ in nothing else pool as seeds of one variant
 RUN_FILES = ("run.json", "params.yaml", str(SUMMARY), "data/iters/baseline_eval.json",
-             "data/iters/baseline_eval.parquet", MACHINE_FILE, *(f"data/code/{k}.json" for k in NUMERIC_KINDS))
+             "data/iters/baseline_eval.parquet", MACHINE_FILE, *(manifest_path(k) for k in NUMERIC_KINDS))
 ITERATION_FILES = (*ITER_FILES, "probe.json")  # what finishes an iteration, and the probe log where there is one
 
 

@@ -23,6 +23,8 @@ import platform
 import time
 from pathlib import Path
 
+from tpgrpo.pipeline.code_manifest import manifest_path
+
 MACHINE_FILE = "machine.json"
 # The stage kinds whose code computes a run's numbers (not eval_prompts / summary: they copy and collect).
 NUMERIC_KINDS = ("rollout", "probe", "credit", "update", "eval")
@@ -98,7 +100,7 @@ def code_record(folder: Path) -> dict | None:
     """``{kind: {"files": {path: md5}, "libraries": {...}}}`` of the run's numeric kinds, None without manifests."""
     out = {}
     for kind in NUMERIC_KINDS:
-        path = Path(folder) / "data" / "code" / f"{kind}.json"
+        path = Path(folder) / manifest_path(kind)
         if not path.is_file():
             return None
         record = json.loads(path.read_text())
