@@ -11,6 +11,7 @@ import json
 from pathlib import Path
 
 import pytest
+import yaml
 from test_comparison import FAKE_CODE, FAKE_MACHINE, fake_run, make_comparison, noisy, write_provenance
 
 from tpgrpo.comparison import runs as cmp
@@ -163,6 +164,58 @@ def test_a_tree_arm_extended_at_equal_wall_clock_is_paired_the_right_way_round(t
     # tree-tp gets there only in the iterations the equal-wall pass gave it (between 4 and 6)
     assert 4 < headline.loc["tree-tp", "iteration"] < 6 and headline.loc["tree-tp", "seconds"] > 0
     assert headline.loc["tree-incremental", "seeds_reaching"] == 0  # not extended: followed to the budget
+
+
+CHAIN_WALL = ("TP-GRPO on trees beats TP-GRPO on chains at equal wall-clock time (the tree given the iterations its "
+              "cheaper iteration buys)")
+
+
+@pytest.mark.parametrize("tree_to", [8, 16])
+def test_a_tree_arm_short_of_chain_tps_seconds_gets_no_equal_wall_verdict_against_it(tmp_path, tree_to):
+    """Chain tp costs 4x tree-tp per iteration: its 4 iterations buy the tree 16. A tree extended to 8 (what
+    flow_grpo's seconds buy) would pair at its nearest evaluated iteration, 8, with half chain tp's time: the
+    pair says so and the claim gets no verdict. Extended to 16, it is paired there, and flow_grpo's pair stays
+    at 8."""
+    out = tmp_path / "cmp"
+    tree_comparison(out)
+    base = noisy(0.3, 0)
+    for s in (0, 1):
+        fake_run(out, "tp", "tp", s, {0: base, 2: noisy(0.42, s + 40), 4: noisy(0.48, s + 41)}, 4, scale=0.48)
+        if tree_to == 16:
+            (out / "tree-tp" / f"seed{s}").rename(tmp_path / f"old{s}")
+            fake_run(out, "tree-tp", "tp", s, {0: base, **{i: noisy(0.4 + 0.02 * i, s + 20 + i) for i in
+                                                            range(2, 17, 2)}}, 4, planned=16, scale=0.12,
+                     overrides={"tree.enabled": True})
+    tables = collect(out, n_boot=50)
+    pairs = tables["pairs"].set_index(["a", "b", "kind"])
+    chain = pairs.loc[("tp", "tree-tp", "equal_wall")]
+    claim = tables["claims"].set_index("claim").loc[CHAIN_WALL]
+    assert pairs.loc[("flow_grpo", "tree-tp", "equal_wall"), "iteration_b"] == "8"
+    if tree_to == 8:
+        assert chain["reward_diff"] != chain["reward_diff"]  # NaN: not compared
+        assert "tree-tp seed 0 is evaluated to iteration 8 of the 16 that tp's training seconds buy" in chain["note"]
+        assert claim["verdict"] == "not run" and "of the 16" in claim["note"]
+    else:
+        assert chain["iteration_b"] == "16" and claim["reward_diff"] == pytest.approx(-chain["reward_diff"])
+        assert claim["verdict"] == "confirmed"  # 0.72 against 0.48
+
+
+def test_equal_wall_passes_of_one_target_against_two_references_are_both_kept(tmp_path):
+    """flow_grpo's seconds and chain tp's seconds each buy the tree its own count: one record each; the tree's
+    params keep the larger (a second pass never lowers them)."""
+    out = tmp_path / "cmp"
+    tree_comparison(out)
+    for s in (0, 1):
+        fake_run(out, "tp", "tp", s, {0: noisy(0.3, 0), 2: noisy(0.42, s), 4: noisy(0.48, s)}, 4, scale=0.48)
+    by_chain, _ = cmp.equal_wall_plan(out, "tp", "tree-tp")
+    by_flow, _ = cmp.equal_wall_plan(out, "flow_grpo", "tree-tp")
+    records = cmp.equal_wall_records(out)
+    assert [(r["reference"], r["iterations"]) for r in records] == [("tp", by_chain["iterations"]),
+                                                                   ("flow_grpo", by_flow["iterations"])]
+    assert by_chain["iterations"] > by_flow["iterations"]
+    planned = {yaml.safe_load((out / "tree-tp" / f"seed{s}" / "params.yaml").read_text())["train"]["iterations"]
+               for s in (0, 1)}
+    assert planned == {by_chain["iterations"]}
 
 
 def test_tree_modes_make_tree_arms_with_the_tree_switched_on(tmp_path):

@@ -65,6 +65,8 @@ TREE_CLAIMS = (
           "iterations its cheaper iteration buys)", TREE_PAPERS, Pair(TREE, BASELINE_MODE, "equal_wall"), mirror=True),
     Claim("tree_beats_chain", "TP-GRPO on trees beats TP-GRPO on chains at the same iteration", TREE_PAPERS,
           Pair(TREE, "tp")),
+    Claim("tree_equal_wall_chain", "TP-GRPO on trees beats TP-GRPO on chains at equal wall-clock time (the tree "
+          "given the iterations its cheaper iteration buys)", TREE_PAPERS, Pair(TREE, "tp", "equal_wall"), mirror=True),
     Claim("tree_turning_points", "on trees, turning points beat incremental credit at the same iteration",
           TREE_PAPERS, Pair(TREE, "tree-incremental")),
 )

@@ -218,9 +218,21 @@ def _sides(pair: Pair, runs: dict, curves: pd.DataFrame) -> tuple[list, list, li
     for s in seeds:
         run = runs[pair.b][s]
         rows = _evaluated(curves, pair.b, s)
+        short = _short_of(rows, target, int(run["params"]["eval"]["every"]))
+        if short:
+            return (f"{pair.b} seed {s} is evaluated to iteration {short[0]} of the {short[1]} that {pair.a}'s "
+                    f"training seconds buy (tpgrpo compare equal-wall --reference {pair.a} --target {pair.b})")
         nearest = rows.iloc[int(np.argmin(np.abs(rows["iteration"].to_numpy() - target)))]
         b.append((run["folder"], int(nearest["iteration"]), float(nearest["net_cum_seconds" if net else "cum_seconds"])))
     return a, b, seeds
+
+
+def _short_of(rows: pd.DataFrame, target: float, every: int) -> tuple[int, int] | None:
+    """(last evaluated, needed) where B's evaluated iterations stop short of the eval-grid iteration nearest
+    ``target``: its nearest evaluated iteration would then be one with less training time than A's."""
+    needed = max(1, every) * round(target / max(1, every))
+    last = int(rows["iteration"].max())
+    return (last, needed) if last < needed else None
 
 
 def _seconds_per_iteration(curves: pd.DataFrame, variant: str, seeds: Sequence[int], budget: int,

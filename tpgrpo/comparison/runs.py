@@ -10,7 +10,7 @@ Layout under the output root ``OUT``::
                               variant's overrides, credit.mode, train.seed), run.json (variant, mode, seed,
                               overrides, iteration budget), data/base and prompt files (hard links), the code
                               (hard links to OUT/code), run.log (every attempt appended)
-    OUT/equal_wall.json       the equal-wall-clock passes, one record per target: measured seconds per
+    OUT/equal_wall.json       the equal-wall-clock passes, one record per (reference, target): measured seconds per
                               iteration, iterations given
     OUT/commands.txt          the command lines that built OUT (the report quotes them)
 
@@ -375,14 +375,16 @@ def equal_wall_plan(out: Path, reference: str = "tp", target: str = BASELINE_MOD
             params["train"]["iterations"] = iterations
             path.write_text(yaml.safe_dump(params, sort_keys=False))
         specs.append(spec_of(r))
-    others = [r for r in equal_wall_records(out) if r["target"] != target]  # one record per target
+    # one record per (reference, target): a tree arm is given the iterations flow_grpo's time buys and, in a
+    # second pass, those chain tp's time buys (its params keep the larger)
+    others = [r for r in equal_wall_records(out) if (r.get("reference"), r["target"]) != (reference, target)]
     with atomic_path(out / "equal_wall.json") as tmp:
         tmp.write_text(json.dumps([*others, record], indent=2, sort_keys=True) + "\n")
     return record, specs
 
 
 def equal_wall_records(out: Path) -> list[dict]:
-    """The equal-wall passes recorded under OUT, one per target variant (an older single record is read
+    """The equal-wall passes recorded under OUT, one per (reference, target) (an older single record is read
     as a list of one); [] without a pass."""
     path = Path(out) / "equal_wall.json"
     if not path.is_file():
