@@ -232,3 +232,17 @@ def test_tree_modes_make_tree_arms_with_the_tree_switched_on(tmp_path):
         _variants("", "0", [], [], "", "", "", "", tree_modes="tpx")
     with pytest.raises(ConfigError, match="both empty"):
         _variants("", "0", [], [], "", "", "", "", tree_modes="")
+
+
+def test_mode_set_gives_a_tree_arm_its_own_shape_and_leaves_the_chains_alone():
+    from tpgrpo.comparison.cli import _variants
+    from tpgrpo.config import ConfigError
+
+    arms = {v.name: v for v in _variants("flow_grpo,tp", "0", [], ["tree-tp:tree.roots=4", "tp:update.lr=0.01"],
+                                         "", "", "", "", tree_modes="tp")}
+    assert arms["tree-tp"].overrides == {"tree.roots": 4, "tree.enabled": True}
+    assert arms["tp"].overrides == {"update.lr": 0.01} and arms["flow_grpo"].overrides == {}
+    with pytest.raises(ConfigError, match="'tree-incremental': not among the tree arms \\(tree-tp\\)"):
+        _variants("flow_grpo", "0", [], ["tree-incremental:tree.roots=2"], "", "", "", "", tree_modes="tp")
+    with pytest.raises(ConfigError, match="no --tree-modes"):
+        _variants("flow_grpo", "0", [], ["tree-tp:tree.roots=2"], "", "", "", "")

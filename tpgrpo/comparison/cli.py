@@ -69,10 +69,14 @@ def _variants(modes: str, seeds: str, set_: list[str], mode_set: list[str], lr_s
         if not sep:
             raise ConfigError(f"--mode-set {item!r}: expected MODE:section.key=value")
         per_mode.setdefault(mode, {}).update(arms.parse_assignments([assignment], "--mode-set"))
+    per_tree = {m: per_mode.pop(m) for m in list(per_mode) if m.startswith(arms.TREE_PREFIX)}
     main = arms.main_variants(_list(modes, str, "--modes"), _list(seeds, int, "--seeds"),
                              arms.parse_assignments(set_, "--set"), per_mode) if modes else []
-    variants = [*main, *(arms.tree_variants(_list(tree_modes, str, "--tree-modes"), _list(seeds, int, "--seeds"),
-                                            arms.parse_assignments(set_, "--set")) if tree_modes else [])]
+    trees = arms.tree_variants(_list(tree_modes, str, "--tree-modes"), _list(seeds, int, "--seeds"),
+                               arms.parse_assignments(set_, "--set"), per_tree) if tree_modes else []
+    if per_tree and not tree_modes:
+        raise ConfigError(f"--mode-set {next(iter(per_tree))}: no --tree-modes to apply it to")
+    variants = [*main, *trees]
     if not variants:
         raise ConfigError("--modes and --tree-modes are both empty: nothing to train")
     if lr_sweep:
@@ -97,8 +101,8 @@ def run_command(
     iterations: Annotated[int, typer.Option(help="iteration budget of every run (train.iterations)")] = 12,
     set_: Annotated[Optional[list[str]], typer.Option("--set", help="params override for every run, "
                                                       "section.key=value (repeatable)")] = None,
-    mode_set: Annotated[Optional[list[str]], typer.Option("--mode-set", help="override for one mode, "
-                                                          "MODE:section.key=value (repeatable)")] = None,
+    mode_set: Annotated[Optional[list[str]], typer.Option("--mode-set", help="override for one arm, "
+                                                          "MODE:section.key=value or tree-MODE:... (repeatable)")] = None,
     lr_sweep: Annotated[str, typer.Option(help="extra update.lr values per mode, comma-separated")] = "",
     sweep_seeds: Annotated[str, typer.Option(help="training seeds of the lr sweep")] = "0,1,2",
     ablations: Annotated[str, typer.Option(help="paper ablations of tp: all or some of noise0.4,noise1.0,"

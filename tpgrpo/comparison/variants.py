@@ -78,13 +78,20 @@ def main_variants(modes: Sequence[str], seeds: Sequence[int], overrides: dict[st
 TREE_PREFIX = "tree-"  # a tree arm's name: the prefix and its credit mode (tree-tp)
 
 
-def tree_variants(modes: Sequence[str], seeds: Sequence[int], overrides: dict[str, Any] | None = None) -> list[Variant]:
+def tree_variants(modes: Sequence[str], seeds: Sequence[int], overrides: dict[str, Any] | None = None,
+                  arm_overrides: dict[str, dict[str, Any]] | None = None) -> list[Variant]:
     """Credit modes trained on ODE-anchored trees (``tree.enabled``, docs/tree.md) instead of chains: main
-    arms named ``tree-MODE``, compared with flow_grpo's chains like every main arm."""
+    arms named ``tree-MODE``, compared with flow_grpo's chains like every main arm. ``arm_overrides``: per
+    arm name (``tree-tp``), e.g. a tree shape for the tree arm alone."""
     bad = [m for m in modes if m not in MODES]
     if bad:
         raise ConfigError(f"tree modes {list(modes)}: expected some of {', '.join(MODES)}")
-    return [Variant(f"{TREE_PREFIX}{m}", m, {**(overrides or {}), "tree.enabled": True}, tuple(seeds)) for m in modes]
+    names = [f"{TREE_PREFIX}{m}" for m in modes]
+    for name in arm_overrides or {}:
+        if name not in names:
+            raise ConfigError(f"per-arm override for {name!r}: not among the tree arms ({', '.join(names)})")
+    return [Variant(n, m, {**(overrides or {}), **(arm_overrides or {}).get(n, {}), "tree.enabled": True},
+                    tuple(seeds)) for n, m in zip(names, modes)]
 
 
 def lr_sweep_variants(main: Sequence[Variant], lrs: Sequence[float], seeds: Sequence[int]) -> list[Variant]:
