@@ -31,11 +31,11 @@ def rescore(cfg, root: Path, policy_iteration: int, iteration: int, batch, attrs
 
     backend = load_policy(cfg, root, policy_iteration)
     embeds = prompt_embeddings(cfg, root, iteration, backend, [m["prompt"] for m in attrs["prompts"]])
-    out = []
+    sampling, out = sampling_from_attrs(attrs), []
     with torch.no_grad():
         for start in range(0, n_idx.numel(), 64):
             step, _ = _forward(backend, embeds, batch, n_idx[start:start + 64], k_idx[start:start + 64],
-                               sampling_from_attrs(attrs), reference=False)
+                               sampling, reference=False)
             out.append(step.log_prob.cpu().double())
     return torch.cat(out)
 
