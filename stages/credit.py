@@ -34,7 +34,7 @@ def credit_table(probe: pd.DataFrame, cfg: Config) -> pd.DataFrame:
         from tpgrpo.algo.tree_credit import tree_credit_table
 
         c = cfg.credit
-        return tree_credit_table(probe, c.mode, c.balance, c.global_std, c.adv_clip)
+        return tree_credit_table(probe, c.mode, c.balance, c.global_std, c.adv_clip, baseline=cfg.tree.baseline)
     probe = probe.sort_values(["trajectory", "step"], kind="stable")
     N = probe["trajectory"].nunique()
     K1 = len(probe) // N

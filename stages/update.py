@@ -71,6 +71,8 @@ def train_epochs(update_pass, cfg: Config, iteration: int, bar) -> dict:
         metrics[key] = passes[-1][key]
     for key in ("optimizer_steps", "forward_passes"):
         metrics[key] = sum(p[key] for p in passes)
+    # Each pass fits the same transitions (reshuffled), so its steps' share is the pass's.
+    metrics["transitions_per_step"] = passes[0]["num_transitions"] / max(1, passes[0]["optimizer_steps"])
     metrics["epochs"] = epochs
     return metrics
 

@@ -26,7 +26,7 @@ TINY_PARAMS_OVERRIDES = {
     "rollout": {"prompts_per_iter": 3, "group_size": 4, "batch_size": 8},
     "probe": {"batch_size": 8},
     "update": {"lora_rank": 4, "lora_alpha": 8, "micro_batch": 8, "optimizer_steps_per_iter": 2, "epochs": 1,
-               "lr": 1.0e-2, "clip_range": 0.2},
+               "lr": 1.0e-2, "clip_range": 0.2, "min_transitions_per_step": 1},
     "eval": {"every": 1, "num_steps": 4, "num_prompts": 2, "samples_per_prompt": 2, "seed": 0},
     "train": {"iterations": 2},
 }

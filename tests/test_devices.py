@@ -310,7 +310,8 @@ def _update_once(backend, kl_beta: float, micro_batch: int = 5, store=None) -> d
     sampling = SamplingConfig(num_steps=4, shift=1.0, guidance_scale=4.5, step_kind="sde", noise_level=0.7,
                               window_start=0, window_size=3)
     update_cfg = dataclasses.replace(Config().update, lora_rank=4, lora_alpha=8, lr=1e-2, micro_batch=micro_batch,
-                                     optimizer_steps_per_iter=2, kl_beta=kl_beta)
+                                     optimizer_steps_per_iter=2, kl_beta=kl_beta,
+                                     min_transitions_per_step=1)
     advantages = torch.randn(len(SEEDS), 3, generator=torch.Generator().manual_seed(1))
     optimizer = make_optimizer(backend, update_cfg)
     return update_policy(backend, embeds, batch, advantages, sampling, update_cfg, optimizer, seed=0)

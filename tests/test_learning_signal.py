@@ -35,7 +35,7 @@ def _shipped_project(root):
     params["rollout"].update(prompts_per_iter=8, group_size=8, batch_size=64)
     params["probe"]["batch_size"] = 128
     params["update"].update(lora_rank=16, lora_alpha=32, lr=1e-3, clip_range=1e-2, optimizer_steps_per_iter=16,
-                            epochs=2, micro_batch=64)
+                            epochs=2, micro_batch=64, min_transitions_per_step=1)
     (root / "params.yaml").write_text(yaml.safe_dump(params, sort_keys=False))
     return root
 

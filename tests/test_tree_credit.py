@@ -7,7 +7,8 @@ import math
 import pytest
 import torch
 
-from tpgrpo.algo.tree_credit import check_tree, leaf_means, root_q, tree_advantages, tree_credit
+from tpgrpo.algo.tree_credit import (check_tree, leaf_means, ode_siblings, root_q, sibling_advantages,
+                                     tree_advantages, tree_credit)
 
 # One prompt, R = 1 root r, m = 1, three split depths; edges A..N (indices 0..13), ODE child listed first:
 #   depth 0: r -> A (ODE), B (SDE)
@@ -125,6 +126,61 @@ def test_advantages_by_depth_by_hand():
     s2 = math.sqrt(var2) + 1e-4
     want[7], want[9], want[11], want[13] = -0.2625 / s2, 0.4375 / s2, -0.2625 / s2, 0.3375 / s2
     _close(adv, want)  # ODE edges (even indices) are 0: no policy
+
+
+# Each edge's ODE sibling (the ODE edge out of the same parent node): A for A and B, C for C and D, ...
+SIBLING = [i - i % 2 for i in range(14)]
+
+
+def _sibling_adv(step_reward):
+    sib = ode_siblings(torch.tensor(PARENT), torch.zeros(14, dtype=torch.int64), torch.tensor(SDE))
+    assert sib.tolist() == SIBLING
+    return sibling_advantages(step_reward, torch.tensor(DEPTH), torch.tensor(SDE), sib)
+
+
+def _centred_by_depth(adv):
+    """The trained (SDE) advantages of each depth sum to 0; ODE edges are 0."""
+    depth, sde = torch.tensor(DEPTH), torch.tensor(SDE)
+    assert (adv[~sde] == 0).all()
+    for j in range(3):
+        assert abs(float(adv[(depth == j) & sde].sum())) < 1e-12, j
+
+
+def test_ode_sibling_advantages_are_centred_by_hand():
+    """tree.baseline ode_sibling (issue 45): u = r - r(ODE sibling), centred and scaled per depth over the
+    SDE edges. tp step rewards: B -.2; D -.1, F .5 (a turning point: B = .8 - .3); H -.2, J .5, L -.2, N .4;
+    ODE edges 0 (d = 0, never a turning point), so u = r."""
+    adv = _sibling_adv(_result("tp").step_reward)
+    want = [0.0] * 14
+    # depth 0: B alone: nothing to compare it with, 0 (the old rule gave it -.1 / (.1 + 1e-4) = -1: its sign)
+    # depth 1: D -.1, F .5 -> mean .2, std .3
+    want[3], want[5] = -0.3 / (0.3 + 1e-4), 0.3 / (0.3 + 1e-4)
+    # depth 2: -.2, .5, -.2, .4 -> mean .125, var (2 * .325^2 + .375^2 + .275^2) / 4
+    s2 = math.sqrt((2 * 0.325**2 + 0.375**2 + 0.275**2) / 4) + 1e-4
+    want[7], want[9], want[11], want[13] = -0.325 / s2, 0.375 / s2, -0.325 / s2, 0.275 / s2
+    _close(adv, want)
+    _centred_by_depth(adv)
+    # The old rule's trained advantages are not centred: depth 2's sum to (2 * -.2625 + .4375 + .3375) / s > 0.
+    old = tree_advantages(_result("tp").step_reward, torch.tensor(DEPTH), torch.tensor(SDE),
+                          torch.zeros(14, dtype=torch.int64))
+    assert float(old[torch.tensor(DEPTH) == 2].sum()) > 0.1
+
+
+def test_ode_sibling_baseline_subtracts_the_ode_edges_own_reward():
+    """flow_grpo gives ODE edges a step reward too (their leaf mean F): u = F - F(ODE sibling).
+    Depth 1: D .65 - .4 = .25, F .8 - .2 = .6 -> mean .425, std .175; depth 2 as tp's (F = Q(child) there)."""
+    adv = _sibling_adv(_result("flow_grpo").step_reward)
+    assert float(adv[1]) == 0.0
+    _close(adv[[3, 5]], [-0.175 / (0.175 + 1e-4), 0.175 / (0.175 + 1e-4)])
+    _centred_by_depth(adv)
+
+
+def test_ode_siblings_at_depth_zero_are_per_root_and_a_missing_ode_child_is_one_line():
+    # Two roots (ids 7, 9), each: an ODE and an SDE edge at depth 0 (parent -1).
+    parent, root = torch.tensor([-1, -1, -1, -1]), torch.tensor([7, 7, 9, 9])
+    assert ode_siblings(parent, root, torch.tensor([False, True, False, True])).tolist() == [0, 0, 2, 2]
+    with pytest.raises(ValueError, match=r"^tree edge 2: no ODE sibling[^\n]*$"):
+        ode_siblings(parent, root, torch.tensor([False, True, True, True]))
 
 
 def test_malformed_trees_are_one_line_errors():

@@ -23,7 +23,7 @@ from tpgrpo.config import Config, config_from_dict
 from tpgrpo.pipeline.dvcfile import dvc_yaml_text, render
 from tpgrpo.pipeline.status import stage_params
 from tpgrpo.stage_common import provenance
-from tpgrpo.stage_params import STAGE_PARAMS
+from tpgrpo.stage_params import STAGE_PARAMS, TREE_SHAPE
 
 STAGES = ("rollout", "probe", "credit", "update", "eval", "eval_prompts", "baseline", "summary")
 # The rollout section as on main 11d501c, before the tree: its recorded params and hash must stay these keys'.
@@ -69,18 +69,25 @@ def test_with_tree_off_a_tree_edit_re_runs_nothing(tmp_path):
     assert all(stage_params(params, s) == stage_params(edited_params, s) for s in STAGES)
 
 
-def test_with_tree_on_the_rollout_lists_the_tree_section_and_hashes_it(tmp_path):
+def test_with_tree_on_the_rollout_lists_the_shape_and_credit_the_baseline(tmp_path):
     chain, _ = _project(tmp_path, "chain")
     tree, params = _project(tmp_path, "on", enabled=True, split_steps="0,1")
     wider, _ = _project(tmp_path, "on_wider", enabled=True, split_steps="0,1", children=2)
+    grouped, _ = _project(tmp_path, "on_grouped", enabled=True, split_steps="0,1", baseline="depth_group")
     stages = render(tree, tmp_path)["stages"]
-    assert stages["rollout-0001"]["params"] == [*STAGE_PARAMS["rollout"], "tree"]
-    assert all("tree" not in s.get("params", []) for n, s in stages.items() if not n.startswith("rollout-"))
+    assert stages["rollout-0001"]["params"] == [*STAGE_PARAMS["rollout"], "tree.enabled", *TREE_SHAPE]
+    assert stages["credit-0001"]["params"] == [*STAGE_PARAMS["credit"], "tree.baseline"]
+    # (the code stage lists the switch: it decides what dvc.yaml lists)
+    assert all(not any(p.startswith("tree") and p != "tree.enabled" for p in s.get("params", []))
+               for n, s in stages.items() if not n.startswith(("rollout-", "credit-")))
     assert {"tree.enabled", "tree.children"} <= set(stage_params(params, "rollout"))
-    on, more, off = _hashes(tree), _hashes(wider), _hashes(chain)
+    on, more, off, regrouped = _hashes(tree), _hashes(wider), _hashes(chain), _hashes(grouped)
     assert on["rollout"] != more["rollout"] and on["rollout"] != off["rollout"]
-    # Only the rollout reads the tree keys; what follows re-runs through the rollout's outputs.
+    # Only the rollout reads the shape; what follows re-runs through the rollout's outputs.
     assert {s: h for s, h in on.items() if s != "rollout"} == {s: h for s, h in more.items() if s != "rollout"}
+    # The baseline is the credit stage's alone: the rollout's hash (so its store) stays (issue 45).
+    assert {s: h for s, h in on.items() if s != "credit"} == {s: h for s, h in regrouped.items() if s != "credit"}
+    assert on["credit"] != regrouped["credit"]
 
 
 @pytest.mark.parametrize("spelling", ["yes", "on", "True"])

@@ -15,14 +15,16 @@ from tpgrpo.models.tiny import TinyConfig, build_tiny
 from tpgrpo.algo.sampling import ode_step, stochastic_step
 from tpgrpo.algo.schedule import flow_sigmas
 from tpgrpo.policy.checkpoint import load_training_state, save_policy
-from tpgrpo.policy.update import TransitionBatch, make_optimizer, select_transitions, update_policy
+from tpgrpo.policy.update import (TransitionBatch, make_optimizer, optimizer_steps, select_transitions,
+                                   update_policy)
 
 TINY = TinyConfig(image_size=16, patch_size=4, num_layers=2, num_heads=2, head_dim=8, text_layers=1,
                   text_hidden=16, text_heads=2, text_intermediate=32, max_length=8)
 PROMPTS = ["red circle", "blue square"]
 T, K = 4, 3  # steps 0..2 stochastic (the window), step 3 (-> sigma 0) ODE
 UPD = UpdateConfig(lora_rank=4, lora_alpha=8, lr=1e-2, weight_decay=0.0, clip_range=0.2, kl_beta=0.0,
-                   optimizer_steps_per_iter=2, micro_batch=4, max_grad_norm=1.0, ema=False)
+                   optimizer_steps_per_iter=2, micro_batch=4, max_grad_norm=1.0, ema=False,
+                   min_transitions_per_step=1)
 
 
 def sampling(kind: str = "sde") -> SamplingConfig:
@@ -90,6 +92,29 @@ def test_first_pass_ratio_is_one_on_fresh_data(kind, kl_beta):
     assert all(v is not None and v < 1e-5 for v in metrics["first_pass_ratio_dev_per_step"])
     assert (metrics["kl"] > 0) == (kl_beta > 0)
     assert metrics["forward_passes"] == 8 * K * (2 if kl_beta else 1) + min(64, 8 * K)
+
+
+def test_the_step_count_follows_the_data():
+    """Issue 45's rule: min(max steps, max(1, transitions // min_transitions_per_step))."""
+    assert optimizer_steps(576, 4, 100) == 4  # the default chain: today's 4 steps
+    assert optimizer_steps(432, 4, 100) == 4  # the fewest a default geneval_soft chain trained (archived)
+    assert optimizer_steps(399, 4, 100) == 3
+    assert optimizer_steps(49, 4, 100) == 1  # a default tree: one step on all of it
+    assert optimizer_steps(0, 4, 100) == 1 and optimizer_steps(5000, 4, 1) == 4
+    with pytest.raises(ValueError, match="min_transitions_per_step must be >= 1"):
+        optimizer_steps(10, 4, 0)
+
+
+def test_an_update_on_few_transitions_takes_fewer_steps_and_records_them():
+    backend, embeds = make_policy()
+    batch = rollout(backend, embeds, "sde")  # 8 samples x 3 steps = 24 transitions
+    adv = torch.randn(8, K, generator=torch.Generator().manual_seed(3))
+    for floor, steps in ((1, 2), (12, 2), (13, 1), (100, 1)):
+        cfg = dataclasses.replace(UPD, min_transitions_per_step=floor)
+        metrics = update_policy(backend, embeds, batch, adv, sampling("sde"), cfg, make_optimizer(backend, cfg),
+                                seed=0, ratio_tolerance=None)
+        assert metrics["optimizer_steps"] == steps, floor
+        assert metrics["transitions_per_step"] == 24 / steps
 
 
 @pytest.mark.parametrize("kind", ["sde", "cps"])

@@ -116,7 +116,7 @@ PROJECT_PARAMS = {  # one short iteration: 2 prompts x 2 samples, T = 3 (window 
     "rollout": {"prompts_per_iter": 2, "group_size": 2, "batch_size": 4},
     "probe": {"batch_size": 8},
     "update": {"lora_rank": 4, "lora_alpha": 8, "micro_batch": 8, "optimizer_steps_per_iter": 2,
-               "lr": 2.0e-2, "clip_range": 0.2},
+               "lr": 2.0e-2, "clip_range": 0.2, "min_transitions_per_step": 1},
     "train": {"iterations": 1},
 }
 

@@ -66,10 +66,17 @@ STAGE_PARAMS = {
     "summary": [*MODEL_PARAMS, "task.eval_prompts", "sampling", "eval", "rollout.batch_size", "update.lora_rank",
                 "update.lora_alpha", "credit.mode", "train.iterations"],
 }
-# Sections a stage reads only in some configurations, each with the test that says when. With the test false
-# the stage never reads the section, so it is not an input: editing it re-runs nothing, and a key added to it
-# leaves every existing stage's recorded params and config_hash as they were (a long run's history stays done).
-CONDITIONAL_PARAMS = {"rollout": [("tree", "tree.enabled")]}  # (section, the bool key that switches it on)
+# Keys a stage reads only in some configurations, each group with the switch that says when. With the switch
+# off the stage never reads them, so they are not inputs: editing them re-runs nothing, and a key added to the
+# section leaves every existing stage's recorded params and config_hash as they were (a long run's history
+# stays done).
+# The tree's shape is the rollout's; how its advantages are centred is the credit stage's, so editing
+# tree.baseline re-runs credit and update, not the rollout (issue 45).
+TREE_SHAPE = ("tree.split_steps", "tree.children", "tree.roots")
+CONDITIONAL_PARAMS = {  # stage: [(the keys, the bool key that switches them on)]
+    "rollout": [(("tree.enabled", *TREE_SHAPE), "tree.enabled")],
+    "credit": [(("tree.baseline",), "tree.enabled")],
+}
 
 
 # Params a stage reads only to pick one of two code paths, each with the value that picks the other path and
@@ -135,14 +142,14 @@ def switches(stage: str) -> list[str]:
 
 def stage_inputs(stage: str, cfg: Config | dict) -> list[str] | None:
     """The params stage ``stage`` reads under ``cfg`` (a :class:`Config` or parsed params.yaml):
-    :data:`STAGE_PARAMS`' list plus each conditional section switched on (the rollout lists ``tree`` only
-    while ``tree.enabled``). What dvc.yaml lists and what a stage notes it read; ``config_hash`` hashes
+    :data:`STAGE_PARAMS`' list plus each conditional group switched on (the rollout lists the tree's shape keys
+    and the credit stage ``tree.baseline`` only while ``tree.enabled``). What dvc.yaml lists and what a stage notes it read; ``config_hash`` hashes
     :func:`hashed_inputs`.
     None for a name no stage has."""
     keys = STAGE_PARAMS.get(stage)
     if keys is None:
         return None
-    extra = [section for section, switch in CONDITIONAL_PARAMS.get(stage, []) if _switched_on(cfg, switch)]
+    extra = [key for group, switch in CONDITIONAL_PARAMS.get(stage, []) if _switched_on(cfg, switch) for key in group]
     return [*keys, *extra]
 
 

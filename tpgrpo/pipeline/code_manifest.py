@@ -52,7 +52,7 @@ ALL_CODE = ["stages", "tpgrpo"]
 # A conditional section's switch (tree.enabled) too: it decides whether the rollout lists the section, so
 # `dvc exp run -S tree.enabled=true` re-runs the code stage, which then refuses the stale dvc.yaml.
 RENDER_PARAMS = ["train.iterations", "train.block_size", "model.path", "task", *inputs("reward_models"),
-                 *(switch for pairs in CONDITIONAL_PARAMS.values() for _, switch in pairs)]
+                 *dict.fromkeys(switch for pairs in CONDITIONAL_PARAMS.values() for _, switch in pairs)]
 # The params the manifests read: the keys that pick a stage kind's code path (tpgrpo.stage_params.PATH_SWITCHES;
 # the probe's manifest says "path": "final_reward" under credit.mode flow_grpo). The code stage lists them too,
 # so it re-runs (a second) when one changes, and rewrites a manifest only when the path changed.

@@ -262,6 +262,21 @@ def _after_stats(run: _Pass, n_idx, k_idx) -> dict:
     return {**stats.means(suffix="_after"), "ratio_max_dev_after": max_dev}
 
 
+def optimizer_steps(num_transitions: int, max_steps: int, min_transitions_per_step: int) -> int:
+    """How many optimizer steps one pass over ``num_transitions`` trained transitions takes:
+    ``min(max_steps, max(1, num_transitions // min_transitions_per_step))``.
+
+    Why: AdamW moves each weight by about ``lr`` per step whatever the data behind the step, so a fixed step
+    count fitted to a small iteration (a default tree trains ~50 transitions, a chain 576) takes as many
+    full-size steps on much noisier gradients (issue 45: the tree unlearned geneval_soft at 4 steps per
+    iteration). With the defaults (4 steps, 100 transitions) a chain keeps its 4 steps from 400 transitions
+    up; a default tree takes 1. At least one step: an iteration with any data trains on it."""
+    if max_steps < 1 or min_transitions_per_step < 1:
+        raise ValueError(f"max_steps and min_transitions_per_step must be >= 1, got {max_steps}, "
+                         f"{min_transitions_per_step}")
+    return min(max_steps, max(1, num_transitions // min_transitions_per_step))
+
+
 def select_transitions(advantages: torch.Tensor, seed: int,
                        stochastic: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """``(n_idx, k_idx)`` of every transition of the kept samples, shuffled by ``seed``, ``(M,)`` each.
@@ -315,7 +330,7 @@ def update_policy(backend, embeds, batch: TransitionBatch, advantages: torch.Ten
         seed = int(torch.randint(0, 2**62, (1,)))
     dist = dist if dist is not None else Dist()
     n_idx, k_idx = select_transitions(advantages.detach().cpu(), seed, stochastic=batch.sigmas[:, 1:] > 0)
-    steps = update_cfg.optimizer_steps_per_iter
+    steps = optimizer_steps(n_idx.numel(), update_cfg.optimizer_steps_per_iter, update_cfg.min_transitions_per_step)
     chunks = [c for c in zip(torch.tensor_split(n_idx, steps), torch.tensor_split(k_idx, steps)) if c[0].numel()]
     run = _Pass(backend, embeds, batch, advantages.detach().float().cpu(), sampling_cfg, update_cfg, dist, progress)
     run.counters["total_micro_batches"] = sum(
@@ -336,6 +351,7 @@ def update_policy(backend, embeds, batch: TransitionBatch, advantages: torch.Ten
     metrics = {**stats.means(), "first_pass_ratio_max_dev": float(first[0]),
                "first_pass_ratio_dev_per_step": [None if v < 0 else float(v) for v in first[1:].tolist()],
                "grad_norm": sum(norms) / len(norms) if norms else 0.0, "optimizer_steps": len(chunks),
+               "transitions_per_step": n_idx.numel() / len(chunks) if chunks else 0.0,
                "num_transitions": int(n_idx.numel()), "num_samples": int(n_idx.unique().numel())}
     after = {"approx_kl_after": 0.0, "clip_fraction_after": 0.0, "ratio_max_dev_after": 0.0}
     if chunks:
