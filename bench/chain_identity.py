@@ -6,7 +6,10 @@ tree work this way: the tree keys live in the params' own `tree` section, which 
     (cd /tmp/old && OMP_NUM_THREADS=1 PYTHONPATH=/tmp/old python $OLDPWD/bench/chain_identity.py /tmp/old /tmp/old.json)
     OMP_NUM_THREADS=1 PYTHONPATH=. python bench/chain_identity.py . /tmp/new.json && diff /tmp/old.json /tmp/new.json
 
-argv[1]: the checkout whose params.yaml and prompts to use (its code first on sys.path); argv[2]: the output JSON.
+argv[1]: the checkout whose params.yaml and prompts to use (its code first on sys.path); argv[2]: the output JSON;
+argv[3] (optional): more ``update`` overrides as JSON, e.g. '{"epochs": 2, "optimizer_steps_per_iter": 4}'. A
+checkout that has ``update.min_transitions_per_step`` (issue 45) gets 1, so its step count is the fixed one
+older checkouts take: the comparison is of the code, not of the step rule.
 Digests (md5): every ``trajectories.zarr`` array, the probe and credit tables' contents, the LoRA weights; and
 the ``config_hash`` of the store and of the probe and credit tables (each stage's params, hashed).
 """
@@ -30,7 +33,7 @@ OVERRIDES = {"task": {"reward": "jpeg_compressibility"}, "sampling": {"num_steps
                         "lr": 1.0e-2, "clip_range": 0.2}}
 
 
-def make_project(code: Path, root: Path) -> Path:
+def make_project(code: Path, root: Path, update: dict | None = None) -> Path:
     """The tiny project: a fresh tiny model, ``code``'s prompts and params.yaml with ``OVERRIDES``."""
     import yaml
 
@@ -41,6 +44,9 @@ def make_project(code: Path, root: Path) -> Path:
     raw = yaml.safe_load((code / "params.yaml").read_text())
     for section, values in OVERRIDES.items():
         raw[section].update(values)
+    raw["update"].update(update or {})
+    if "min_transitions_per_step" in raw["update"]:
+        raw["update"]["min_transitions_per_step"] = 1
     (root / "params.yaml").write_text(yaml.safe_dump(raw, sort_keys=False))
     return root
 
@@ -72,7 +78,7 @@ def main() -> None:
 
     code, output = Path(sys.argv[1]).resolve(), Path(sys.argv[2])
     with tempfile.TemporaryDirectory() as tmp:
-        root = make_project(code, Path(tmp) / "project")
+        root = make_project(code, Path(tmp) / "project", json.loads(sys.argv[3]) if len(sys.argv) > 3 else None)
         cfg = load_config(root / "params.yaml")
         for name in ("rollout", "probe", "credit", "update"):
             importlib.import_module(f"stages.{name}").run(cfg, 1, root)

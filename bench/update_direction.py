@@ -4,7 +4,7 @@
 
 Re-scores iteration i's stored transitions that have a non-zero advantage under the policy that sampled them
 (policy i - 1) and under the one its update wrote (policy i), with the update's own scoring
-(``tpgrpo.policy.update._forward``), and prints: how many transitions, max |log-prob under policy i - 1 -
+(``tpgrpo.policy.update.rescore``), and prints: how many transitions, max |log-prob under policy i - 1 -
 stored log-prob| (0 on the run's own machine: the store is that policy's), the correlation of the change in
 log-prob with the advantage, the mean change for A > 0 and A < 0, and sum A x change (the first-order gain of
 the surrogate; > 0 when the step went the advantages' way). Runs in the folder with its own code copy
@@ -27,14 +27,14 @@ def rescore(cfg, root: Path, policy_iteration: int, iteration: int, batch, attrs
     import torch
 
     from tpgrpo.policy.loading import load_policy, prompt_embeddings, sampling_from_attrs
-    from tpgrpo.policy.update import _forward
+    from tpgrpo.policy.update import rescore
 
     backend = load_policy(cfg, root, policy_iteration)
     embeds = prompt_embeddings(cfg, root, iteration, backend, [m["prompt"] for m in attrs["prompts"]])
     sampling, out = sampling_from_attrs(attrs), []
     with torch.no_grad():
         for start in range(0, n_idx.numel(), 64):
-            step, _ = _forward(backend, embeds, batch, n_idx[start:start + 64], k_idx[start:start + 64],
+            step, _ = rescore(backend, embeds, batch, n_idx[start:start + 64], k_idx[start:start + 64],
                                sampling, reference=False)
             out.append(step.log_prob.cpu().double())
     return torch.cat(out)

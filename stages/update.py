@@ -7,7 +7,6 @@ first-pass ratio check, wall time, forward passes).
 
 from __future__ import annotations
 
-import dataclasses
 from pathlib import Path
 
 import numpy as np
@@ -16,7 +15,7 @@ from tqdm import tqdm
 
 from tpgrpo.io.artifacts import IterationPaths, read_table, require, write_json
 from tpgrpo.io.trajectories import read_trajectories
-from tpgrpo.config import Config, UpdateConfig
+from tpgrpo.config import Config
 from tpgrpo.distributed import current
 from tpgrpo.policy.loading import load_policy, prompt_embeddings, sampling_from_attrs
 from tpgrpo.stage_common import stopwatch
@@ -25,7 +24,7 @@ from tpgrpo.policy.states import store_states
 from tpgrpo.io.schemas import CREDIT
 from tpgrpo.algo.seeds import sample_seed
 from tpgrpo.policy.checkpoint import load_training_state, save_policy
-from tpgrpo.policy.update import FIRST_PASS_RATIO_TOLERANCE, TransitionBatch, make_optimizer, update_policy
+from tpgrpo.policy.update import TransitionBatch, UpdateInputs, make_optimizer, train_iteration
 
 
 def advantage_matrix(credit, n: int, k: int) -> torch.Tensor:
@@ -39,42 +38,6 @@ def advantage_matrix(credit, n: int, k: int) -> torch.Tensor:
 def _tick(bar, done: int, total: int) -> None:
     bar.total = total
     bar.update(done - bar.n)
-
-
-def train_epochs(update_pass, cfg: Config, iteration: int, bar) -> dict:
-    """``update.epochs`` passes over the iteration's transitions, each reshuffled with its own seed and
-    taking ``optimizer_steps_per_iter / epochs`` optimizer steps; ``update_pass(update_cfg, seed, progress,
-    ratio_tolerance)`` runs one pass (``tpgrpo.policy.update.update_policy``) and returns its metrics. Only
-    the first pass sees fresh data: its first-pass ratio is checked (``FIRST_PASS_RATIO_TOLERANCE``), later
-    passes' are not (the policy has moved).
-
-    Metrics: the first pass's (its first-pass ratio check is the one on fresh data), with ``approx_kl``,
-    ``clip_fraction``, ``policy_loss`` and ``grad_norm`` averaged over the passes (later passes show how far
-    the policy moved), their per-pass values as ``*_per_epoch`` lists, the last pass's ``*_after`` figures,
-    and ``optimizer_steps`` / ``forward_passes`` summed.
-    """
-    epochs = cfg.update.epochs
-    # Built field by field (not dataclasses.replace) so a recording config proxy sees every read.
-    values = {f.name: getattr(cfg.update, f.name) for f in dataclasses.fields(UpdateConfig)}
-    per_pass = UpdateConfig(**{**values, "optimizer_steps_per_iter": values["optimizer_steps_per_iter"] // epochs})
-    passes = []
-    for e in range(epochs):
-        def progress(done, total, e=e):
-            _tick(bar, e * total + done, epochs * total)
-        tolerance = FIRST_PASS_RATIO_TOLERANCE if e == 0 else None
-        passes.append(update_pass(per_pass, sample_seed(cfg.train.seed, iteration, "update", e), progress, tolerance))
-    metrics = dict(passes[0])
-    for key in ("approx_kl", "clip_fraction", "policy_loss", "grad_norm"):
-        metrics[f"{key}_per_epoch"] = [p[key] for p in passes]
-        metrics[key] = sum(p[key] for p in passes) / epochs
-    for key in ("approx_kl_after", "clip_fraction_after", "ratio_max_dev_after"):
-        metrics[key] = passes[-1][key]
-    for key in ("optimizer_steps", "forward_passes"):
-        metrics[key] = sum(p[key] for p in passes)
-    # Each pass fits the same transitions (reshuffled), so its steps' share is the pass's.
-    metrics["transitions_per_step"] = passes[0]["num_transitions"] / max(1, passes[0]["optimizer_steps"])
-    metrics["epochs"] = epochs
-    return metrics
 
 
 def run(cfg: Config, iteration: int, root: Path) -> dict:
@@ -103,13 +66,14 @@ def run(cfg: Config, iteration: int, root: Path) -> dict:
             latents=states, old_log_probs=torch.from_numpy(arrays["log_probs"]),
             sigmas=torch.from_numpy(arrays["sigmas"]), prompt_index=torch.from_numpy(arrays["prompt_index"]).long(),
             sigma_at_one=float(attrs["schedule_sigmas"][1]))
+        inputs = UpdateInputs(backend, embeds, batch, advantages, sampling_from_attrs(attrs), cfg.update, dist)
+        # One seed per epoch: each pass over the transitions is reshuffled reproducibly.
+        seeds = [sample_seed(cfg.train.seed, iteration, "update", e) for e in range(cfg.update.epochs)]
         with tqdm(desc=f"update {iteration}", unit="micro-batch", disable=not dist.is_main) as bar:
             # (closed on an error too: the one-line error then starts its own line)
-            metrics.update(train_epochs(
-                lambda cfg_pass, seed, progress, tolerance: update_policy(
-                    backend, embeds, batch, advantages, sampling_from_attrs(attrs), cfg_pass, optimizer, ema=ema,
-                    seed=seed, iteration=iteration, progress=progress, dist=dist, ratio_tolerance=tolerance),
-                cfg, iteration, bar))
+            result = train_iteration(inputs, optimizer, seeds, ema=ema, iteration=iteration,
+                                     progress=lambda done, total: _tick(bar, done, total))
+        metrics.update(result.as_log())
         if not dist.is_main:  # every process holds the same weights; the main process writes them
             return metrics
         save_policy(paths.policy, backend, optimizer, ema)

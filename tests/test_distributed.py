@@ -111,7 +111,7 @@ def test_sharded_chunk_gradients_sum_to_the_one_process_gradient(world, chunk_si
     from test_update import K, UPD, make_policy, rollout, sampling
 
     from tpgrpo.policy.lora import lora_parameters
-    from tpgrpo.policy.update import LOSS_KEYS, _Pass, _run_chunk, _Stats, select_transitions
+    from tpgrpo.policy.update import LOSS_KEYS, LossStats, UpdateInputs, accumulate_step, select_transitions
 
     backend, embeds = make_policy()
     batch = rollout(backend, embeds, "sde")
@@ -121,10 +121,9 @@ def test_sharded_chunk_gradients_sum_to_the_one_process_gradient(world, chunk_si
 
     def share(rank: int, world: int):
         backend.transformer.zero_grad(set_to_none=True)
-        run = _Pass(backend, embeds, batch, adv, sampling(), UPD, Dist(rank=rank, world=world), None)
-        run.counters["total_micro_batches"] = 0
-        stats = _Stats(LOSS_KEYS)
-        _run_chunk(run, chunk, "", stats, torch.full((K,), -1.0))
+        inputs = UpdateInputs(backend, embeds, batch, adv, sampling(), UPD, Dist(rank=rank, world=world))
+        stats = LossStats(LOSS_KEYS)
+        accumulate_step(inputs, *chunk, stats, torch.full((K,), -1.0))
         grads = [torch.zeros_like(p) if p.grad is None else p.grad.clone() for _, p in lora_parameters(backend)]
         return grads, stats
 

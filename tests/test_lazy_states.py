@@ -51,13 +51,13 @@ def _update(root: Path, monkeypatch, materialise: bool) -> dict:
     from tpgrpo.policy import update as update_module
 
     seen = {}
-    real = update_module.update_policy
+    real = update_module.train_iteration
 
-    def spy(backend, embeds, batch, *args, **kwargs):
-        seen["batch"] = batch
-        return real(backend, embeds, batch, *args, **kwargs)
+    def spy(inputs, *args, **kwargs):
+        seen["batch"] = inputs.batch
+        return real(inputs, *args, **kwargs)
 
-    monkeypatch.setattr(stage, "update_policy", spy)
+    monkeypatch.setattr(stage, "train_iteration", spy)
     if materialise:  # the code before: every state in memory, one tensor
         monkeypatch.setattr(stage, "store_states", lambda arrays, num_prompts: _Materialised(arrays["states"]))
     policy = root / "data" / "iters" / "0001" / "policy"
@@ -107,7 +107,7 @@ def test_lazy_states_give_the_materialised_adapter_byte_for_byte(ready, monkeypa
 
 @pytest.mark.parametrize("world", [1, 2, 3])
 def test_each_process_share_gives_the_same_gradient_bit_for_bit(ready, world):
-    """A chunk's share on each of ``world`` processes (``_run_chunk``): lazy and materialised states
+    """A chunk's share on each of ``world`` processes (``accumulate_step``): lazy and materialised states
     give bit-identical gradients and statistics."""
     from test_update import K, UPD, make_policy, rollout, sampling
 
@@ -117,7 +117,7 @@ def test_each_process_share_gives_the_same_gradient_bit_for_bit(ready, world):
     from tpgrpo.distributed import Dist
     from tpgrpo.policy.lora import lora_parameters
     from tpgrpo.policy.states import LazyStates
-    from tpgrpo.policy.update import LOSS_KEYS, _Pass, _run_chunk, _Stats, select_transitions
+    from tpgrpo.policy.update import LOSS_KEYS, LossStats, UpdateInputs, accumulate_step, select_transitions
 
     backend, embeds = make_policy()
     batch = rollout(backend, embeds, "sde")
@@ -133,10 +133,9 @@ def test_each_process_share_gives_the_same_gradient_bit_for_bit(ready, world):
     def share(latents, rank: int):
         backend.transformer.zero_grad(set_to_none=True)
         b = type(batch)(latents, batch.old_log_probs, batch.sigmas, batch.prompt_index, batch.sigma_at_one)
-        run = _Pass(backend, embeds, b, adv, sampling(), UPD, Dist(rank=rank, world=world), None)
-        run.counters["total_micro_batches"] = 0
-        stats = _Stats(LOSS_KEYS)
-        _run_chunk(run, (n_idx, k_idx), "", stats, torch.full((K,), -1.0))
+        inputs = UpdateInputs(backend, embeds, b, adv, sampling(), UPD, Dist(rank=rank, world=world))
+        stats = LossStats(LOSS_KEYS)
+        accumulate_step(inputs, n_idx, k_idx, stats, torch.full((K,), -1.0))
         return [None if p.grad is None else p.grad.clone() for _, p in lora_parameters(backend)], stats.sums
 
     for rank in range(world):

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import math
 
 import numpy as np
 import pytest
@@ -187,37 +188,24 @@ def test_log_probs_not_the_sampling_policys_stop_the_update_before_any_step(step
 
 
 def test_later_epochs_are_not_held_to_the_first_pass_tolerance():
-    """update.epochs 2 with a large lr: the second pass's first chunk sees a moved policy (ratio far from 1)
-    and must not stop the stage; only the first pass carries the tolerance."""
-    from stages.update import train_epochs
-    from tpgrpo.config import Config
-    from tpgrpo.policy.update import FIRST_PASS_RATIO_TOLERANCE
+    """update.epochs 2 with a large lr: the second epoch's first step sees a moved policy (ratio far from 1)
+    and must not stop the update; only the first epoch's first step carries the tolerance."""
+    from tpgrpo.policy.update import FIRST_PASS_RATIO_TOLERANCE, UpdateInputs, train_iteration
 
     backend, embeds = make_policy()
     batch = rollout(backend, embeds, "sde")
     adv = torch.randn(8, K, generator=torch.Generator().manual_seed(3))
-    cfg = Config()
-    cfg = dataclasses.replace(cfg, update=dataclasses.replace(UPD, lr=5e-2, epochs=2, optimizer_steps_per_iter=2))
-    opt = make_optimizer(backend, cfg.update)
-    seen = []
-
-    def one_pass(update_cfg, seed, progress, tolerance):
-        metrics = update_policy(backend, embeds, batch, adv, sampling(), update_cfg, opt, seed=seed,
-                                progress=progress, ratio_tolerance=tolerance)
-        seen.append((tolerance, metrics["first_pass_ratio_max_dev"]))
-        return metrics
-
-    class Bar:
-        n, total = 0, 0
-
-        def update(self, k):
-            self.n += k
-
-    metrics = train_epochs(one_pass, cfg, 1, Bar())
-    (first_tolerance, first_dev), (second_tolerance, second_dev) = seen
-    assert first_tolerance == FIRST_PASS_RATIO_TOLERANCE and second_tolerance is None
-    assert first_dev < 1e-5 < FIRST_PASS_RATIO_TOLERANCE < second_dev  # the moved policy would have stopped it
-    assert metrics["first_pass_ratio_max_dev"] == first_dev
+    cfg = dataclasses.replace(UPD, lr=5e-2, epochs=2, optimizer_steps_per_iter=2)
+    inputs = UpdateInputs(backend, embeds, batch, adv, sampling(), cfg)
+    ticks = []
+    result = train_iteration(inputs, make_optimizer(backend, cfg), [11, 12], progress=lambda d, t: ticks.append((d, t)))
+    log = result.as_log()
+    assert log["first_pass_ratio_max_dev"] < 1e-5 < FIRST_PASS_RATIO_TOLERANCE
+    # The second epoch measured, before its step, a policy far past the tolerance (rms of log rho > 3x it).
+    assert log["approx_kl_per_epoch"][1] > 0.5 * (3 * math.log1p(FIRST_PASS_RATIO_TOLERANCE)) ** 2
+    assert log["epochs"] == 2 and log["optimizer_steps"] == 2 and len(log["policy_loss_per_epoch"]) == 2
+    # one tick per micro-batch, over both epochs: 24 transitions in micro-batches of 4, twice
+    assert ticks == [(i, 12) for i in range(1, 13)]
 
 
 def test_select_transitions_drops_whole_zero_samples_only():

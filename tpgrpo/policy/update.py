@@ -1,25 +1,34 @@
-"""One iteration's policy step (spec section 7): PPO-clipped updates of the LoRA policy on the
-iteration's stored window transitions, plus the optimizer / EMA state that makes resume exact.
+"""One iteration's policy step (spec section 7), read top to bottom in :func:`train_iteration`::
 
-Units: latents are the backend's float32 latents; sigmas are unitless noise levels in [0, 1];
-log-probs are per-element means (see ``tpgrpo.algo.sampling``); advantages are unitless (spec section 6).
+    for each epoch (a pass over the iteration's trained transitions, reshuffled with its own seed):
+        split them into optimizer steps (``optimizer_steps``: as many as the data carry, issue 45)
+        for each optimizer step:
+            for each micro-batch of this process's share of the step's transitions:
+                re-score under the current policy (``rescore``), PPO-clip loss (+ KL), backward
+            (first step of the first epoch: the stored log-probs must be this policy's)
+            sum the gradient over processes, clip, AdamW step, EMA step
+    then, once: how far the policy moved, on a sample of the transitions
+
+The optimizer / EMA state that makes resume exact is saved by the stage (``tpgrpo.policy.checkpoint``).
+Units: latents are the backend's float32 latents; sigmas are unitless; log-probs are per-element means
+(``tpgrpo.algo.sampling``); advantages are unitless (spec section 6).
 """
 
 from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
-from typing import Any, Callable
+from typing import Callable, Sequence
 
 import torch
 
-from tpgrpo.algo.advantages import informative_samples
+from tpgrpo.algo.loss import policy_loss
+from tpgrpo.algo.sampling import sde_std
 from tpgrpo.distributed import Dist, even_slice, sum_gradients
 from tpgrpo.errors import PipelineError
-from tpgrpo.algo.loss import policy_loss
-from tpgrpo.policy.lora import LoraEMA, lora_parameters, reference_mode
-from tpgrpo.policy.states import LazyStates, all_finite, state_pairs
-from tpgrpo.algo.sampling import sde_std, stochastic_step
+from tpgrpo.policy.lora import LoraEMA, lora_parameters
+from tpgrpo.policy.transitions import (TransitionBatch, optimizer_steps, rescore, select_transitions,  # noqa: F401
+                                       validate_inputs)
 
 # Largest max |rho - 1| the first pass may show on fresh data (the rollout's own policy and sampler
 # re-scoring its own transitions). Measured on honest runs here: exactly 0.0 in fp32, bf16 and fp16, with 1
@@ -27,67 +36,8 @@ from tpgrpo.algo.sampling import sde_std, stochastic_step
 # 0.0 in every iteration of the archived runs (450 updates); damaged log-probs gave 27.1. A deviation past
 # this is already 1/10 of the default PPO clip range: the stored log-probs are not the sampling policy's.
 FIRST_PASS_RATIO_TOLERANCE = 1e-3
-
-
-@dataclass
-class TransitionBatch:
-    """The iteration's window transitions, as stored by the rollout.
-
-    Fields:
-        latents: ``(N, K+1, C, H, W)`` float32, states ``z_0..z_K`` around the K window steps
-            (``z_k`` before window step k, ``z_{k+1}`` after it); a tensor, or ``LazyStates`` read per micro-batch.
-        old_log_probs: ``(N, K)`` float32, the rollout policy's log-prob of each transition.
-        sigmas: ``(N, K+1)`` float32; window step k maps ``sigmas[:, k] -> sigmas[:, k+1]``.
-        prompt_index: ``(N,)`` int64, rows of the prompt-embeddings table (``embeds.select``).
-        sigma_at_one: the schedule's ``s_1`` (``sde`` uses it at ``s = 1``).
-    """
-
-    latents: "torch.Tensor | LazyStates"
-    old_log_probs: torch.Tensor
-    sigmas: torch.Tensor
-    prompt_index: torch.Tensor
-    sigma_at_one: float
-
-    @property
-    def num_samples(self) -> int:
-        return int(self.latents.shape[0])
-
-    @property
-    def num_steps(self) -> int:
-        """K, window steps per sample."""
-        return int(self.latents.shape[1]) - 1
-
-
-def _where(name: str, t: torch.Tensor, ctx: str) -> str:
-    """One line naming the first non-finite entry of ``t`` (sample, window step)."""
-    bad = (~torch.isfinite(t)).nonzero()
-    first = tuple(int(i) for i in bad[0][:2])
-    loc = f"sample {first[0]}" + (f", window step {first[1]}" if len(first) > 1 else "")
-    return f"update{ctx}: {name} has {bad.shape[0]} non-finite value(s) (first at {loc})"
-
-
-def validate_inputs(batch: TransitionBatch, advantages: torch.Tensor, num_prompts: int,
-                    ctx: str = "") -> None:
-    """Raise ``PipelineError`` (one line: quantity and location) on bad shapes or non-finite values."""
-    n, k = batch.num_samples, batch.num_steps
-    shapes = {"latents": (batch.latents, 5), "old_log_probs": (batch.old_log_probs, (n, k)),
-              "sigmas": (batch.sigmas, (n, k + 1)), "prompt_index": (batch.prompt_index, (n,)),
-              "advantages": (advantages, (n, k))}
-    for name, (t, want) in shapes.items():
-        ok = t.ndim == want if isinstance(want, int) else tuple(t.shape) == want
-        if not ok:
-            raise PipelineError(f"update{ctx}: {name} has shape {tuple(t.shape)}, expected "
-                                f"{'5 dims (N, K+1, C, H, W)' if isinstance(want, int) else want}")
-    if k < 1:
-        raise PipelineError(f"update{ctx}: latents hold no window step (K+1 = {k + 1} states)")
-    for name in ("latents", "old_log_probs", "sigmas"):  # lazy states: checked chunk by chunk, and as read
-        if not all_finite(getattr(batch, name)):
-            raise PipelineError(_where(name, getattr(batch, name), ctx))
-    if not bool(torch.isfinite(advantages).all()):
-        raise PipelineError(_where("advantages", advantages, ctx))
-    idx = batch.prompt_index
-    if n and (int(idx.min()) < 0 or int(idx.max()) >= num_prompts):
-        raise PipelineError(f"update{ctx}: prompt_index out of range [0, {num_prompts})")
+LOSS_KEYS = ("policy_loss", "kl", "approx_kl", "clip_fraction")
+EPOCH_KEYS = ("approx_kl", "clip_fraction", "policy_loss", "grad_norm")  # listed per epoch in update.json
 
 
 def make_optimizer(backend, update_cfg) -> torch.optim.AdamW:
@@ -99,22 +49,26 @@ def make_optimizer(backend, update_cfg) -> torch.optim.AdamW:
                              betas=(0.9, 0.999), eps=1e-8)
 
 
-def _context(iteration: int | None, where: str = "") -> str:
-    """`` (iteration 3, optimizer step 1/2)`` for error messages (empty when nothing is known)."""
-    parts = ([f"iteration {iteration}"] if iteration is not None else []) + ([where] if where else [])
-    return f" ({', '.join(parts)})" if parts else ""
+@dataclass(frozen=True)
+class UpdateInputs:
+    """What every micro-batch of an update reads: the policy (``backend``, a ``FlowBackend`` with LoRA), the
+    prompts' ``embeds`` (``PromptEmbeddings``), the stored ``batch``, ``advantages`` ``(N, K)`` float32 on
+    the CPU, the sampler (``SamplingConfig``) and update (``UpdateConfig``) params, and the processes."""
+
+    backend: object
+    embeds: object
+    batch: TransitionBatch
+    advantages: torch.Tensor
+    sampling: object
+    update: object
+    dist: Dist = field(default_factory=Dist)
 
 
-LOSS_KEYS = ("policy_loss", "kl", "approx_kl", "clip_fraction")
+class LossStats:
+    """Transition-weighted running means of ``keys`` (fixed, so processes can sum them)."""
 
-
-class _Stats:
-    """Transition-weighted running means of scalar diagnostics (fixed keys, so processes can sum them)."""
-
-    def __init__(self, keys: tuple[str, ...]):
-        self.keys = keys
-        self.sums: dict[str, float] = dict.fromkeys(keys, 0.0)
-        self.count = 0
+    def __init__(self, keys: tuple[str, ...] = LOSS_KEYS):
+        self.keys, self.sums, self.count = keys, dict.fromkeys(keys, 0.0), 0
 
     def add(self, weight: int, **values: float) -> None:
         self.count += weight
@@ -130,63 +84,174 @@ class _Stats:
         self.count = int(round(float(total[0])))
         self.sums = dict(zip(self.keys, total[1:].tolist()))
 
-    def means(self, prefix: str = "", suffix: str = "") -> dict[str, float]:
-        return {f"{prefix}{k}{suffix}": (v / self.count if self.count else 0.0) for k, v in self.sums.items()}
+    def means(self, suffix: str = "") -> dict[str, float]:
+        return {f"{k}{suffix}": (v / self.count if self.count else 0.0) for k, v in self.sums.items()}
 
 
 @dataclass
-class _Pass:
-    """What every micro-batch of one ``update_policy`` call needs (``adv`` (N, K) float32 on the CPU)."""
+class UpdateMetrics:
+    """What one iteration's update measured (``update.json``: :meth:`as_log`, keys in docs/metrics.md).
 
-    backend: Any
-    embeds: Any
-    batch: TransitionBatch
-    adv: torch.Tensor
-    sampling_cfg: Any
-    update_cfg: Any
-    dist: Dist
-    progress: Callable[[int, int], None] | None
-    counters: dict = field(default_factory=lambda: {"forward_passes": 0, "micro_batches": 0})
+    ``epochs``: per epoch, ``LOSS_KEYS`` (means over its transitions, each before its step) and
+    ``grad_norm`` (mean pre-clip norm); ``first_pass_dev`` ``(K + 1,)``: max |rho - 1| over the first
+    step's transitions before any step, then per window step (-1 where absent); ``after``: the ``*_after``
+    figures measured once after the last step."""
 
+    num_transitions: int
+    num_samples: int
+    steps_per_epoch: int
+    first_pass_dev: torch.Tensor
+    epochs: list[dict[str, float]] = field(default_factory=list)
+    after: dict[str, float] = field(default_factory=dict)
+    forward_passes: int = 0
+    processes: int = 1
 
-def _forward(backend, embeds, batch, n_idx, k_idx, sampling_cfg, reference: bool):
-    """Re-score transitions ``(n_idx[i], k_idx[i])`` under the current policy.
-
-    Returns ``(StepOutput, mean_ref or None)``; the step output carries the gradient, the reference
-    mean (adapter disabled, ``reference=True``) does not. Shapes ``(B,)`` / ``(B, C, H, W)``. The batch
-    stays on the CPU (lazy states: these are read here); only these transitions move to ``backend.device``,
-    where the step maths runs (the device rule of ``tpgrpo.algo.trajectory``); the outputs are on that device.
-    """
-    dev = backend.device
-    x, x_next = (t.to(dev) for t in state_pairs(batch.latents, n_idx, k_idx))
-    s, s_next = batch.sigmas[n_idx, k_idx].to(dev), batch.sigmas[n_idx, k_idx + 1].to(dev)
-    emb = embeds.select(batch.prompt_index[n_idx])
-    g, kind, eta = sampling_cfg.guidance_scale, sampling_cfg.step_kind, sampling_cfg.noise_level
-
-    def step(v):
-        return stochastic_step(kind, x, v, s, s_next, eta, sigma_at_one=batch.sigma_at_one,
-                               prev_sample=x_next)
-
-    out = step(backend.velocity(x, s, emb, g))
-    mean_ref = None
-    if reference:
-        with torch.no_grad(), reference_mode(backend):
-            mean_ref = step(backend.velocity(x, s, emb, g)).mean
-    return out, mean_ref
+    def as_log(self) -> dict:
+        """The flat ``update.json`` keys: the plain loss keys average the epochs, ``*_per_epoch`` list them."""
+        n = max(1, len(self.epochs))
+        log = {key: sum(e[key] for e in self.epochs) / n for key in (*LOSS_KEYS, "grad_norm")}
+        log.update({f"{key}_per_epoch": [e[key] for e in self.epochs] for key in EPOCH_KEYS})
+        log.update(self.after, epochs=len(self.epochs), optimizer_steps=self.steps_per_epoch * len(self.epochs),
+                   num_transitions=self.num_transitions, num_samples=self.num_samples,
+                   transitions_per_step=self.num_transitions / self.steps_per_epoch if self.steps_per_epoch else 0.0,
+                   first_pass_ratio_max_dev=float(self.first_pass_dev[0]),
+                   first_pass_ratio_dev_per_step=[None if v < 0 else float(v) for v in self.first_pass_dev[1:].tolist()],
+                   forward_passes=self.forward_passes, processes=self.processes)
+        return log
 
 
-def _optimizer_step(run: _Pass, optimizer, ema, ctx: str) -> float:
+def train_iteration(inputs: UpdateInputs, optimizer, seeds: Sequence[int], ema: LoraEMA | None = None,
+                    iteration: int | None = None, progress: Callable[[int, int], None] | None = None,
+                    ratio_tolerance: float | None = FIRST_PASS_RATIO_TOLERANCE, after_sample: int = 64) -> UpdateMetrics:
+    """The iteration's update (module docstring): one epoch per seed in ``seeds`` (``update.epochs`` of them
+    in the stage), each ``select_transitions`` shuffled by its seed and split into ``optimizer_steps`` steps
+    of at most ``update.optimizer_steps_per_iter / epochs``. Inputs are checked first: a non-finite value
+    raises ``PipelineError`` before a weight changes, as does a non-finite loss or gradient before its step.
+    ``ratio_tolerance``: the first step's max |rho - 1| past it stops the update before any step (None skips
+    it: data the policy has moved on from). ``progress(done, total)`` is called per micro-batch."""
+    batch, cfg, dist = inputs.batch, inputs.update, inputs.dist
+    validate_inputs(batch, inputs.advantages, len(inputs.embeds), _context(iteration))
+    stochastic = batch.sigmas[:, 1:] > 0  # a cps step to sigma 0 has no policy
+    orders = [select_transitions(inputs.advantages.detach().cpu(), seed, stochastic=stochastic) for seed in seeds]
+    total = orders[0][0].numel() if orders else 0
+    steps = optimizer_steps(total, cfg.optimizer_steps_per_iter // len(seeds), cfg.min_transitions_per_step)
+    metrics = UpdateMetrics(total, int(orders[0][0].unique().numel()) if orders else 0, steps if total else 0,
+                            torch.cat([torch.zeros(1), torch.full((batch.num_steps,), -1.0)]), processes=dist.world)
+    counter = _MicroBatches(progress, len(seeds) * sum(_micro_batches(c.numel(), dist, cfg.micro_batch)
+                                                       for c in torch.tensor_split(orders[0][0], steps)) if total else 0)
+    optimizer.zero_grad(set_to_none=True)
+    for epoch, (n_idx, k_idx) in enumerate(orders):
+        if not total:  # nothing to train on (every advantage 0): no step, zeros logged per epoch
+            metrics.epochs.append(dict.fromkeys((*LOSS_KEYS, "grad_norm"), 0.0))
+            continue
+        stats, norms = LossStats(), []
+        for step, (n_step, k_step) in enumerate(zip(torch.tensor_split(n_idx, steps), torch.tensor_split(k_idx, steps))):
+            ctx = _context(iteration, f"optimizer step {step + 1}/{steps}")
+            first = epoch == 0 and step == 0
+            per_step_dev = metrics.first_pass_dev[1:] if first else torch.full((batch.num_steps,), -1.0)
+            dev = accumulate_step(inputs, n_step, k_step, stats, per_step_dev, ctx, counter)
+            if first:  # before any step: every process sees the same reduced figure, so all stop or none
+                metrics.first_pass_dev[0] = dev
+                metrics.first_pass_dev = dist.reduce(metrics.first_pass_dev, "max", "update metrics")
+                _check_first_pass(metrics.first_pass_dev, ratio_tolerance, optimizer, _context(iteration))
+            norms.append(_apply_step(inputs, optimizer, ema, ctx))
+        stats.reduce(dist)
+        metrics.epochs.append({**stats.means(), "grad_norm": sum(norms) / len(norms)})
+    metrics.after = {"approx_kl_after": 0.0, "clip_fraction_after": 0.0, "ratio_max_dev_after": 0.0}
+    if total:
+        metrics.after = _after_stats(inputs, orders[-1][0][:after_sample], orders[-1][1][:after_sample], counter)
+    metrics.forward_passes = int(dist.reduce(torch.tensor([counter.passes], dtype=torch.int64), "sum",
+                                             "update metrics")[0])
+    return metrics
+
+
+def accumulate_step(inputs: UpdateInputs, n_step: torch.Tensor, k_step: torch.Tensor, stats: LossStats,
+                    ratio_dev: torch.Tensor, ctx: str = "", counter: "_MicroBatches | None" = None) -> float:
+    """Accumulate this process's share of one optimizer step's gradient, micro-batch by micro-batch.
+
+    The step's M transitions ``(n_step[i], k_step[i])`` are split into ``dist.world`` contiguous near-equal
+    slices; this process takes its slice and weights each micro-batch's mean loss by ``(its transitions) /
+    M``, so the sum over processes is the mean over all M. Returns max |rho - 1| over the slice;
+    ``ratio_dev`` ``(K,)`` collects the per-window-step max; ``stats`` the loss means."""
+    batch, cfg, counter = inputs.batch, inputs.update, counter or _MicroBatches(None, 0)
+    mine = even_slice(n_step.numel(), inputs.dist.world, inputs.dist.rank)
+    n_all, k_all = n_step[mine], k_step[mine]
+    max_dev, mb, reference = 0.0, cfg.micro_batch, cfg.kl_beta > 0
+    for start in range(0, n_all.numel(), mb):
+        n_idx, k_idx = n_all[start:start + mb], k_all[start:start + mb]
+        out, mean_ref = rescore(inputs.backend, inputs.embeds, batch, n_idx, k_idx, inputs.sampling, reference)
+        # The KL's std_k is the sde std without sqrt(-dt) for both step kinds (spec section 7).
+        kl_std = None if mean_ref is None else sde_std(
+            batch.sigmas[n_idx, k_idx], batch.sigma_at_one, inputs.sampling.noise_level).to(out.mean.device)
+        at = out.log_prob.device
+        lo = policy_loss(out.log_prob, batch.old_log_probs[n_idx, k_idx].to(at), inputs.advantages[n_idx, k_idx].to(at),
+                         cfg.clip_range, mean_theta=out.mean if reference else None, mean_ref=mean_ref, std=kl_std,
+                         kl_beta=cfg.kl_beta)
+        loss, values, dev = _to_host(lo)
+        if not math.isfinite(loss):
+            raise PipelineError(f"update{ctx}: non-finite loss ({loss}) in micro-batch {start // mb + 1} (window "
+                                f"steps {sorted(set(k_idx.tolist()))}); weights left unchanged by it")
+        (lo.loss * (n_idx.numel() / n_step.numel())).backward()
+        ratio_dev.scatter_reduce_(0, k_idx, dev, reduce="amax")
+        max_dev = max(max_dev, float(dev.max()))
+        stats.add(n_idx.numel(), **values)
+        counter.done(n_idx.numel() * (2 if reference else 1))
+    return max_dev
+
+
+def update_policy(backend, embeds, batch: TransitionBatch, advantages: torch.Tensor, sampling_cfg, update_cfg,
+                  optimizer, ema: LoraEMA | None = None, progress: Callable[[int, int], None] | None = None,
+                  seed: int | None = None, iteration: int | None = None, after_sample: int = 64,
+                  dist: Dist | None = None, ratio_tolerance: float | None = FIRST_PASS_RATIO_TOLERANCE) -> dict:
+    """One epoch of :func:`train_iteration` (``update_cfg.optimizer_steps_per_iter`` steps at most, whatever
+    ``update.epochs`` says) shuffled by ``seed`` (None: drawn from torch's global generator); returns the
+    ``update.json`` dict (:meth:`UpdateMetrics.as_log`). For tests and benches that drive one pass."""
+    if seed is None:
+        seed = int(torch.randint(0, 2**62, (1,)))
+    inputs = UpdateInputs(backend, embeds, batch, advantages.detach().float().cpu(), sampling_cfg, update_cfg,
+                          dist if dist is not None else Dist())
+    return train_iteration(inputs, optimizer, [seed], ema=ema, iteration=iteration, progress=progress,
+                           ratio_tolerance=ratio_tolerance, after_sample=after_sample).as_log()
+
+
+class _MicroBatches:
+    """Counts micro-batches (for ``progress(done, total)``) and transformer rows (``forward_passes``)."""
+
+    def __init__(self, progress: Callable[[int, int], None] | None, total: int):
+        self.progress, self.total, self.count, self.passes = progress, total, 0, 0
+
+    def done(self, rows: int, trained: bool = True) -> None:
+        self.passes += rows
+        if trained:
+            self.count += 1
+            if self.progress is not None:
+                self.progress(self.count, self.total)
+
+
+def _micro_batches(transitions: int, dist: Dist, micro_batch: int) -> int:
+    """Micro-batches this process runs for a step of ``transitions``."""
+    share = even_slice(transitions, dist.world, dist.rank)
+    return -(-(share.stop - share.start) // micro_batch)
+
+
+def _context(iteration: int | None, where: str = "") -> str:
+    """`` (iteration 3, optimizer step 1/2)`` for error messages (empty when nothing is known)."""
+    parts = ([f"iteration {iteration}"] if iteration is not None else []) + ([where] if where else [])
+    return f" ({', '.join(parts)})" if parts else ""
+
+
+def _apply_step(inputs: UpdateInputs, optimizer, ema, ctx: str) -> float:
     """Sum the gradient over processes, clip, check and apply it; returns the pre-clip grad norm."""
     params = [p for group in optimizer.param_groups for p in group["params"]]
-    sum_gradients(params, run.dist)
-    norm = float(torch.nn.utils.clip_grad_norm_(params, run.update_cfg.max_grad_norm))
+    sum_gradients(params, inputs.dist)
+    norm = float(torch.nn.utils.clip_grad_norm_(params, inputs.update.max_grad_norm))
     if not math.isfinite(norm):
         optimizer.zero_grad(set_to_none=True)
         raise PipelineError(f"update{ctx}: non-finite gradient norm ({norm}); weights left unchanged")
     optimizer.step()
     optimizer.zero_grad(set_to_none=True)
     if ema is not None:
-        ema.step(run.backend)
+        ema.step(inputs.backend)
     return norm
 
 
@@ -201,164 +266,25 @@ def _to_host(lo) -> tuple[float, dict[str, float], torch.Tensor]:
     return head[0], dict(zip(LOSS_KEYS, head[1:])), flat[len(scalars):]
 
 
-def _run_chunk(run: _Pass, chunk, ctx: str, stats: _Stats, ratio_dev: torch.Tensor) -> float:
-    """Accumulate this process's share of one chunk's gradient in micro-batches.
-
-    The chunk's M transitions are split into ``dist.world`` contiguous near-equal slices; this process
-    takes its slice and weights each micro-batch's mean loss by ``(its transitions) / M``, so the sum over
-    processes is the mean over all M transitions. Returns ``max |rho - 1|`` over the slice;
-    ``ratio_dev`` (K,) collects the per-step max.
-    """
-    update_cfg, batch, counters = run.update_cfg, run.batch, run.counters
-    total = chunk[0].numel()
-    mine = even_slice(total, run.dist.world, run.dist.rank)
-    n_all, k_all = chunk[0][mine], chunk[1][mine]
-    max_dev, mb = 0.0, update_cfg.micro_batch
-    for start in range(0, n_all.numel(), mb):
-        n_idx, k_idx = n_all[start:start + mb], k_all[start:start + mb]
-        out, mean_ref = _forward(run.backend, run.embeds, batch, n_idx, k_idx, run.sampling_cfg,
-                                 reference=update_cfg.kl_beta > 0)
-        # The KL's std_k is the sde std without sqrt(-dt) for both step kinds (spec section 7).
-        kl_std = None if mean_ref is None else sde_std(
-            batch.sigmas[n_idx, k_idx], batch.sigma_at_one, run.sampling_cfg.noise_level).to(out.mean.device)
-        lo = policy_loss(out.log_prob, batch.old_log_probs[n_idx, k_idx].to(out.log_prob.device),
-                         run.adv[n_idx, k_idx].to(out.log_prob.device), update_cfg.clip_range,
-                         mean_theta=out.mean if mean_ref is not None else None, mean_ref=mean_ref,
-                         std=kl_std, kl_beta=update_cfg.kl_beta)
-        loss, values, dev = _to_host(lo)
-        if not math.isfinite(loss):
-            raise PipelineError(f"update{ctx}: non-finite loss ({loss}) in micro-batch "
-                                f"{start // mb + 1} (window steps "
-                                f"{sorted(set(k_idx.tolist()))}); weights left unchanged by it")
-        (lo.loss * (n_idx.numel() / total)).backward()
-        ratio_dev.scatter_reduce_(0, k_idx, dev, reduce="amax")
-        max_dev = max(max_dev, float(dev.max()))
-        stats.add(n_idx.numel(), **values)
-        counters["forward_passes"] += n_idx.numel() * (2 if mean_ref is not None else 1)
-        counters["micro_batches"] += 1
-        if run.progress is not None:
-            run.progress(counters["micro_batches"], counters["total_micro_batches"])
-    return max_dev
-
-
 @torch.no_grad()
-def _after_stats(run: _Pass, n_idx, k_idx) -> dict:
+def _after_stats(inputs: UpdateInputs, n_idx, k_idx, counter: _MicroBatches) -> dict:
     """How far the policy moved: approx KL / clip fraction / max |rho - 1| on the given transitions
-    (split over processes like a chunk, reduced over them)."""
-    stats, max_dev, mb = _Stats(("approx_kl", "clip_fraction")), 0.0, run.update_cfg.micro_batch
-    mine = even_slice(n_idx.numel(), run.dist.world, run.dist.rank)
+    (split over processes like a step, reduced over them)."""
+    stats, max_dev, mb = LossStats(("approx_kl", "clip_fraction")), 0.0, inputs.update.micro_batch
+    mine = even_slice(n_idx.numel(), inputs.dist.world, inputs.dist.rank)
     n_idx, k_idx = n_idx[mine], k_idx[mine]
     for start in range(0, n_idx.numel(), mb):
         n, k = n_idx[start:start + mb], k_idx[start:start + mb]
-        out, _ = _forward(run.backend, run.embeds, run.batch, n, k, run.sampling_cfg, reference=False)
-        dlogp = out.log_prob.cpu() - run.batch.old_log_probs[n, k]
+        out, _ = rescore(inputs.backend, inputs.embeds, inputs.batch, n, k, inputs.sampling)
+        dlogp = out.log_prob.cpu() - inputs.batch.old_log_probs[n, k]
         dev = (torch.exp(dlogp) - 1.0).abs()
         max_dev = max(max_dev, float(dev.max()))
         stats.add(n.numel(), approx_kl=0.5 * dlogp.pow(2).mean(),
-                  clip_fraction=(dev > run.update_cfg.clip_range).float().mean())
-        run.counters["forward_passes"] += n.numel()
-    stats.reduce(run.dist)
-    max_dev = float(run.dist.reduce(torch.tensor([max_dev], dtype=torch.float64), "max", "update metrics")[0])
+                  clip_fraction=(dev > inputs.update.clip_range).float().mean())
+        counter.done(n.numel(), trained=False)
+    stats.reduce(inputs.dist)
+    max_dev = float(inputs.dist.reduce(torch.tensor([max_dev], dtype=torch.float64), "max", "update metrics")[0])
     return {**stats.means(suffix="_after"), "ratio_max_dev_after": max_dev}
-
-
-def optimizer_steps(num_transitions: int, max_steps: int, min_transitions_per_step: int) -> int:
-    """How many optimizer steps one pass over ``num_transitions`` trained transitions takes:
-    ``min(max_steps, max(1, num_transitions // min_transitions_per_step))``.
-
-    Why: AdamW moves each weight by about ``lr`` per step whatever the data behind the step, so a fixed step
-    count fitted to a small iteration (a default tree trains ~50 transitions, a chain 576) takes as many
-    full-size steps on much noisier gradients (issue 45: the tree unlearned geneval_soft at 4 steps per
-    iteration). With the defaults (4 steps, 100 transitions) a chain keeps its 4 steps from 400 transitions
-    up; a default tree takes 1. At least one step: an iteration with any data trains on it."""
-    if max_steps < 1 or min_transitions_per_step < 1:
-        raise ValueError(f"max_steps and min_transitions_per_step must be >= 1, got {max_steps}, "
-                         f"{min_transitions_per_step}")
-    return min(max_steps, max(1, num_transitions // min_transitions_per_step))
-
-
-def select_transitions(advantages: torch.Tensor, seed: int,
-                       stochastic: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-    """``(n_idx, k_idx)`` of every transition of the kept samples, shuffled by ``seed``, ``(M,)`` each.
-
-    ``advantages`` is ``(N, K)``. Only a sample whose advantage is 0 at every window step is dropped
-    (spec section 6); a kept sample keeps all K transitions, ``A == 0`` ones included: they add no
-    policy gradient but their KL term counts and they are in the loss's mean (the denominator M).
-    ``stochastic`` ``(N, K)`` bool (None: all True) marks the transitions that have a policy: a ``cps``
-    step to ``s = 0`` (a window reaching the last step) is deterministic, its rollout log-prob exactly 0,
-    so it is left out of the PPO term (and of the test for a sample's being kept).
-    """
-    if stochastic is not None:
-        advantages = torch.where(stochastic, advantages, torch.zeros((), dtype=advantages.dtype))
-    keep = informative_samples(advantages)[:, None].expand_as(advantages)
-    n_idx, k_idx = (keep if stochastic is None else keep & stochastic).nonzero(as_tuple=True)
-    perm = torch.randperm(n_idx.numel(), generator=torch.Generator().manual_seed(int(seed)))
-    return n_idx[perm], k_idx[perm]
-
-
-def update_policy(backend, embeds, batch: TransitionBatch, advantages: torch.Tensor, sampling_cfg,
-                  update_cfg, optimizer, ema: LoraEMA | None = None,
-                  progress: Callable[[int, int], None] | None = None, seed: int | None = None,
-                  iteration: int | None = None, after_sample: int = 64, dist: Dist | None = None,
-                  ratio_tolerance: float | None = FIRST_PASS_RATIO_TOLERANCE) -> dict:
-    """One iteration's policy step on ``batch``; returns a dict of metrics (floats, ints, one list).
-
-    Every stochastic transition (to a sigma > 0) of the samples with a nonzero advantage at some such step
-    (``advantages`` ``(N, K)``, ``select_transitions``), shuffled with ``seed`` (None: drawn
-    from torch's global generator, so ``torch.manual_seed`` before the call fixes it too; pass it when
-    several processes run), are split into ``optimizer_steps_per_iter`` near-equal chunks; each chunk's
-    gradient is the mean of the PPO loss (+ ``kl_beta`` KL to the adapter-disabled reference) over its
-    transitions, accumulated in micro-batches of ``micro_batch`` (per process); then grad-norm clip,
-    AdamW step, EMA step. With ``dist`` (several processes) every chunk's transitions are split over
-    the processes and the gradients summed (``_run_chunk``): the same optimisation as one process, up to
-    float round-off. Inputs are checked first: any non-finite value raises ``PipelineError`` before a
-    weight changes; a non-finite loss or gradient later raises before that chunk's optimizer step.
-    ``progress(done, total)`` is called per micro-batch of this process. ``ratio_tolerance``: the first
-    chunk's max |rho - 1| past it raises ``PipelineError`` before any optimizer step (the stored log-probs
-    are not those of this policy); None skips the check (a pass over data the policy has moved on from).
-
-    Metrics (reduced over processes): ``first_pass_ratio_max_dev`` (max |rho - 1| over the first chunk,
-    before any step: ~0 on fresh data), ``first_pass_ratio_dev_per_step`` (list, per window step, None
-    where absent), ``policy_loss``, ``kl``, ``approx_kl``, ``clip_fraction`` (means over the transitions
-    of all chunks, each measured before its chunk's step), ``approx_kl_after``, ``clip_fraction_after``,
-    ``ratio_max_dev_after`` (on up to ``after_sample`` transitions after the last step), ``grad_norm``
-    (mean pre-clip), ``optimizer_steps``, ``num_transitions``, ``num_samples`` (kept samples),
-    ``forward_passes`` (transitions put through ``backend.velocity``, each one CFG-doubled batch row).
-    """
-    validate_inputs(batch, advantages, len(embeds), _context(iteration))
-    if seed is None:
-        seed = int(torch.randint(0, 2**62, (1,)))
-    dist = dist if dist is not None else Dist()
-    n_idx, k_idx = select_transitions(advantages.detach().cpu(), seed, stochastic=batch.sigmas[:, 1:] > 0)
-    steps = optimizer_steps(n_idx.numel(), update_cfg.optimizer_steps_per_iter, update_cfg.min_transitions_per_step)
-    chunks = [c for c in zip(torch.tensor_split(n_idx, steps), torch.tensor_split(k_idx, steps)) if c[0].numel()]
-    run = _Pass(backend, embeds, batch, advantages.detach().float().cpu(), sampling_cfg, update_cfg, dist, progress)
-    run.counters["total_micro_batches"] = sum(
-        -(-_len(even_slice(c[0].numel(), dist.world, dist.rank)) // update_cfg.micro_batch) for c in chunks)
-    stats, norms = _Stats(LOSS_KEYS), []
-    first = torch.cat([torch.zeros(1), torch.full((batch.num_steps,), -1.0)])  # max |rho - 1|: all, per step
-    optimizer.zero_grad(set_to_none=True)
-    for j, chunk in enumerate(chunks):
-        step_ctx = _context(iteration, f"optimizer step {j + 1}/{len(chunks)}")
-        per_step = first[1:] if j == 0 else torch.full_like(first[1:], -1.0)
-        dev = _run_chunk(run, chunk, step_ctx, stats, per_step)
-        if j == 0:  # before any step: every process sees the same reduced figure, so all stop or none
-            first[0] = dev
-            first = dist.reduce(first, "max", "update metrics")
-            _check_first_pass(first, ratio_tolerance, optimizer, _context(iteration))
-        norms.append(_optimizer_step(run, optimizer, ema, step_ctx))
-    stats.reduce(dist)
-    metrics = {**stats.means(), "first_pass_ratio_max_dev": float(first[0]),
-               "first_pass_ratio_dev_per_step": [None if v < 0 else float(v) for v in first[1:].tolist()],
-               "grad_norm": sum(norms) / len(norms) if norms else 0.0, "optimizer_steps": len(chunks),
-               "transitions_per_step": n_idx.numel() / len(chunks) if chunks else 0.0,
-               "num_transitions": int(n_idx.numel()), "num_samples": int(n_idx.unique().numel())}
-    after = {"approx_kl_after": 0.0, "clip_fraction_after": 0.0, "ratio_max_dev_after": 0.0}
-    if chunks:
-        after = _after_stats(run, n_idx[:after_sample], k_idx[:after_sample])
-    passes = dist.reduce(torch.tensor([run.counters["forward_passes"]], dtype=torch.int64), "sum", "update metrics")
-    metrics.update(after, forward_passes=int(passes[0]), processes=dist.world)
-    return metrics
 
 
 def _check_first_pass(first: torch.Tensor, tolerance: float | None, optimizer, ctx: str) -> None:
@@ -375,5 +301,6 @@ def _check_first_pass(first: torch.Tensor, tolerance: float | None, optimizer, c
         "rollout's; weights left unchanged")
 
 
-def _len(s: slice) -> int:
-    return s.stop - s.start
+__all__ = ["FIRST_PASS_RATIO_TOLERANCE", "LOSS_KEYS", "LossStats", "TransitionBatch", "UpdateInputs", "UpdateMetrics",
+           "accumulate_step", "make_optimizer", "optimizer_steps", "rescore", "select_transitions", "train_iteration",
+           "update_policy", "validate_inputs"]
