@@ -50,6 +50,7 @@ def main(folder: Path, iteration: int) -> None:
     from tpgrpo.io.artifacts import IterationPaths
     from tpgrpo.io.trajectories import read_trajectories
     from tpgrpo.policy.states import store_states
+    from tpgrpo.rollout_shape import of_store_attrs
     from tpgrpo.policy.update import TransitionBatch
 
     spec = importlib.util.spec_from_file_location("update_stage", folder / "stages" / "update.py")
@@ -57,7 +58,7 @@ def main(folder: Path, iteration: int) -> None:
     spec.loader.exec_module(update_stage)
     cfg, root, paths = load_config("params.yaml"), Path("."), IterationPaths(Path("."), iteration)
     arrays, attrs = read_trajectories(paths.trajectories, lazy=("x0_estimates", "velocities", "states", "node_states"))
-    states = store_states(arrays, len(attrs["prompts"]))
+    states = store_states(arrays, len(attrs["prompts"]), of_store_attrs(attrs, str(paths.trajectories)))
     n, k1 = states.shape[:2]
     adv = update_stage.advantage_matrix(pd.read_parquet(paths.credit), n, k1 - 1)
     batch = TransitionBatch(latents=states, old_log_probs=torch.from_numpy(arrays["log_probs"]),

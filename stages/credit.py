@@ -18,19 +18,23 @@ from tpgrpo.io.artifacts import IterationPaths, read_table, write_json, write_ta
 from tpgrpo.config import Config
 from tpgrpo.algo.credit import compute_credit
 from tpgrpo.stage_common import check_finite, provenance, stopwatch
-from tpgrpo.io.schemas import CREDIT, probe_schema
+from tpgrpo import rollout_shape
+from tpgrpo.io.schemas import CREDIT, PROBE, PROBE_TREE
 
 
 def read_probe(cfg: Config, paths: IterationPaths):
-    """The probe table credit works from (checked against ``schemas.PROBE``); for Flow-GRPO the probe stage
-    wrote ``Q_k = R_fin`` from the rollout."""
-    return read_table(paths.probe, probe_schema(paths.probe), "probe.parquet: run the probe stage first")
+    """``(shape, table)``: the rollout's shape as the probe table declares it (``rollout_shape.of_probe_table``)
+    and the table, checked against that shape's schema (``PROBE`` or ``PROBE_TREE``); for Flow-GRPO the probe
+    stage wrote ``Q_k = R_fin`` from the rollout."""
+    shape = rollout_shape.of_probe_table(paths.probe)
+    schema = PROBE_TREE if shape == rollout_shape.TREE else PROBE
+    return shape, read_table(paths.probe, schema, "probe.parquet: run the probe stage first")
 
 
-def credit_table(probe: pd.DataFrame, cfg: Config) -> pd.DataFrame:
-    """From the long probe table (rows (trajectory, step 0..K), checked against ``schemas.PROBE``) to the
-    credit table (steps 0..K-1, ``schemas.CREDIT``)."""
-    if "parent_trajectory" in probe.columns:  # a tree (issue 35): one row per edge, K = 1
+def credit_table(probe: pd.DataFrame, cfg: Config, shape: str = rollout_shape.CHAIN) -> pd.DataFrame:
+    """From the long probe table (rows (trajectory, step 0..K), checked against ``schemas.PROBE``, or
+    ``PROBE_TREE`` for ``shape`` tree) to the credit table (steps 0..K-1, ``schemas.CREDIT``)."""
+    if shape == rollout_shape.TREE:  # one row per edge, K = 1
         from tpgrpo.algo.tree_credit import tree_credit_table
 
         c = cfg.credit
@@ -57,11 +61,11 @@ def credit_table(probe: pd.DataFrame, cfg: Config) -> pd.DataFrame:
     })
 
 
-def trained_rows(table: pd.DataFrame, probe: pd.DataFrame) -> pd.DataFrame:
+def trained_rows(table: pd.DataFrame, probe: pd.DataFrame, shape: str) -> pd.DataFrame:
     """The credit rows the metrics count: every row of a chain; a tree's SDE edges only (an ODE edge has no
     policy: its increment is 0 by construction and it is never trained, so counting it would halve the rates
     at m = 1 and fill zero_increment_fraction with zeros that say nothing about the reward)."""
-    if "sde" not in probe.columns:
+    if shape == rollout_shape.CHAIN:
         return table
     sde = probe.groupby("trajectory")["sde"].first()
     return table[table["trajectory"].map(sde).to_numpy(dtype=bool)]
@@ -71,12 +75,12 @@ def run(cfg: Config, iteration: int, root: Path) -> dict:
     paths = IterationPaths(root, iteration)
     metrics: dict = {"iteration": iteration}
     with stopwatch(metrics):
-        probe = read_probe(cfg, paths)
-        table = credit_table(probe, cfg)
+        shape, probe = read_probe(cfg, paths)
+        table = credit_table(probe, cfg, shape)
         check_finite("advantage", table["advantage"], f"credit of iteration {iteration}")
         N, K1 = probe["trajectory"].nunique(), probe["step"].nunique()
         write_table(paths.credit, table, CREDIT, provenance(cfg, iteration, "credit"), trajectories=N, steps=K1 - 1)
-    counted = trained_rows(table, probe)
+    counted = trained_rows(table, probe, shape)
     tp_by_step = counted.groupby("step")["turning_point"].mean()
     metrics.update({
         "mode": cfg.credit.mode, "turning_point_rate": float(counted["turning_point"].mean()),

@@ -19,6 +19,7 @@ from pathlib import Path
 import numpy as np
 import pandas as pd
 
+from tpgrpo import rollout_shape
 from tpgrpo.io.artifacts import IterationPaths, write_json, write_table
 from tpgrpo.io.trajectories import read_trajectories
 from tpgrpo.config import Config
@@ -64,9 +65,9 @@ def run_final_reward(cfg: Config, iteration: int, root: Path) -> dict:
 
 
 def run(cfg: Config, iteration: int, root: Path) -> dict:
-    from tpgrpo.io import tree_probe
+    if rollout_shape.of_store(IterationPaths(root, iteration).trajectories) == rollout_shape.TREE:
+        from tpgrpo.io import tree_probe  # every node's Q is a leaf's reward: no model
 
-    if tree_probe.is_tree_store(IterationPaths(root, iteration).trajectories):  # issue 35: Q from the leaves
         return tree_probe.run(cfg, iteration, root)
     if cfg.credit.mode == "flow_grpo":
         return run_final_reward(cfg, iteration, root)

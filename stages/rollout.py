@@ -14,6 +14,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from tpgrpo import rollout_shape
 from tpgrpo.io.artifacts import IterationPaths, write_json
 from tpgrpo.io.trajectories import write_zarr
 from tpgrpo.config import Config
@@ -27,7 +28,7 @@ from tpgrpo.algo.probe_modes import parse_completion
 from tpgrpo.io.schemas import VELOCITIES_KEPT_ATTR
 
 def run(cfg: Config, iteration: int, root: Path) -> dict:
-    if cfg.tree.enabled:  # issue 35: ODE-anchored trees, one row per edge
+    if rollout_shape.of_config(cfg) == rollout_shape.TREE:  # ODE-anchored trees, one row per edge
         from tpgrpo.policy import tree_rollout
 
         return tree_rollout.run(cfg, iteration, root)

@@ -13,6 +13,7 @@ import numpy as np
 import torch
 from tqdm import tqdm
 
+from tpgrpo import rollout_shape
 from tpgrpo.io.artifacts import IterationPaths, read_table, require, write_json
 from tpgrpo.io.trajectories import read_trajectories
 from tpgrpo.config import Config
@@ -48,7 +49,8 @@ def run(cfg: Config, iteration: int, root: Path) -> dict:
         # x0_estimates, velocities: the probe's, never read here; a tree's edges read its node_states
         arrays, attrs = read_trajectories(paths.trajectories,
                                           lazy=("x0_estimates", "velocities", "states", "node_states"))
-        states = store_states(arrays, len(attrs["prompts"])).verify()  # checked a file at a time; read per micro-batch
+        shape = rollout_shape.of_store_attrs(attrs, str(paths.trajectories))
+        states = store_states(arrays, len(attrs["prompts"]), shape).verify()  # checked a file at a time; read per micro-batch
         N, K1 = states.shape[:2]
         metas = attrs["prompts"]
         credit = read_table(  # rows must be this store's trajectories x window steps, in its prompt groups

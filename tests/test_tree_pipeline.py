@@ -101,7 +101,7 @@ def test_the_update_reads_each_edge_pair_from_the_node_store(tree_run):
     from tpgrpo.policy.states import NodeStates, store_states
 
     arrays, attrs = read_trajectories(iteration_dir(tree_run, 1) / "trajectories.zarr", lazy=("node_states",))
-    states = store_states(arrays, len(attrs["prompts"])).verify()
+    states = store_states(arrays, len(attrs["prompts"]), "tree").verify()
     assert isinstance(states, NodeStates) and states.shape == (EDGES, 2, 3, 32, 32)
     nodes, base = arrays["node_states"][:], arrays["prompt_index"].astype(np.int64) * (NODES // 3)
     x, x_next = states.pairs(torch.arange(EDGES), torch.zeros(EDGES, dtype=torch.long))

@@ -75,17 +75,6 @@ PROBE_TREE = TableSchema("probe.parquet", "state", PROBE.columns + (
 ))
 
 
-def probe_schema(path) -> TableSchema:
-    """``PROBE_TREE`` when the Parquet file at ``path`` has the tree's columns, else ``PROBE`` (an unreadable
-    file is left to the read that follows, which reports it)."""
-    import pyarrow.parquet as pq
-
-    try:
-        names = pq.read_schema(path).names
-    except Exception:  # noqa: BLE001 - read_table reports a missing or damaged file in one line
-        return PROBE
-    return PROBE_TREE if "parent_trajectory" in names else PROBE
-
 CREDIT = TableSchema("credit.parquet", "window", (
     _TRAJECTORY, _PROMPT_ID, _SAMPLE,
     Column("step", "int", "window step k (0..K-1)"),

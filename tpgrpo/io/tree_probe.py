@@ -21,17 +21,6 @@ from tpgrpo.io.trajectories import read_trajectories
 from tpgrpo.stage_common import provenance, stopwatch
 
 
-def is_tree_store(path: Path) -> bool:
-    """Whether the ``trajectories.zarr`` at ``path`` holds a tree (its ``shape`` attribute); False if absent
-    (the stage's own read then reports a missing store)."""
-    import zarr
-
-    try:
-        return zarr.open_group(str(path), mode="r").attrs.get("shape") == "tree"
-    except Exception:  # noqa: BLE001 - missing or damaged: read_trajectories says so in one line
-        return False
-
-
 def parent_rows(arrays: dict, source: str) -> tuple[np.ndarray, np.ndarray]:
     """``(E,)`` row of each edge's parent edge (-1 below a root) and ``(E,)`` row of an edge whose child
     reaches the parent's leaf (whose ``final_reward`` is Q(parent)), both global rows of the store."""

@@ -92,11 +92,11 @@ class NodeStates(LazyStates):
         return torch.from_numpy(out[:len(n)]), torch.from_numpy(out[len(n):])
 
 
-def store_states(arrays: dict, num_prompts: int) -> LazyStates:
+def store_states(arrays: dict, num_prompts: int, shape: str = "chain") -> LazyStates:
     """The lazy states of a store of ``num_prompts`` prompts read with ``states`` / ``node_states`` lazy: a
-    chain's ``states``, or a tree's edges mapped onto its ``node_states`` (node_states rows / prompts per
-    prompt; indices checked in range by ``read_trajectories``)."""
-    if "node_states" not in arrays:
+    chain's ``states``, or (``shape`` ``"tree"``, :mod:`tpgrpo.rollout_shape`) a tree's edges mapped onto its
+    ``node_states`` (node_states rows / prompts per prompt; indices checked in range by ``read_trajectories``)."""
+    if shape == "chain":
         return LazyStates(arrays["states"])
     per_prompt = arrays["node_states"].shape[0] // num_prompts
     base = arrays["prompt_index"].astype(np.int64)[:, None] * per_prompt

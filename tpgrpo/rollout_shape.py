@@ -1,0 +1,75 @@
+"""Chains and trees side by side: which shape an iteration's rollout has, decided once per stage, from the one
+record that stage depends on.
+
+A **chain** (the default) stores, per prompt, ``rollout.group_size`` samples over the SDE window; the probe
+ODE-completes every window state. A **tree** (``tree.enabled``, docs/tree.md) stores one row per edge of
+ODE-anchored trees; every node's Q is a leaf's reward, so the probe runs no model.
+
+=========  ===========================================  ================================  ==================================
+stage      reads the shape from                          chain                             tree
+=========  ===========================================  ================================  ==================================
+rollout    the params (:func:`of_config`)                ``stages.rollout`` (chains)        ``tpgrpo.policy.tree_rollout``
+probe      the store's ``shape`` attribute (:func:`of_store`)  completions (``probe.completion``)  ``tpgrpo.io.tree_probe`` (leaves)
+credit     the probe table's ``tpgrpo.completion`` (:func:`of_probe_table`)  ``tpgrpo.algo.credit``  ``tpgrpo.algo.tree_credit``
+update     the store's ``shape`` attribute (:func:`of_store_attrs`)  ``LazyStates`` of ``states``  ``NodeStates`` of ``node_states``
+=========  ===========================================  ================================  ==================================
+
+A stage never guesses: a store or table that cannot be read is one line naming it (no exception swallowed), and
+a shape this code does not know is refused.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+CHAIN, TREE = "chain", "tree"
+SHAPES = (CHAIN, TREE)
+SHAPE_ATTR = "shape"  # trajectories.zarr attribute; absent on chain stores (written before trees existed)
+
+
+def of_config(cfg) -> str:
+    """The shape the rollout samples under ``cfg`` (a ``Config``): ``tree.enabled``."""
+    return TREE if cfg.tree.enabled else CHAIN
+
+
+def of_store_attrs(attrs: dict, source: str) -> str:
+    """The shape of a store from its attributes (``read_trajectories``' second value); ``source`` names it in
+    the error for an unknown value."""
+    from tpgrpo.io.schemas import ArtifactError
+
+    shape = attrs.get(SHAPE_ATTR, CHAIN)
+    if shape not in SHAPES:
+        raise ArtifactError(f"{source}: attribute '{SHAPE_ATTR}' = {shape!r}: expected one of {', '.join(SHAPES)}")
+    return shape
+
+
+def of_store(path: Path) -> str:
+    """The shape of the ``trajectories.zarr`` at ``path``, from its attributes only (no array is read). A
+    missing store is the rollout's missing output, a damaged one the reader's reason: one line either way."""
+    import zarr
+
+    from tpgrpo.io.artifacts import require
+    from tpgrpo.io.schemas import ArtifactError
+    from tpgrpo.io.trajectories import first_line
+
+    require(path, "trajectories.zarr: run the rollout stage first")
+    try:
+        attrs = dict(zarr.open_group(str(path), mode="r").attrs)
+    except Exception as exc:  # noqa: BLE001 - any reader failure on a damaged store, reported as such
+        raise ArtifactError(f"{path}: not a readable Zarr group ({first_line(exc)})") from None
+    return of_store_attrs(attrs, str(path))
+
+
+def of_probe_table(path: Path) -> str:
+    """The shape of the rollout a ``probe.parquet`` scored: ``tree`` when the probe that wrote it says so in
+    its ``tpgrpo.completion`` metadata, else ``chain``. An unreadable file is left to the table read that
+    follows, which names it in one line."""
+    import pyarrow.parquet as pq
+
+    from tpgrpo.io.schemas import PROBE_COMPLETION_KEY
+
+    try:
+        meta = pq.read_schema(path).metadata or {}
+    except (OSError, ValueError):  # missing or damaged: read_table reports it with the stage's hint
+        return CHAIN
+    return TREE if meta.get(f"tpgrpo.{PROBE_COMPLETION_KEY}".encode()) == TREE.encode() else CHAIN
