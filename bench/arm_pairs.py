@@ -1,0 +1,96 @@
+"""Held-out reward of one arm against another, from any two comparison roots or archives: the controls of issue 45
+(an arm that changes one thing, trained in a root of its own, against the archived arm it changes).
+
+    python bench/arm_pairs.py A_ROOT/ARM B_ROOT/ARM [--at IA:IB ...] [--seeds 0,1,2]
+
+Each ``ROOT/ARM`` is a folder of ``seedK`` run folders (a ``tpgrpo compare run`` root's arm, or an archive's
+under ``docs/replication/runs``). Prints, per evaluated iteration of each, the mean held-out reward over the
+seeds both have and each seed's, the base model's; and for each ``--at IA:IB`` the paired difference A at IA -
+B at IB over those seeds and the held-out images, with the 95% interval over seeds and prompts
+(``tpgrpo.comparison.stats.seed_prompt_t_interval``, as the report) and how many seeds A is above B. No model
+runs: it reads ``eval.parquet`` and ``baseline_eval.parquet`` tables only.
+"""
+
+from __future__ import annotations
+
+import argparse
+from pathlib import Path
+
+import numpy as np
+
+
+def eval_tables(arm: Path, seeds: list[int]) -> dict[int, dict[int, object]]:
+    """``{seed: {iteration: table}}``, iteration 0 the base model, of every evaluated iteration."""
+    from tpgrpo.comparison.stats import read_eval_table
+
+    out: dict[int, dict[int, object]] = {}
+    for seed in seeds:
+        data = arm / f"seed{seed}" / "data"
+        tables = {0: read_eval_table(data / "iters" / "baseline_eval.parquet")}
+        for path in sorted(data.glob("iters/[0-9]*/eval.parquet")):
+            table = read_eval_table(path)
+            if len(table):  # an iteration eval.every skipped writes an empty table
+                tables[int(path.parent.name)] = table
+        out[seed] = tables
+    return out
+
+
+def seed_list(arm: Path) -> list[int]:
+    return sorted(int(p.name[4:]) for p in arm.glob("seed*") if (p / "data").is_dir())
+
+
+def curve(tables: dict[int, dict[int, object]]) -> list[str]:
+    """One line per iteration evaluated in every seed: mean and per-seed mean ``eval_reward``."""
+    common = set.intersection(*(set(t) for t in tables.values()))
+    lines = []
+    for it in sorted(common):
+        per_seed = [float(t[it]["eval_reward"].mean()) for t in tables.values()]
+        lines.append(f"  {'base' if it == 0 else f'iter {it:2d}'}: {np.mean(per_seed):.4f}   seeds "
+                     + " ".join(f"{v:.3f}" for v in per_seed))
+    return lines
+
+
+def pair(a: dict, b: dict, ia: int, ib: int) -> str:
+    """A at ``ia`` - B at ``ib`` over the seeds both have, paired by (prompt, sample, seed) image."""
+    from tpgrpo.comparison.stats import PAIR_KEYS, seed_prompt_t_interval
+
+    diffs, prompts = [], None
+    for seed in sorted(set(a) & set(b)):
+        if ia not in a[seed] or ib not in b[seed]:
+            return f"  A@{ia} - B@{ib}: not evaluated in seed {seed}"
+        ta = a[seed][ia].sort_values(list(PAIR_KEYS)).reset_index(drop=True)
+        tb = b[seed][ib].sort_values(list(PAIR_KEYS)).reset_index(drop=True)
+        if not ta[list(PAIR_KEYS)].equals(tb[list(PAIR_KEYS)]):
+            return f"  A@{ia} - B@{ib}: seed {seed}'s tables hold other images"
+        diffs.append((ta["eval_reward"] - tb["eval_reward"]).to_numpy())
+        prompts = ta["prompt_id"].to_numpy()
+    d = np.stack(diffs)
+    mean, lo, hi = seed_prompt_t_interval(d, prompts)
+    above = int((d.mean(axis=1) > 0).sum())
+    return (f"  A@{ia} - B@{ib}: {mean:+.4f} [{lo:+.4f}, {hi:+.4f}] over {d.shape[0]} seeds x {d.shape[1]} images; "
+            f"A above B in {above} of {d.shape[0]} seeds")
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("a", type=Path)
+    parser.add_argument("b", type=Path)
+    parser.add_argument("--at", action="append", default=[], help="IA:IB, iterations of A and B to pair")
+    parser.add_argument("--seeds", default="", help="seeds to use (default: those both arms have)")
+    args = parser.parse_args(argv)
+    seeds = ([int(s) for s in args.seeds.split(",")] if args.seeds
+             else sorted(set(seed_list(args.a)) & set(seed_list(args.b))))
+    if not seeds:
+        raise SystemExit(f"error: no seed with data in both {args.a} and {args.b}")
+    a, b = eval_tables(args.a, seeds), eval_tables(args.b, seeds)
+    print(f"seeds {seeds}\nA = {args.a}")
+    print("\n".join(curve(a)))
+    print(f"B = {args.b}")
+    print("\n".join(curve(b)))
+    for spec in args.at:
+        ia, _, ib = spec.partition(":")
+        print(pair(a, b, int(ia), int(ib)))
+
+
+if __name__ == "__main__":
+    main()
