@@ -36,7 +36,7 @@ def eval_tables(arm: Path, seeds: list[int]) -> dict[int, dict[int, object]]:
 
 
 def seed_list(arm: Path) -> list[int]:
-    return sorted(int(p.name[4:]) for p in arm.glob("seed*") if (p / "data").is_dir())
+    return sorted(int(p.name[4:]) for p in arm.glob("seed*") if (p / "data" / "iters" / "baseline_eval.parquet").is_file())
 
 
 def curve(tables: dict[int, dict[int, object]]) -> list[str]:
