@@ -16,6 +16,7 @@ from conftest import make_tiny_project
 from test_integrity import flip_bytes
 from test_pipeline_stages import iteration_dir, run_iteration, run_ok, stage
 from tpgrpo.config import ConfigError, config_from_dict
+from tpgrpo.io.stage_logs import read_log
 
 TREE = {"enabled": True, "split_steps": "0,1", "children": 1, "roots": 2}  # the params' tree section
 # per root: edges 2 + 4 = 6 (3 SDE), leaves 4, nodes 1 + 2 + 4 = 7 (split 1 follows split 0: the depth-0
@@ -245,7 +246,7 @@ def test_two_processes_write_the_same_tree_as_one(tmp_path, tiny_model_dir):
     assert tree_bytes(one / "trajectories.zarr") == tree_bytes(two / "trajectories.zarr")
     for name in ("probe.parquet", "credit.parquet"):
         assert (one / name).read_bytes() == (two / name).read_bytes(), name
-    rollout = json.loads((two / "rollout.json").read_text())
+    rollout = read_log(two / "rollout.json", "rollout")  # with its timing sidecar
     assert rollout["processes"] == 2 and rollout["chunks"] == 3
 
 

@@ -21,6 +21,7 @@ from pathlib import Path
 
 from tpgrpo.comparison.provenance import MACHINE_FILE, NUMERIC_KINDS, mismatch
 from tpgrpo.comparison.runs import ITER_FILES, SUMMARY, discover
+from tpgrpo.io.stage_logs import timing_path
 from tpgrpo.pipeline.code_manifest import manifest_path
 from tpgrpo.errors import PipelineError
 
@@ -28,8 +29,12 @@ MARKER = "ARCHIVE.json"
 ROOT_FILES = ("commands.txt", "equal_wall.json", "load_cost.json", "code/SNAPSHOT.json")
 POOLED_KEYS = {"train.seed", "train.iterations"}  # runs that differ in nothing else pool as seeds of one variant
 RUN_FILES = ("run.json", "params.yaml", str(SUMMARY), "data/iters/baseline_eval.json",
-             "data/iters/baseline_eval.parquet", MACHINE_FILE, *(manifest_path(k) for k in NUMERIC_KINDS))
-ITERATION_FILES = (*ITER_FILES, "probe.json")  # what finishes an iteration, and the probe log where there is one
+             "data/iters/baseline_eval.timing.json", "data/iters/baseline_eval.parquet", MACHINE_FILE,
+             *(manifest_path(k) for k in NUMERIC_KINDS))
+# What finishes an iteration, the probe log where there is one, and each log's timing sidecar: the stages'
+# seconds live there (tpgrpo.io.stage_logs), and an archive must keep them for the equal-wall numbers.
+_LOGS = (*ITER_FILES, "probe.json")
+ITERATION_FILES = (*_LOGS, *(timing_path(Path(f)).name for f in _LOGS if f.endswith(".json")))
 
 
 def is_archive(root: Path) -> bool:
