@@ -177,6 +177,10 @@ TREE_DAMAGE = {  # damage to the node store -> (stage that reads it, words of it
     "a parent node below 0": (lambda s: _set(s, "tree_parent_node", 7, -1), "probe",
                               ["array 'tree_parent_node' has values -1..", "expected 0..13"]),
     "a store of the old layout": (_old_layout, "probe", ["tree store of the old layout", "re-run the rollout"]),
+    # issue 46: each tree_* array was optional in the schema, so a store without one ended in a KeyError
+    **{f"{name} deleted": (lambda s, name=name: shutil.rmtree(s / name), stage, [f"missing array '{name}'"])
+       for name, stage in (("tree_leaf", "probe"), ("tree_sde", "probe"), ("tree_parent", "probe"),
+                           ("tree_depth", "probe"), ("tree_sde", "update"), ("tree_depth", "update"))},
     "NaN in node_states": (lambda s: _set(s, "node_states", (5, 0, 3, 3), np.nan), "update",
                            ["array 'node_states' has 1 non-finite values (first at [5, 0, 3, 3]"]),
 }
@@ -195,11 +199,28 @@ def test_a_damaged_node_store_is_one_line_naming_the_store_and_array(tree_run, t
         assert word in lines[-1], lines[-1]
 
 
+@pytest.mark.parametrize("written", [[0, 3, 6], "0,3,6", 3, [3]])
+def test_split_steps_may_be_a_yaml_list_or_int_and_hash_as_the_text(written):
+    """``tree.split_steps: [0, 3, 6]`` and ``3`` are what YAML makes of natural spellings (issue 46): accepted,
+    held as the text ``"0,3,6"`` / ``"3"``, so the config hash of a run that wrote the text is unchanged."""
+    from conftest import tiny_params
+
+    from tpgrpo.stage_common import provenance
+
+    cfg = config_from_dict(tiny_params(tree={**TREE, "split_steps": written}, sampling={"num_steps": 10}))
+    text = "0,3,6" if isinstance(written, (list, str)) and written != [3] else "3"
+    same = config_from_dict(tiny_params(tree={**TREE, "split_steps": text}, sampling={"num_steps": 10}))
+    assert cfg.tree.split_steps == text
+    assert provenance(cfg, 1, "rollout")["config_hash"] == provenance(same, 1, "rollout")["config_hash"]
+
+
 def test_tree_params_errors_are_one_line():
     from conftest import tiny_params
 
     for tree, probe, match in (({**TREE, "split_steps": "0,3"}, "exact", r"tree.split_steps = '0,3'.*\[0, 2\]"),
                                ({**TREE, "split_steps": "a"}, "exact", "comma-separated"),
+                               ({**TREE, "split_steps": [0, "a"]}, "exact", r"a list of ints \(\[0, 3, 6\]\)"),
+                               ({**TREE, "split_steps": True}, "exact", "comma-separated text"),
                                (TREE, "x0", "probe.completion = 'x0' with tree.enabled")):
         raw = tiny_params(tree=tree, probe={"completion": probe})
         with pytest.raises(ConfigError, match=match) as info:
