@@ -100,3 +100,34 @@ def test_seconds_come_from_the_sidecar_else_from_an_older_log(tmp_path):
     timing_path(d / "credit.json").unlink()
     with pytest.raises(Exception, match="credit.json: no wall_seconds in it or in credit.timing.json"):
         log_seconds(d / "credit.json")
+
+
+@pytest.mark.slow
+def test_a_stage_rerun_by_hand_in_a_finished_run_leaves_dvc_nothing_to_do(tmp_path, tiny_model_dir):
+    """The issue's headline end to end: a finished run (iterations 1-4 a sealed block, 5 open); each stage
+    re-run by hand, the eval of the sealed block's iteration 4 among them, leaves `dvc status` clean, `dvc repro
+    --dry` with nothing to run and `tpgrpo run` with nothing to do. Before: every hand run changed its log
+    (wall_seconds), and the uncached eval logs made DVC re-run the whole `tpgrpo block`."""
+    import subprocess
+    import sys
+
+    from test_dvc_pipeline import env, ran, tpgrpo_run
+
+    root = make_tiny_project(tmp_path / "project", tiny_model_dir)
+    raw = yaml.safe_load((root / "params.yaml").read_text())
+    raw["train"].update({"iterations": 5, "block_size": 4})
+    (root / "params.yaml").write_text(yaml.safe_dump(raw, sort_keys=False))
+    first = tpgrpo_run(root)
+    assert first.returncode == 0 and "sealed iters-0001-0004" in first.stdout, first.stdout[-3000:]
+    dvc = lambda *args: subprocess.run([sys.executable, "-m", "dvc", *args], cwd=root, env=env(),  # noqa: E731
+                                       capture_output=True, text=True)
+    for name, iteration in [("eval", 4), ("credit", 2), *((s, 5) for s in STAGES)]:
+        hand = subprocess.run([sys.executable, "-m", "tpgrpo", "stage", name, "--iter", str(iteration)], cwd=root,
+                              env=env(), capture_output=True, text=True)
+        assert hand.returncode == 0, hand.stdout[-2000:] + hand.stderr[-2000:]
+        status = dvc("status")
+        assert status.returncode == 0 and "up to date" in status.stdout, f"{name} {iteration}: {status.stdout}"
+    dry = dvc("repro", "--dry")
+    assert dry.returncode == 0 and ran(dry.stdout) == set(), dry.stdout
+    again = tpgrpo_run(root)
+    assert again.returncode == 0 and ran(again.stdout) == set(), again.stdout[-3000:]
