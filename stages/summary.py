@@ -42,7 +42,10 @@ def summary_log_path(root: Path) -> Path:
 
 
 def history(cfg: Config, root: Path) -> pd.DataFrame:
-    """One row per iteration (``iteration`` 1..N) plus the base model's row (``iteration`` 0)."""
+    """One row per iteration (``iteration`` 1..N) plus the base model's row (``iteration`` 0). The
+    ``*_wall_seconds`` columns come from each log's untracked timing sidecar (:mod:`tpgrpo.io.stage_logs`) as
+    it is when the summary runs: the one place a tracked output holds seconds, which no DVC dependency
+    records (a stage re-run by hand re-runs nothing, so the summary keeps the seconds of the run it read)."""
     base = read_log(baseline_path(root), "baseline eval: run the baseline stage")
     rows = [{"iteration": 0, **{f"eval_{k}": base.get(k) for k in COLUMNS["eval"]}}]
     for i in range(1, cfg.train.iterations + 1):

@@ -1,7 +1,8 @@
 """Keep a comparison's results without its artifacts, small enough to commit beside the report.
 
 A comparison root (:mod:`tpgrpo.comparison.runs`) holds gigabytes: trajectories, adapters, the model, DVC's cache.
-The report reads only a few kilobytes per iteration of it: the stage JSON logs, the per-image eval tables,
+The report reads only a few kilobytes per iteration of it: the stage JSON logs (and their timing sidecars,
+where the stages' seconds are), the per-image eval tables,
 each run's ``run.json``, ``params.yaml``, ``machine.json`` and numeric code manifests, and the root's ``commands.txt``, ``equal_wall.json`` and code
 ``SNAPSHOT.json``. An archive is a copy of the root pruned to exactly those files, in the same layout, so
 ``report --results ARCHIVE`` recomputes the same tables and figures as ``report --results ROOT`` did, long
