@@ -178,7 +178,8 @@ TREE_DAMAGE = {  # damage to the node store -> (stage that reads it, words of it
                               ["array 'tree_parent_node' has values -1..", "expected 0..13"]),
     "a store of the old layout": (_old_layout, "probe", ["tree store of the old layout", "re-run the rollout"]),
     # issue 46: each tree_* array was optional in the schema, so a store without one ended in a KeyError
-    **{f"{name} deleted": (lambda s, name=name: shutil.rmtree(s / name), stage, [f"missing array '{name}'"])
+    **{f"{name} deleted, then {stage}": (lambda s, name=name: shutil.rmtree(s / name), stage,
+                                         [f"missing array '{name}'"])
        for name, stage in (("tree_leaf", "probe"), ("tree_sde", "probe"), ("tree_parent", "probe"),
                            ("tree_depth", "probe"), ("tree_sde", "update"), ("tree_depth", "update"))},
     "NaN in node_states": (lambda s: _set(s, "node_states", (5, 0, 3, 3), np.nan), "update",
