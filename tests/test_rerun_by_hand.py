@@ -111,14 +111,9 @@ def test_a_stage_rerun_by_hand_in_a_finished_run_leaves_dvc_nothing_to_do(tmp_pa
     import subprocess
     import sys
 
-    from test_dvc_pipeline import env, ran, tpgrpo_run
+    from test_dvc_pipeline import env, ran, sealed_run, tpgrpo_run
 
-    root = make_tiny_project(tmp_path / "project", tiny_model_dir)
-    raw = yaml.safe_load((root / "params.yaml").read_text())
-    raw["train"].update({"iterations": 5, "block_size": 4})
-    (root / "params.yaml").write_text(yaml.safe_dump(raw, sort_keys=False))
-    first = tpgrpo_run(root)
-    assert first.returncode == 0 and "sealed iters-0001-0004" in first.stdout, first.stdout[-3000:]
+    root = sealed_run(make_tiny_project(tmp_path / "project", tiny_model_dir), iterations=5, block_size=4)
     dvc = lambda *args: subprocess.run([sys.executable, "-m", "dvc", *args], cwd=root, env=env(),  # noqa: E731
                                        capture_output=True, text=True)
     for name, iteration in [("eval", 4), ("credit", 2), *((s, 5) for s in STAGES)]:

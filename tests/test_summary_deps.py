@@ -12,9 +12,8 @@ import sys
 
 import pandas as pd
 import pytest
-import yaml
 from conftest import make_tiny_project
-from test_dvc_pipeline import env, ran, tpgrpo_run
+from test_dvc_pipeline import env, ran, sealed_run
 
 from tpgrpo.config import config_from_dict
 from tpgrpo.pipeline.block_logs import digest_path, write_digest
@@ -41,12 +40,7 @@ def test_rerunning_a_sealed_block_changes_no_log_so_the_summary_stays_up_to_date
     """A forced re-run of a sealed block writes its logs and tables byte for byte again (issue 46: seconds and
     process counts are in untracked sidecars), so its digest is the same and nothing after it runs; a log
     whose number changed still changes the digest (the test above)."""
-    root = make_tiny_project(tmp_path / "project", tiny_model_dir)
-    raw = yaml.safe_load((root / "params.yaml").read_text())
-    raw["train"].update({"iterations": 2, "block_size": 2})
-    (root / "params.yaml").write_text(yaml.safe_dump(raw, sort_keys=False))
-    first = tpgrpo_run(root)
-    assert first.returncode == 0 and "sealed iters-0001-0002" in first.stdout, first.stdout[-3000:]
+    root = sealed_run(make_tiny_project(tmp_path / "project", tiny_model_dir), iterations=2, block_size=2)
     digest = (root / digest_path(Block(1, 2))).read_bytes()
     sidecar = root / "data" / "iters" / "0001" / "update.timing.json"
     seconds = sidecar.read_bytes()
