@@ -77,6 +77,7 @@ def test_a_sealed_file_rewritten_during_the_repro_is_not_vouched_for(tmp_path, m
     root = _sealed_with_files(tmp_path)
     cfg = config_from_dict(tiny_params(train={"iterations": 4, "block_size": 2}))
     inner = root / "data/iters/0001/credit.json"
+    checked = []  # dvc status after a repro: only when it wrote dvc.lock (this fake DVC never does)
 
     def fake_dvc(args, **kwargs):  # DVC's full check, during which a hand-run rewrites a sealed log
         if "repro" in args:
@@ -86,7 +87,7 @@ def test_a_sealed_file_rewritten_during_the_repro_is_not_vouched_for(tmp_path, m
 
     for name, value in [("write_dvc_yaml", lambda *a, **k: False), ("refresh_manifests", lambda *a, **k: None),
                         ("clear_notes", lambda *a: None), ("drop_disagreeing", lambda *a: []),
-                        ("check_outputs_cached", lambda *a, **k: None)]:
+                        ("check_outputs_cached", lambda *a, **k: checked.append(a))]:
         module = {"write_dvc_yaml": "tpgrpo.pipeline.dvcfile", "refresh_manifests": "tpgrpo.pipeline.code_manifest",
                   "check_outputs_cached": "tpgrpo.pipeline.status"}.get(name, "tpgrpo.pipeline.params_read")
         monkeypatch.setattr(f"{module}.{name}", value)
@@ -97,3 +98,4 @@ def test_a_sealed_file_rewritten_during_the_repro_is_not_vouched_for(tmp_path, m
     monkeypatch.setattr(repro.subprocess, "run", lambda args, **kwargs: subprocess.CompletedProcess(args, 0))
     repro._repro(root, cfg, 4, {})
     assert seal_cache.unchanged(root, [BLOCK]) and repro.repro_args(root, 4)[-1] == "dvc.yaml"
+    assert checked == []

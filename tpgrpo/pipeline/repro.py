@@ -59,7 +59,7 @@ def _repro(root: Path, cfg: Config, upto: int, env: dict[str, str]) -> list[str]
     clear_notes(root)  # only what this repro's stages read is checked after it
     args = repro_args(root, upto)
     full = "--single-item" not in args  # DVC checks every sealed block upstream and re-runs what changed
-    before = digests(root, sealed_through(root, upto)) if full else {}  # the stamps as DVC will first see them
+    stamps = digests(root, sealed_through(root, upto)) if full else {}  # the files as DVC will first see them
     code = subprocess.run([sys.executable, "-m", "dvc", *args], cwd=root, env=env).returncode
     if code != 0:
         raise PipelineError(f"dvc repro failed with exit code {code}")
@@ -67,5 +67,5 @@ def _repro(root: Path, cfg: Config, upto: int, env: dict[str, str]) -> list[str]
     if lock.exists() and lock.stat().st_mtime_ns != before:  # something ran: was it all stored?
         check_outputs_cached(root, env, [] if full else ["dvc.yaml"])
     if full:  # vouch only for the blocks whose files did not move while DVC checked them (issue 46)
-        vouch(root, sealed_through(root, upto), before)
+        vouch(root, sealed_through(root, upto), stamps)
     return drop_disagreeing(root)
