@@ -72,7 +72,9 @@ def measure(folder: Path, iterations: int, threads: int, pure_yaml: bool = False
             if p.name not in ("summary.json", "summary_log.json")]
     folders = sorted(p for p in (folder / "data" / "iters").iterdir() if p.name.isdigit())  # numbered from 0 or 1
     assert len(folders) == iterations, folders
-    per_stage = {s: sum(json.loads((f / f"{s}.json").read_text())["wall_seconds"] for f in folders
+    from tpgrpo.io.stage_logs import log_seconds  # the sidecar, or the log itself at an older commit
+
+    per_stage = {s: sum(log_seconds(f / f"{s}.json") for f in folders
                         if (f / f"{s}.json").is_file()) / iterations for s in STAGES}
     stage_sum = sum(m.get("wall_seconds", 0.0) for m in logs)
     # The summary stage logs its own seconds since the code manifests (it samples two policies for the

@@ -14,7 +14,6 @@ best of --repeats) and the command's wall time (plus interpreter start and, for 
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import shlex
 import shutil
@@ -65,12 +64,14 @@ def run_stage(root: Path, name: str, threads: int) -> float:
 
 def measure(root: Path, processes: int, threads: int, repeats: int) -> dict:
     """Best-of-``repeats`` rollout and update throughput at this process count."""
+    from tpgrpo.io.stage_logs import read_log
+
     set_processes(root, processes)
     d = root / "data" / "iters" / "0001"
     best: dict = {}
     for _ in range(repeats):
         cmd_s = run_stage(root, "rollout", threads)
-        m = json.loads((d / "rollout.json").read_text())
+        m = read_log(d / "rollout.json", "rollout.json")  # seconds: its timing sidecar
         if "rollout_s" not in best or m["wall_seconds"] < best["rollout_s"]:
             best.update(rollout_s=m["wall_seconds"], rollout_cmd_s=cmd_s, images=m["trajectories"],
                         chunks=m["chunks"])
@@ -82,7 +83,7 @@ def measure(root: Path, processes: int, threads: int, repeats: int) -> dict:
     for _ in range(repeats):
         shutil.rmtree(d / "policy", ignore_errors=True)
         cmd_s = run_stage(root, "update", threads)
-        m = json.loads((d / "update.json").read_text())
+        m = read_log(d / "update.json", "update.json")
         if "update_s" not in best or m["wall_seconds"] < best["update_s"]:
             best.update(update_s=m["wall_seconds"], update_cmd_s=cmd_s, transitions=m["num_transitions"])
     return best

@@ -187,7 +187,9 @@ def one_more(root: Path, n: int) -> dict:
     seconds, out = tpgrpo(root, "run")
     ran = [line.split("'")[1] for line in out.splitlines() if line.startswith("Running stage")]
     logs = [root / "data" / "iters" / f"{n + 1:04d}" / f"{s}.json" for s in STEMS]
-    compute = sum(json.loads(p.read_text())["wall_seconds"] for p in logs if p.is_file())
+    from tpgrpo.io.stage_logs import log_seconds
+
+    compute = sum(log_seconds(p) for p in logs if p.is_file())  # from each timing sidecar
     summary_log = root / "data" / "iters" / "summary_log.json"
     compute += json.loads(summary_log.read_text()).get("wall_seconds", 0.0) if summary_log.is_file() else 0.0
     return {"one more iteration s": seconds, "its stages' compute s": compute, "bookkeeping s": seconds - compute,

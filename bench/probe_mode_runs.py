@@ -12,7 +12,6 @@ update (each stage's own ``wall_seconds``, mean over iterations and seeds).
 from __future__ import annotations
 
 import argparse
-import json
 import sys
 from pathlib import Path
 
@@ -20,6 +19,7 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
 from tpgrpo.comparison.results import paired_difference, seed_scores  # noqa: E402
+from tpgrpo.io.stage_logs import log_seconds  # noqa: E402
 
 STAGES = ("rollout", "probe", "credit", "update")
 
@@ -32,7 +32,7 @@ def stage_seconds(folders: list[Path], iterations: int) -> dict[str, float]:
             for stage in STAGES:
                 path = folder / "data" / "iters" / f"{i:04d}" / f"{stage}.json"
                 if path.is_file():
-                    sums[stage] += json.loads(path.read_text())["wall_seconds"]
+                    sums[stage] += log_seconds(path)  # its timing sidecar, or the log of an older run
     return {s: v / (len(folders) * iterations) for s, v in sums.items()}
 
 

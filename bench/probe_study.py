@@ -86,6 +86,7 @@ def study(runs: list[Path], names: list[str], compare, threads: int) -> dict:
 
     from tpgrpo.config import load_config
     from tpgrpo.io.artifacts import IterationPaths, read_table
+    from tpgrpo.io.stage_logs import read_log
     from tpgrpo.io.schemas import PROBE
     from tpgrpo.io.trajectories import read_trajectories
 
@@ -95,7 +96,7 @@ def study(runs: list[Path], names: list[str], compare, threads: int) -> dict:
         for it in iterations_of(run):
             paths = IterationPaths(run, it)
             table = read_table(paths.probe, PROBE, "probe.parquet")
-            logged = json.loads(paths.probe_metrics.read_text())
+            logged = read_log(paths.probe_metrics, "probe.json")  # seconds: its timing sidecar (issue 46)
             exact = summarize(table, cfg)
             arrays, attrs = read_trajectories(paths.trajectories, lazy=("states", "x0_estimates", "velocities"))
             n = exact["adv"].shape[0]

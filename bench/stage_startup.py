@@ -12,7 +12,6 @@ server ``tpgrpo run`` starts (``launch.stage_server``). "start-up" = command wal
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import shutil
 import subprocess
@@ -24,6 +23,7 @@ from pathlib import Path
 import yaml
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from tpgrpo.io.stage_logs import log_seconds  # noqa: E402
 from tpgrpo.pipeline.stage_server import running  # noqa: E402
 
 REPO = Path(__file__).resolve().parents[1]
@@ -47,7 +47,7 @@ def _print_best(label: str, cmd: list[str], metrics: str | None, root: Path, fol
     best = None
     for _ in range(repeat):
         wall, _ = _timed(cmd, root, env)
-        inner = json.loads((folder / f"{metrics}.json").read_text())["wall_seconds"] if metrics else 0.0
+        inner = log_seconds(folder / f"{metrics}.json") if metrics else 0.0  # from its timing sidecar
         if best is None or wall < best[0]:
             best = (wall, inner)
     print(f"{label:<34}{best[0]:>8.2f}{best[1]:>9.2f}{best[0] - best[1]:>12.2f}", flush=True)

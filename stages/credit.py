@@ -14,7 +14,8 @@ import pandas as pd
 import torch
 
 from tpgrpo.algo.advantages import group_advantages
-from tpgrpo.io.artifacts import IterationPaths, read_table, write_json, write_table
+from tpgrpo.io.artifacts import IterationPaths, read_table, write_table
+from tpgrpo.io.stage_logs import write_log
 from tpgrpo.config import Config
 from tpgrpo.algo.credit import compute_credit
 from tpgrpo.stage_common import check_finite, provenance, stopwatch
@@ -92,5 +93,5 @@ def run(cfg: Config, iteration: int, root: Path) -> dict:
         "incremental_abs_mean": float(counted["incremental"].abs().mean()),
         "forward_passes": 0,
     })
-    write_json(paths.credit_metrics, metrics)
+    write_log(paths.credit_metrics, metrics)
     return metrics

@@ -14,7 +14,8 @@ from pathlib import Path
 
 import numpy as np
 
-from tpgrpo.io.artifacts import IterationPaths, require, write_json, write_parquet
+from tpgrpo.io.artifacts import IterationPaths, require, write_parquet
+from tpgrpo.io.stage_logs import write_log
 from tpgrpo.comparison.stats import EVAL_TABLE_COLUMNS
 from tpgrpo.config import Config
 from tpgrpo.distributed import chunk_bar, current, run_chunks, warn_if_idle
@@ -123,7 +124,7 @@ def run(cfg: Config, iteration: int, root: Path) -> dict:
     metrics["evaluated"] = scheduled
     write_table(cfg, paths.folder / EVAL_TABLE, empty_table() if frame is None else frame, iteration, "eval",
                 weights or "none")
-    write_json(paths.eval_metrics, metrics)
+    write_log(paths.eval_metrics, metrics)
     return metrics
 
 
@@ -137,5 +138,5 @@ def run_baseline(cfg: Config, root: Path) -> dict:
         return metrics
     metrics.update(summarize(cfg, frame))
     write_table(cfg, out.with_name(BASELINE_TABLE), frame, -1, "baseline", "base")
-    write_json(out, metrics)
+    write_log(out, metrics)
     return metrics

@@ -12,7 +12,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from tpgrpo.config import Config
-from tpgrpo.io.artifacts import write_json
+from tpgrpo.io.stage_logs import write_log
 from tpgrpo.policy.eval_embeds import EVAL_EMBEDS_LOG, held_out, write_eval_embeddings
 from tpgrpo.stage_common import resolve, stopwatch
 
@@ -29,5 +29,5 @@ def run(cfg: Config, iteration: int | None, root: Path) -> dict:  # noqa: ARG001
         backend = load_backend(cfg.model.kind, resolve(root, cfg.model.path), cfg.model.device, cfg.model.dtype,
                                resolution=cfg.model.resolution)
         metrics.update(write_eval_embeddings(cfg, root, backend))
-    write_json(root / EVAL_EMBEDS_LOG, metrics)
+    write_log(root / EVAL_EMBEDS_LOG, metrics)
     return metrics

@@ -20,7 +20,8 @@ import numpy as np
 import pandas as pd
 
 from tpgrpo import rollout_shape
-from tpgrpo.io.artifacts import IterationPaths, write_json, write_table
+from tpgrpo.io.artifacts import IterationPaths, write_table
+from tpgrpo.io.stage_logs import write_log
 from tpgrpo.io.trajectories import read_trajectories
 from tpgrpo.config import Config
 from tpgrpo.distributed import chunk_bar, current, row_chunks, local_device, run_chunks, warn_if_idle
@@ -60,7 +61,7 @@ def run_final_reward(cfg: Config, iteration: int, root: Path) -> dict:
         N, K1 = frame["trajectory"].nunique(), frame["step"].nunique()
         meta = {**provenance(cfg, iteration, "probe"), PROBE_COMPLETION_KEY: "final_reward"}
         write_table(paths.probe, frame, PROBE, meta, trajectories=N, steps=K1)
-    write_json(paths.probe_metrics, metrics)
+    write_log(paths.probe_metrics, metrics)
     return metrics
 
 
@@ -94,7 +95,7 @@ def run(cfg: Config, iteration: int, root: Path) -> dict:
                     "zero_increment_fraction": float((d == 0).mean()),
                     "mean_q0": float(frame.loc[frame.step == 0, "reward"].mean()),
                     "processes": dist.world, "chunks": chunks})
-    write_json(paths.probe_metrics, metrics)
+    write_log(paths.probe_metrics, metrics)
     return metrics
 
 

@@ -15,7 +15,8 @@ import numpy as np
 import torch
 
 from tpgrpo import rollout_shape
-from tpgrpo.io.artifacts import IterationPaths, write_json
+from tpgrpo.io.artifacts import IterationPaths
+from tpgrpo.io.stage_logs import write_log
 from tpgrpo.io.trajectories import write_zarr
 from tpgrpo.config import Config
 from tpgrpo.distributed import chunk_bar, current, row_chunks, run_chunks, warn_if_idle
@@ -86,7 +87,7 @@ def run(cfg: Config, iteration: int, root: Path) -> dict:
         write_zarr(paths.trajectories, arrays, attrs)
     metrics.update(_metrics(arrays, spec, len(seeds), backend.cfg_doubles_batch), processes=dist.world,
                    chunks=len(chunks))
-    write_json(paths.rollout_metrics, metrics)
+    write_log(paths.rollout_metrics, metrics)
     return metrics
 
 

@@ -14,7 +14,8 @@ from pathlib import Path
 
 import pandas as pd
 
-from tpgrpo.io.artifacts import IterationPaths, atomic_path, read_json, write_json
+from tpgrpo.io.artifacts import IterationPaths, atomic_path, write_json
+from tpgrpo.io.stage_logs import read_log
 from tpgrpo.config import Config
 from tpgrpo.stage_params import GLANCE
 from tpgrpo.reports.figures import make_figures
@@ -41,15 +42,18 @@ def summary_log_path(root: Path) -> Path:
 
 
 def history(cfg: Config, root: Path) -> pd.DataFrame:
-    """One row per iteration (``iteration`` 1..N) plus the base model's row (``iteration`` 0)."""
-    base = read_json(baseline_path(root), "baseline eval: run the baseline stage")
+    """One row per iteration (``iteration`` 1..N) plus the base model's row (``iteration`` 0). The
+    ``*_wall_seconds`` columns come from each log's untracked timing sidecar (:mod:`tpgrpo.io.stage_logs`) as
+    it is when the summary runs: the one place a tracked output holds seconds, which no DVC dependency
+    records (a stage re-run by hand re-runs nothing, so the summary keeps the seconds of the run it read)."""
+    base = read_log(baseline_path(root), "baseline eval: run the baseline stage")
     rows = [{"iteration": 0, **{f"eval_{k}": base.get(k) for k in COLUMNS["eval"]}}]
     for i in range(1, cfg.train.iterations + 1):
         paths = IterationPaths(root, i)
         row: dict = {"iteration": i}
         for stage, keys in COLUMNS.items():
             path = getattr(paths, f"{stage}_metrics")
-            m = read_json(path, f"{stage} metrics of iteration {i}")
+            m = read_log(path, f"{stage} metrics of iteration {i}")  # seconds from its sidecar
             if stage == "eval" and not m.get("evaluated"):
                 continue
             row.update({f"{stage}_{k}": m.get(k) for k in keys})

@@ -14,7 +14,8 @@ import torch
 from tqdm import tqdm
 
 from tpgrpo import rollout_shape
-from tpgrpo.io.artifacts import IterationPaths, read_table, require, write_json
+from tpgrpo.io.artifacts import IterationPaths, read_table, require
+from tpgrpo.io.stage_logs import write_log
 from tpgrpo.io.trajectories import read_trajectories
 from tpgrpo.config import Config
 from tpgrpo.distributed import current
@@ -79,5 +80,5 @@ def run(cfg: Config, iteration: int, root: Path) -> dict:
         if not dist.is_main:  # every process holds the same weights; the main process writes them
             return metrics
         save_policy(paths.policy, backend, optimizer, ema)
-    write_json(paths.update_metrics, {k: v for k, v in metrics.items() if np.isscalar(v) or isinstance(v, list)})
+    write_log(paths.update_metrics, {k: v for k, v in metrics.items() if np.isscalar(v) or isinstance(v, list)})
     return metrics

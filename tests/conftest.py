@@ -32,6 +32,20 @@ TINY_PARAMS_OVERRIDES = {
 }
 
 
+@pytest.fixture(autouse=True)
+def no_process_group_left_behind():
+    """After each test, forget the process-global ``Dist`` (tpgrpo.distributed): a stage's ``run`` called
+    directly sets it (``current()`` -> ``init()``) and only the stage runner tears it down, so a later test in
+    the same worker process saw it instead of ``RANK``; which tests share a worker depends on timing (xdist,
+    loadfile), so such a test failed at random under load (issue 46 item 5)."""
+    import sys
+
+    yield
+    distributed = sys.modules.get("tpgrpo.distributed")
+    if distributed is not None and distributed._CURRENT is not None and distributed._CURRENT.world == 1:
+        distributed._CURRENT = None  # a world-1 Dist holds no process group: nothing to tear down
+
+
 @pytest.fixture(scope="session")
 def tiny_model_dir(tmp_path_factory) -> Path:
     """A freshly initialised tiny model saved in the diffusers layout (built once per session)."""

@@ -24,6 +24,8 @@ import yaml
 from conftest import make_tiny_project
 from fake_srun import install
 
+from tpgrpo.io.stage_logs import read_log
+
 pytestmark = pytest.mark.slow
 
 ALLOCATION = {"SLURM_JOB_ID": "4242", "SLURM_NNODES": "2", "SLURM_JOB_NODELIST": "localhost", "SLURM_NODEID": "0"}
@@ -93,7 +95,7 @@ def adapter_diff(a: Path, b: Path, i: int) -> tuple[float, float]:
 
 
 def stage_log(root: Path, name: str, i: int = 1) -> dict:
-    return json.loads((iteration_dir(root, i) / f"{name}.json").read_text())
+    return read_log(iteration_dir(root, i) / f"{name}.json", name)  # processes: in its timing sidecar
 
 
 def test_three_processes_over_two_groups_of_four_match_one_process(tmp_path, tiny_model_dir):

@@ -57,3 +57,23 @@ def test_an_archive_is_not_trained_nor_archived_again_and_lands_outside_its_root
     refuse_archive(root)  # a real root: no error
     with pytest.raises(PipelineError, match="results only, nothing can be trained"):
         refuse_archive(dest)
+
+
+def test_an_archive_keeps_the_stages_seconds_from_their_timing_sidecars(tmp_path):
+    """Since issue 46 a stage's seconds are in ``<stage>.timing.json`` beside its log, not in the log: the
+    archive copies the sidecars, so the equal-wall seconds survive a fresh clone of an archived run; a log
+    of an older run (its own wall_seconds) still reads."""
+    from tpgrpo.comparison.runs import train_seconds
+
+    root, dest = tmp_path / "cmp", tmp_path / "docs" / "cmp"
+    make_comparison(root)
+    run = root / "tp" / "seed0"
+    before = train_seconds(run, 4)
+    for log in sorted((run / "data" / "iters").glob("000[1-2]/*.json")):  # iterations 1-2: the new layout
+        values = json.loads(log.read_text())
+        (log.parent / f"{log.stem}.timing.json").write_text(json.dumps({"wall_seconds": values.pop("wall_seconds")}))
+        log.write_text(json.dumps(values))
+    assert train_seconds(run, 4) == before
+    write_archive(root, dest)
+    assert (dest / "tp" / "seed0" / "data" / "iters" / "0001" / "rollout.timing.json").is_file()
+    assert train_seconds(dest / "tp" / "seed0", 4) == before

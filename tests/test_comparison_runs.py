@@ -90,14 +90,16 @@ def test_comparison_end_to_end_with_resume_and_report(tmp_path, tiny_model_dir):
     folders = {f"{v}/seed{s}": out / v / f"seed{s}" for v in ("flow_grpo", "tp") for s in (0, 1)}
     assert all(cmp.run_state(f)[0] == "done" for f in folders.values())
 
-    # resume: iteration 2 of one run loses its eval; only that run runs again, and only eval-0002 + summary
+    # resume: iteration 2 of one run loses its eval; only that run runs again, and only eval-0002: its logs
+    # come back the same bytes (seconds are in untracked sidecars, issue 46), so the summary is up to date
     victim = folders["tp/seed1"]
     (victim / "data/iters/0002/eval.parquet").unlink()
     (victim / "data/iters/0002/eval.json").unlink()
     sizes = {k: (f / "run.log").stat().st_size for k, f in folders.items()}
     cli(*run)
     assert {k for k, f in folders.items() if (f / "run.log").stat().st_size != sizes[k]} == {"tp/seed1"}
-    assert stages_ran(victim / "run.log", sizes["tp/seed1"]) == {"eval-0002", "summary"}
+    assert stages_ran(victim / "run.log", sizes["tp/seed1"]) == {"eval-0002"}
+    assert cmp.run_state(victim)[0] == "done"  # its eval.json is newer than summary.json: DVC says so
 
     cli("equal-wall", "--out", str(out), "--jobs", "2", "--threads", "1")
     [wall] = json.loads((out / "equal_wall.json").read_text())  # one record per target

@@ -23,6 +23,7 @@ from conftest import make_tiny_project
 
 from tpgrpo.config import load_config
 from tpgrpo.distributed import FAIL_HOOK_ENV, parts_folder
+from tpgrpo.io.stage_logs import read_log
 from tpgrpo.pipeline.dvcfile import stage_command
 
 pytestmark = pytest.mark.slow
@@ -86,14 +87,14 @@ def test_two_processes_write_byte_identical_artifacts(runs):
     assert a.keys() == b.keys() and a == b  # every Zarr chunk and the attributes (provenance, config hash)
     for name in ("probe.parquet", "credit.parquet"):
         assert (iteration_dir(one) / name).read_bytes() == (iteration_dir(two) / name).read_bytes(), name
-    rollout = json.loads((iteration_dir(two) / "rollout.json").read_text())
+    rollout = read_log(iteration_dir(two) / "rollout.json", "rollout")  # with its timing sidecar
     assert rollout["processes"] == 2 and rollout["chunks"] == 3
     assert json.loads((iteration_dir(two) / "probe.json").read_text())["chunks"] == 6
-    base_one, base_two = (json.loads((r / "data" / "iters" / "baseline_eval.json").read_text()) for r in runs)
+    base_one, base_two = (read_log(r / "data" / "iters" / "baseline_eval.json", "baseline") for r in runs)
     assert base_two["processes"] == 2 and base_two["images"] == 6
     for key in ("eval_reward", "eval_strict_accuracy", "train_reward", "forward_passes"):
         assert base_one[key] == base_two[key], key  # the same images, sharded over two processes
-    evaluation = json.loads((iteration_dir(two) / "eval.json").read_text())
+    evaluation = read_log(iteration_dir(two) / "eval.json", "eval")
     assert evaluation["evaluated"] and evaluation["processes"] == 2
     assert not list(iteration_dir(two).glob(".*"))  # no part folders or temp files left
 
@@ -112,7 +113,7 @@ def test_two_process_update_matches_one_process_to_float_tolerance(runs):
     moved = max(float(a[k].abs().max()) for k in a if ".lora_B." in k)  # lora_B starts at 0
     assert diff <= 1e-4, diff
     assert moved > 100 * diff, (moved, diff)  # the tolerance is far below the update itself
-    u1, u2 = (json.loads((iteration_dir(r) / "update.json").read_text()) for r in runs)
+    u1, u2 = (read_log(iteration_dir(r) / "update.json", "update") for r in runs)
     assert u2["processes"] == 2
     for key in ("num_transitions", "num_samples", "optimizer_steps", "forward_passes"):
         assert u1[key] == u2[key], key  # the same global transitions and steps

@@ -30,6 +30,17 @@ def tpgrpo_run(root: Path) -> subprocess.CompletedProcess:
                           capture_output=True, text=True)
 
 
+def sealed_run(root: Path, iterations: int, block_size: int) -> Path:
+    """``root``'s tiny project trained by ``tpgrpo run`` to ``iterations`` in blocks of ``block_size`` (its
+    first block sealed)."""
+    raw = yaml.safe_load((root / "params.yaml").read_text())
+    raw["train"].update({"iterations": iterations, "block_size": block_size})
+    (root / "params.yaml").write_text(yaml.safe_dump(raw, sort_keys=False))
+    first = tpgrpo_run(root)
+    assert first.returncode == 0 and f"sealed iters-0001-{block_size:04d}" in first.stdout, first.stdout[-3000:]
+    return root
+
+
 def repro(root: Path) -> str:
     out = subprocess.run([sys.executable, "-m", "dvc", "repro"], cwd=root, env=env(), capture_output=True, text=True)
     assert out.returncode == 0, out.stdout + out.stderr

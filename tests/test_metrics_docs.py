@@ -65,6 +65,10 @@ def written(root: Path) -> dict[str, set[str]]:
             for s in STAGES}
     keys["`data/iters/baseline_eval.json`"] = flat_keys(json.loads((iters / "baseline_eval.json").read_text()))
     keys["`data/iters/eval_prompts.json`"] = flat_keys(json.loads((iters / "eval_prompts.json").read_text()))
+    sidecars = [*(iters / "0001").glob("*.timing.json"), *iters.glob("*.timing.json")]  # tpgrpo.io.stage_logs
+    assert len(sidecars) == len(STAGES) + 2, sorted(p.name for p in sidecars)  # + baseline_eval, eval_prompts
+    keys["`data/iters/NNNN/<stage>.timing.json`"] = set().union(*(flat_keys(json.loads(p.read_text()))
+                                                                  for p in sidecars))
     metrics = root / "data" / "metrics"
     keys["`data/metrics/summary.json`"] = flat_keys(json.loads((metrics / "summary.json").read_text()))
     glance = set()

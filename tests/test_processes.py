@@ -36,14 +36,30 @@ def _state(pid: int) -> str:
         return "gone"
 
 
-def _ended(pid: int, within: float = 5.0) -> bool:
-    """Whether ``pid`` exits (gone or a zombie) within ``within`` seconds."""
+def _ended(pid: int, within: float = 120.0) -> bool:
+    """Whether ``pid`` exits (gone or a zombie): waits for that event, polling its state; ``within`` only
+    bounds a process that never ends (a loaded machine slows the exit, it does not change it)."""
     deadline = time.monotonic() + within
     while _state(pid) not in ("gone", "Z"):
         if time.monotonic() > deadline:
             return False
         time.sleep(0.02)
     return True
+
+
+def _wait_for_note(root: Path, pid: int, state: str, within: float = 300.0) -> bool:
+    """Wait until process ``pid`` notes ``state`` in data/.last_stage.json (the stage runner writes it once the
+    stage's checks passed and its work starts), or ``pid`` ends first (False)."""
+    note, deadline = root / "data" / ".last_stage.json", time.monotonic() + within
+    while time.monotonic() < deadline and _state(pid) not in ("gone", "Z"):
+        try:
+            last = json.loads(note.read_text())
+        except (OSError, ValueError):
+            last = {}
+        if last.get("pid") == pid and last.get("state") == state:
+            return True
+        time.sleep(0.02)
+    return False
 
 
 def _request(path: str, root: Path, env: dict, *args: str) -> socket.socket:
@@ -73,16 +89,18 @@ def test_a_killed_run_leaves_no_stage_running_and_no_artifact_written(tmp_path, 
         caller = _request(path, root, {**env, ENV_VAR: path}, "rollout", "--iter", "1", "--params", "params.yaml")
         stage = int(json.loads(caller.recv(MAX_MESSAGE))["pid"])  # waits while the server imports
         server = int(next(line for line in log_lines(root) if line.startswith("stage server")).split()[2][:-1])
-        assert _state(stage) not in ("gone", "Z") and _state(server) not in ("gone", "Z")
+        # the kill lands inside the rollout: once it noted that it runs (not after a fixed sleep, which a
+        # loaded machine can outlast before the stage even starts its work)
+        assert _wait_for_note(root, stage, "running"), f"the rollout {stage} ended before it started its work"
+        assert _state(server) not in ("gone", "Z")
         os.killpg(run.pid, signal.SIGKILL) if kill == "process group" else run.kill()
         run.wait()
         assert _ended(stage), f"the forked rollout {stage} runs on after the run was killed"
         assert _ended(server), f"the stage server {server} runs on after the run was killed"
+        # both have ended, and nothing else writes here: what is on disk now is what the killed run left
         folder = root / "data" / "iters" / "0001"
-        deadline = time.monotonic() + 6  # a rollout left running would finish and rename within this
-        while time.monotonic() < deadline:
-            assert not (folder / "rollout.json").exists() and not (folder / "trajectories.zarr").exists()
-            time.sleep(0.1)
+        assert not (folder / "rollout.json").exists() and not (folder / "trajectories.zarr").exists()
+        assert json.loads((root / "data" / ".last_stage.json").read_text())["state"] != "done"
         caller.close()
     finally:
         if run.poll() is None:

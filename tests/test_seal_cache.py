@@ -63,3 +63,39 @@ def test_a_rewritten_lock_invalidates_what_was_cached_of_it(tmp_path):
 def test_no_cache_is_written_outside_a_dvc_project(tmp_path):
     root, cfg, lock = _four_iterations_sealed(tmp_path)
     assert seal_cache.summary(root, BLOCK) is not None and not (root / ".dvc").exists()
+
+
+def test_a_sealed_file_rewritten_during_the_repro_is_not_vouched_for(tmp_path, monkeypatch):
+    """``tpgrpo run`` takes the blocks' stamps before the full ``dvc repro`` (issue 46): a file written again
+    while DVC ran (a stage re-run by hand) is not taken as what DVC checked; one that did not move is."""
+    import subprocess
+
+    from tpgrpo.config import config_from_dict
+    from conftest import tiny_params
+    from tpgrpo.pipeline import repro
+
+    root = _sealed_with_files(tmp_path)
+    cfg = config_from_dict(tiny_params(train={"iterations": 4, "block_size": 2}))
+    inner = root / "data/iters/0001/credit.json"
+    checked = []  # dvc status after a repro: only when it wrote dvc.lock (this fake DVC never does)
+
+    def fake_dvc(args, **kwargs):  # DVC's full check, during which a hand-run rewrites a sealed log
+        if "repro" in args:
+            inner.unlink()
+            inner.write_text("x")  # the same bytes, a new inode: DVC hashed the old file
+        return subprocess.CompletedProcess(args, 0)
+
+    for name, value in [("write_dvc_yaml", lambda *a, **k: False), ("refresh_manifests", lambda *a, **k: None),
+                        ("clear_notes", lambda *a: None), ("drop_disagreeing", lambda *a: []),
+                        ("check_outputs_cached", lambda *a, **k: checked.append(a))]:
+        module = {"write_dvc_yaml": "tpgrpo.pipeline.dvcfile", "refresh_manifests": "tpgrpo.pipeline.code_manifest",
+                  "check_outputs_cached": "tpgrpo.pipeline.status"}.get(name, "tpgrpo.pipeline.params_read")
+        monkeypatch.setattr(f"{module}.{name}", value)
+    monkeypatch.setattr(repro.subprocess, "run", fake_dvc)
+    assert repro.repro_args(root, 4) == ["repro"]  # never vouched for: the full check
+    repro._repro(root, cfg, 4, {})
+    assert not seal_cache.unchanged(root, [BLOCK])  # before: vouched for with the rewritten file's stamp
+    monkeypatch.setattr(repro.subprocess, "run", lambda args, **kwargs: subprocess.CompletedProcess(args, 0))
+    repro._repro(root, cfg, 4, {})
+    assert seal_cache.unchanged(root, [BLOCK]) and repro.repro_args(root, 4)[-1] == "dvc.yaml"
+    assert checked == []

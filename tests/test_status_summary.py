@@ -197,6 +197,22 @@ def test_status_never_names_an_older_stage_when_the_last_could_not_record(tmp_pa
     assert "last stage: unknown (data/.last_stage.json is empty or unreadable" in text, text
 
 
+def test_a_stage_run_called_directly_sets_the_process_global_dist():
+    from tpgrpo import distributed
+
+    assert distributed.current().is_main and distributed._CURRENT is not None  # left for conftest to clear
+
+
+def test_no_test_starts_with_a_dist_an_earlier_one_left(monkeypatch):
+    """The test above left a world-1 ``Dist``: with it, ``is_main_process`` ignored ``RANK`` and the next test
+    saw rank 1 note its failure, whenever an earlier test in the same worker had called a stage's ``run``."""
+    from tpgrpo import distributed
+
+    assert distributed._CURRENT is None
+    monkeypatch.setenv("RANK", "1")
+    assert not distributed.is_main_process()
+
+
 def test_only_the_main_process_notes_a_failed_stage(tmp_path, monkeypatch):
     from typer.testing import CliRunner
 

@@ -16,6 +16,7 @@ from conftest import make_tiny_project
 from test_integrity import flip_bytes
 from test_pipeline_stages import iteration_dir, run_iteration, run_ok, stage
 from tpgrpo.config import ConfigError, config_from_dict
+from tpgrpo.io.stage_logs import read_log
 
 TREE = {"enabled": True, "split_steps": "0,1", "children": 1, "roots": 2}  # the params' tree section
 # per root: edges 2 + 4 = 6 (3 SDE), leaves 4, nodes 1 + 2 + 4 = 7 (split 1 follows split 0: the depth-0
@@ -176,6 +177,11 @@ TREE_DAMAGE = {  # damage to the node store -> (stage that reads it, words of it
     "a parent node below 0": (lambda s: _set(s, "tree_parent_node", 7, -1), "probe",
                               ["array 'tree_parent_node' has values -1..", "expected 0..13"]),
     "a store of the old layout": (_old_layout, "probe", ["tree store of the old layout", "re-run the rollout"]),
+    # issue 46: each tree_* array was optional in the schema, so a store without one ended in a KeyError
+    **{f"{name} deleted, then {stage}": (lambda s, name=name: shutil.rmtree(s / name), stage,
+                                         [f"missing array '{name}'"])
+       for name, stage in (("tree_leaf", "probe"), ("tree_sde", "probe"), ("tree_parent", "probe"),
+                           ("tree_depth", "probe"), ("tree_sde", "update"), ("tree_depth", "update"))},
     "NaN in node_states": (lambda s: _set(s, "node_states", (5, 0, 3, 3), np.nan), "update",
                            ["array 'node_states' has 1 non-finite values (first at [5, 0, 3, 3]"]),
 }
@@ -194,11 +200,28 @@ def test_a_damaged_node_store_is_one_line_naming_the_store_and_array(tree_run, t
         assert word in lines[-1], lines[-1]
 
 
+@pytest.mark.parametrize("written", [[0, 3, 6], "0,3,6", 3, [3]])
+def test_split_steps_may_be_a_yaml_list_or_int_and_hash_as_the_text(written):
+    """``tree.split_steps: [0, 3, 6]`` and ``3`` are what YAML makes of natural spellings (issue 46): accepted,
+    held as the text ``"0,3,6"`` / ``"3"``, so the config hash of a run that wrote the text is unchanged."""
+    from conftest import tiny_params
+
+    from tpgrpo.stage_common import provenance
+
+    cfg = config_from_dict(tiny_params(tree={**TREE, "split_steps": written}, sampling={"num_steps": 10}))
+    text = "0,3,6" if isinstance(written, (list, str)) and written != [3] else "3"
+    same = config_from_dict(tiny_params(tree={**TREE, "split_steps": text}, sampling={"num_steps": 10}))
+    assert cfg.tree.split_steps == text
+    assert provenance(cfg, 1, "rollout")["config_hash"] == provenance(same, 1, "rollout")["config_hash"]
+
+
 def test_tree_params_errors_are_one_line():
     from conftest import tiny_params
 
     for tree, probe, match in (({**TREE, "split_steps": "0,3"}, "exact", r"tree.split_steps = '0,3'.*\[0, 2\]"),
                                ({**TREE, "split_steps": "a"}, "exact", "comma-separated"),
+                               ({**TREE, "split_steps": [0, "a"]}, "exact", r"a list of ints \(\[0, 3, 6\]\)"),
+                               ({**TREE, "split_steps": True}, "exact", "comma-separated text"),
                                (TREE, "x0", "probe.completion = 'x0' with tree.enabled")):
         raw = tiny_params(tree=tree, probe={"completion": probe})
         with pytest.raises(ConfigError, match=match) as info:
@@ -246,7 +269,7 @@ def test_two_processes_write_the_same_tree_as_one(tmp_path, tiny_model_dir):
     assert tree_bytes(one / "trajectories.zarr") == tree_bytes(two / "trajectories.zarr")
     for name in ("probe.parquet", "credit.parquet"):
         assert (one / name).read_bytes() == (two / name).read_bytes(), name
-    rollout = json.loads((two / "rollout.json").read_text())
+    rollout = read_log(two / "rollout.json", "rollout")  # with its timing sidecar
     assert rollout["processes"] == 2 and rollout["chunks"] == 3
 
 

@@ -225,15 +225,21 @@ def _hand_run(seq: Seq, stage: str, i: int) -> str | None:
 
 
 def rerun_same(seq: Seq) -> Plan:
-    """Re-run a stage by hand with the current params: it rewrites the same artifact; DVC may run that stage
-    (or the sealed block holding it) once more, since its log (an output) has new wall seconds, and the
-    summary; nothing else."""
+    """Re-run a stage by hand with the current params (any stage, open or in a sealed block, eval included):
+    it rewrites its artifacts and log byte for byte (its seconds go to an untracked sidecar, issue 46), so
+    `dvc status` is clean right after it and the next run runs nothing."""
     raw = h.read_params(seq.root)
     stage, i = _hand_stage(seq, raw)
+    failure = _hand_run(seq, stage, i)
+    if failure is None and not seq.retained:  # (after retention the stage may refuse: nothing was written)
+        status = h.dvc_status(seq.root)
+        if status != "{}":
+            failure = f"dvc status after a hand re-run of {stage} --iter {i} with the same params: {status[:600]}"
     size = int(raw["train"].get("block_size") or 0)
     block = {f"iters-{(i - 1) // size * size + 1:04d}-{(i - 1) // size * size + size:04d}"} if size else set()
-    return Plan(f"hand re-run {stage} --iter {i} (same params)", {"summary", f"{stage}-{i:04d}", *block},
-                failure=_hand_run(seq, stage, i))
+    # after retention a hand run may rewrite an output retention dropped from its block: that block may run
+    allowed = {"summary", f"{stage}-{i:04d}", *block} if seq.retained else set()
+    return Plan(f"hand re-run {stage} --iter {i} (same params)", allowed, failure=failure)
 
 
 OTHER = {"rollout": ("sampling.noise_level", [0.7, 0.5]), "probe": ("probe.completion", ["exact", "x0"]),

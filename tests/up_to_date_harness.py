@@ -393,24 +393,32 @@ class References:
 
 def stage_marks(root: Path) -> dict[str, tuple]:
     """Per stage, (mtime, content hash) of the log it writes when it runs: data/iters/NNNN/<stage>.json, the
-    baseline's JSON, the summary, a manifest; under "" the time the marks were taken."""
+    baseline's JSON, the summary, a manifest; under "" the time the marks were taken. The hash covers the
+    log's untracked timing sidecar too (``<stage>.timing.json``; the summary's ``summary_log.json``): the log
+    DVC tracks is the same bytes on every run of the same inputs (issue 46), its wall seconds are not."""
     logs = {"baseline": root / "data/iters/baseline_eval.json", "summary": root / "data/metrics/summary.json",
             "code": root / "data/code/rollout.json", "eval_prompts": root / "data/iters/eval_prompts.json"}
     for folder in sorted((root / "data/iters").glob("[0-9]" * 4)):
         for name in STAGE_LOGS:
             logs[f"{name}-{folder.name}"] = folder / f"{name}.json"
+    side = {"summary": root / "data/iters/summary_log.json"}
     marks: dict[str, tuple] = {"": (time.time_ns(),)}
     for name, path in logs.items():
         try:
-            marks[name] = (path.stat().st_mtime_ns, hashlib.md5(path.read_bytes()).hexdigest())
+            h = hashlib.md5(path.read_bytes())
+            mark = path.stat().st_mtime_ns
         except OSError:
-            pass
+            continue
+        extra = side.get(name, path.with_name(path.stem + ".timing.json"))
+        if extra.is_file():
+            h.update(extra.read_bytes())
+        marks[name] = (mark, h.hexdigest())
     return marks
 
 
 def ran_between(before: dict[str, tuple], after: dict[str, tuple]) -> tuple[set[str], set[str]]:
     """(stages whose log is new or holds other bytes, stages whose log was rewritten during the run). A
-    real run rewrites its log's wall-clock fields, so other bytes mean it ran; the logs are cached DVC
+    real run rewrites its log's wall-clock fields (in its sidecar), so other bytes mean it ran; the logs are cached DVC
     outputs, and a checkout or a restore from the run cache rewrites a log with the same bytes (not a
     run), so a rewrite alone only shows that a stage *may* have run."""
     since = before[""][0] - 50_000_000  # file times lag the clock by a tick

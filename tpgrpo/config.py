@@ -25,7 +25,7 @@ from tpgrpo.config_values import RANGE_TEXT, RANGES, ConfigError, build_section 
 KNOB = "An execution knob: not recorded, changing it re-runs nothing (docs/long-runs.md)"
 # The batch sizes are recorded: at some batch shapes a batched pass rounds differently (measured on a CPU).
 BATCH_INPUT = "Recorded, not a mere memory knob: at some sizes batched passes round differently"
-SPECIAL_BOUNDS = ("reward", "completion")  # a reward spec; a probe completion (tpgrpo.algo.probe_modes)
+SPECIAL_BOUNDS = ("reward", "completion", "steps")  # a reward spec; a probe completion; step indices (step_list)
 
 
 def param(default: Any, doc: str, unit: str = "", bounds: str | tuple[str, ...] = "", rule: str = "",
@@ -153,7 +153,7 @@ class TreeConfig:
                           "nothing. A tree ignores rollout.group_size and the sampling window: its samples are the "
                           "leaves, roots x (children + 1)^(split steps) per prompt")
     split_steps: str = param("0,3,6", "the schedule steps where every node spawns one ODE and `children` SDE "
-                             "children (comma-separated, increasing)", "step indices",
+                             "children (comma-separated, increasing)", "step indices", bounds="steps",
                              rule="each in [0, sampling.num_steps - 2]")
     children: int = param(1, "m, SDE children per node at each split step", "children", "> 0")
     roots: int = param(1, "R, independent roots (initial noises) per prompt", "roots", "> 0")

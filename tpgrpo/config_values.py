@@ -71,9 +71,28 @@ def build_section(name: str, cls: type, raw: Any) -> Any:
         if bounds == "reward":
             values[key] = reward_spec(f"{name}.{key}", raw[key])
             continue
+        if bounds == "steps":
+            values[key] = step_list(f"{name}.{key}", raw[key])
+            continue
         values[key] = coerce(f"{name}.{key}", raw[key], hints[key])
         check_range(f"{name}.{key}", values[key], bounds)
     return cls(**values)
+
+
+def step_list(key: str, value: Any) -> str:
+    """Schedule step indices as the comma-separated text the key holds: text as written (``"0,3,6"``: the
+    config hash of a run that wrote it is unchanged), a YAML int (``3``) as ``"3"`` and a YAML list
+    (``[0, 3, 6]``) as ``"0,3,6"``, so the same steps hash the same however they are written. Whether the
+    steps fit the schedule is checked with the other tree params (tpgrpo.algo.tree_shape)."""
+    plain_int = lambda v: isinstance(v, int) and not isinstance(v, bool)  # noqa: E731 - YAML's true is no step
+    if isinstance(value, str):
+        return value
+    if plain_int(value):
+        return str(value)
+    if isinstance(value, list) and value and all(plain_int(v) for v in value):
+        return ",".join(str(v) for v in value)
+    raise ConfigError(f"params: {key} = {value!r}: expected step indices: comma-separated text (0,3,6), a list "
+                      "of ints ([0, 3, 6]) or one int")
 
 
 def reward_spec(key: str, value: Any) -> str | dict[str, float]:

@@ -10,7 +10,6 @@ need none of them.
 
 from __future__ import annotations
 
-import platform
 import time
 from contextlib import contextmanager
 from pathlib import Path
@@ -32,16 +31,13 @@ def resolve(root: Path, path: str) -> Path:
 def provenance(cfg: Config, iteration: int, stage: str) -> dict[str, str]:
     """Metadata every artifact carries: what made it, from which params (a hash of the params the stage
     declares in dvc.yaml, and of the key that picks its code path while it picks the other one:
-    :func:`tpgrpo.stage_params.hashed_inputs`), with which versions."""
-    from importlib.metadata import version
-
+    :func:`tpgrpo.stage_params.hashed_inputs`). Nothing that differs between identical runs: the Python and
+    torch versions are in the stage's code manifest (a recorded input) and in its log's untracked sidecar
+    (:mod:`tpgrpo.io.stage_logs`), not in the artifact, whose bytes DVC hashes."""
     from tpgrpo.stage_params import hashed_inputs
 
-    return {
-        "tpgrpo_version": __version__, "stage": stage, "iteration": str(iteration),
-        "config_hash": cfg.params_hash(hashed_inputs(stage, cfg)), "torch_version": version("torch"),  # not torch.__version__: no import
-        "python_version": platform.python_version(),
-    }
+    return {"tpgrpo_version": __version__, "stage": stage, "iteration": str(iteration),
+            "config_hash": cfg.params_hash(hashed_inputs(stage, cfg))}
 
 
 def check_finite(name: str, values: Any, where: str) -> None:
@@ -55,7 +51,8 @@ def check_finite(name: str, values: Any, where: str) -> None:
 
 @contextmanager
 def stopwatch(metrics: dict[str, Any], key: str = "wall_seconds") -> Iterator[None]:
-    """Record the wall time of the block into ``metrics[key]`` (seconds)."""
+    """Record the wall time of the block into ``metrics[key]`` (seconds). A stage writes its log with
+    :func:`tpgrpo.io.stage_logs.write_log`, which puts these seconds in the untracked sidecar."""
     start = time.perf_counter()
     yield
     metrics[key] = round(time.perf_counter() - start, 3)

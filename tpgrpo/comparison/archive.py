@@ -1,7 +1,8 @@
 """Keep a comparison's results without its artifacts, small enough to commit beside the report.
 
 A comparison root (:mod:`tpgrpo.comparison.runs`) holds gigabytes: trajectories, adapters, the model, DVC's cache.
-The report reads only a few kilobytes per iteration of it: the stage JSON logs, the per-image eval tables,
+The report reads only a few kilobytes per iteration of it: the stage JSON logs (and their timing sidecars,
+where the stages' seconds are), the per-image eval tables,
 each run's ``run.json``, ``params.yaml``, ``machine.json`` and numeric code manifests, and the root's ``commands.txt``, ``equal_wall.json`` and code
 ``SNAPSHOT.json``. An archive is a copy of the root pruned to exactly those files, in the same layout, so
 ``report --results ARCHIVE`` recomputes the same tables and figures as ``report --results ROOT`` did, long
@@ -21,6 +22,7 @@ from pathlib import Path
 
 from tpgrpo.comparison.provenance import MACHINE_FILE, NUMERIC_KINDS, mismatch
 from tpgrpo.comparison.runs import ITER_FILES, SUMMARY, discover
+from tpgrpo.io.stage_logs import timing_path
 from tpgrpo.pipeline.code_manifest import manifest_path
 from tpgrpo.errors import PipelineError
 
@@ -28,8 +30,12 @@ MARKER = "ARCHIVE.json"
 ROOT_FILES = ("commands.txt", "equal_wall.json", "load_cost.json", "code/SNAPSHOT.json")
 POOLED_KEYS = {"train.seed", "train.iterations"}  # runs that differ in nothing else pool as seeds of one variant
 RUN_FILES = ("run.json", "params.yaml", str(SUMMARY), "data/iters/baseline_eval.json",
-             "data/iters/baseline_eval.parquet", MACHINE_FILE, *(manifest_path(k) for k in NUMERIC_KINDS))
-ITERATION_FILES = (*ITER_FILES, "probe.json")  # what finishes an iteration, and the probe log where there is one
+             "data/iters/baseline_eval.timing.json", "data/iters/baseline_eval.parquet", MACHINE_FILE,
+             *(manifest_path(k) for k in NUMERIC_KINDS))
+# What finishes an iteration, the probe log where there is one, and each log's timing sidecar: the stages'
+# seconds live there (tpgrpo.io.stage_logs), and an archive must keep them for the equal-wall numbers.
+_LOGS = (*ITER_FILES, "probe.json")
+ITERATION_FILES = (*_LOGS, *(timing_path(Path(f)).name for f in _LOGS if f.endswith(".json")))
 
 
 def is_archive(root: Path) -> bool:

@@ -38,6 +38,7 @@ from tpgrpo.io.artifacts import atomic_path
 from tpgrpo.comparison.variants import BASELINE_MODE, RunSpec, Variant
 from tpgrpo.config import ConfigError, config_from_dict
 from tpgrpo.errors import PipelineError
+from tpgrpo.pipeline.status import dvc_up_to_date
 
 CODE_DIRS = ("stages", "tpgrpo")
 # What makes an iteration finished (as tpgrpo.pipeline.status): not probe.json, which flow_grpo runs made before
@@ -217,7 +218,8 @@ def plan(out: Path, variants: Sequence[Variant]) -> list[RunSpec]:
 
 def run_state(folder: Path) -> tuple[str, int, int]:
     """``(state, iterations done, iterations planned)``; state is ``done`` (summary.json covers the planned
-    iterations and is newer than every iteration file), ``partial`` or ``new``."""
+    iterations and is newer than every iteration file or, where a log was written again after it with the
+    same bytes, which re-runs nothing, DVC finds the folder up to date), ``partial`` or ``new``."""
     params = folder / "params.yaml"
     planned = int(yaml.safe_load(params.read_text())["train"]["iterations"]) if params.is_file() else 0
     done, newest = 0, 0.0
@@ -227,8 +229,8 @@ def run_state(folder: Path) -> tuple[str, int, int]:
             break
         done, newest = i, max([newest, *(f.stat().st_mtime for f in logs)])  # logs: policy/ is relinked later
     summary = folder / SUMMARY
-    if done == planned > 0 and summary.is_file() and summary.stat().st_mtime >= newest:
-        if json.loads(summary.read_text()).get("iterations") == planned:
+    if done == planned > 0 and summary.is_file() and json.loads(summary.read_text()).get("iterations") == planned:
+        if summary.stat().st_mtime >= newest or dvc_up_to_date(folder):
             return "done", done, planned
     started = done > 0 or (folder / "data" / "iters" / "baseline_eval.json").is_file()
     return ("partial" if started else "new"), done, planned
@@ -305,11 +307,15 @@ def discover(out: Path) -> list[dict]:
 
 
 def stage_seconds(iteration_folder: Path, stage: str) -> float:
-    """A stage's own wall seconds from its JSON log; 0 for a probe that is not there (flow_grpo has none)."""
+    """A stage's own wall seconds: from its log's untracked sidecar (``<stage>.timing.json``), else from the
+    log itself (runs made before the sidecar, the archived ones among them: :mod:`tpgrpo.io.stage_logs`);
+    0 for a probe that is not there (flow_grpo has none)."""
+    from tpgrpo.io.stage_logs import log_seconds
+
     path = iteration_folder / f"{stage}.json"
     if stage == "probe" and not path.is_file():
         return 0.0
-    return float(json.loads(path.read_text())["wall_seconds"])
+    return log_seconds(path)
 
 
 def train_seconds(folder: Path, iterations: int) -> list[float]:

@@ -5,7 +5,7 @@ Iterations are numbered 1..N; policy 0 is the base model. Layout under the proje
 
     data/iters/0003/trajectories.zarr   rollout: latents, log-probs, sigmas, seeds
     data/iters/0003/prompt_embeds.safetensors  rollout: the iteration's prompt embeddings (probe/update read them)
-    data/iters/0003/rollout.json        rollout metrics
+    data/iters/0003/rollout.json        rollout metrics (its seconds: rollout.timing.json, untracked: tpgrpo.io.stage_logs)
     data/iters/0003/probe.parquet       probe: one row per (trajectory, step)
     data/iters/0003/credit.parquet      credit: one row per (trajectory, window step)
     data/iters/0003/policy/             update: policy 3 (LoRA adapter + optimizer state), what iteration 4 samples from

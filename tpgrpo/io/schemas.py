@@ -273,10 +273,11 @@ def check_trajectories(arrays: dict, attrs: dict, source: str, loaded: bool = Tr
 
 
 def _required(spec: ArraySpec, tree: bool) -> bool:
-    """Whether a store must hold ``spec``'s array: a chain its ``states``, a tree its node arrays instead."""
+    """Whether a store must hold ``spec``'s array: a chain its ``states``, a tree its node arrays and every
+    ``tree_*`` array instead (the tree probe, credit and update read them all)."""
     if spec.name == "states":
         return not tree
-    return (spec.name in TREE_NODE_ARRAYS and tree) or not spec.optional
+    return (tree and (spec.name in TREE_NODE_ARRAYS or spec.name in TREE_ARRAYS)) or not spec.optional
 
 
 def check_array_values(spec: ArraySpec, values, source: str, row_offset: int = 0) -> None:

@@ -15,7 +15,8 @@ import numpy as np
 
 from tpgrpo.config import Config
 from tpgrpo.distributed import current
-from tpgrpo.io.artifacts import IterationPaths, write_json, write_table
+from tpgrpo.io.artifacts import IterationPaths, write_table
+from tpgrpo.io.stage_logs import write_log
 from tpgrpo.io.schemas import PROBE_COMPLETION_KEY, PROBE_TREE, ArtifactError
 from tpgrpo.io.trajectories import read_trajectories
 from tpgrpo.stage_common import provenance, stopwatch
@@ -80,5 +81,5 @@ def run(cfg: Config, iteration: int, root: Path) -> dict:
     d = arrays["final_reward"] - frame.loc[frame.step == 0, "reward"].to_numpy()
     metrics.update({"states": int(sde.size), "zero_increment_fraction": float((d[sde] == 0).mean()),
                     "mean_q0": float(frame.loc[(frame.step == 0) & (frame.depth == 0), "reward"].mean())})
-    write_json(paths.probe_metrics, metrics)
+    write_log(paths.probe_metrics, metrics)
     return metrics

@@ -94,8 +94,9 @@ def iteration_stages(cfg: Config, i: int, manifests: bool = True) -> dict[str, d
     # A stage's JSON log is an output (small; eval's uncached like its table): DVC's run cache, which restores
     # a stage it has seen with these deps and params instead of running it, restores the log with the tables
     # (it kept the last real run's log before, which the summary read), and a stage re-run by hand with other
-    # params is re-run by DVC (its log changed) even when its table came out the same. The price: a stage
-    # re-run by hand with the same params is re-run once more by DVC (its log's wall_seconds differ).
+    # params is re-run by DVC (its log changed) even when its table came out the same. A stage re-run by hand
+    # with the same params writes the same log bytes: its seconds and process count go to an untracked
+    # sidecar (tpgrpo.io.stage_logs), so DVC sees nothing changed.
     # Every credit mode has the same stages, so that `dvc exp run -S credit.mode=...` runs what `tpgrpo run`
     # renders: Flow-GRPO's probe loads no model and writes Q_k = R_fin from the rollout (stages/probe.py). The
     # probe does not list credit.mode: its manifest records whether the mode is flow_grpo (path_params).

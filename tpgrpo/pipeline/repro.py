@@ -49,7 +49,7 @@ def _repro(root: Path, cfg: Config, upto: int, env: dict[str, str]) -> list[str]
     from tpgrpo.pipeline.code_manifest import refresh_manifests
     from tpgrpo.pipeline.dvcfile import write_dvc_yaml
     from tpgrpo.pipeline.params_read import clear_notes, drop_disagreeing
-    from tpgrpo.pipeline.seal_cache import vouch
+    from tpgrpo.pipeline.seal_cache import digests, vouch
     from tpgrpo.pipeline.status import check_outputs_cached
 
     write_dvc_yaml(cfg, root, upto)
@@ -58,12 +58,14 @@ def _repro(root: Path, cfg: Config, upto: int, env: dict[str, str]) -> list[str]
     before = lock.stat().st_mtime_ns if lock.exists() else None
     clear_notes(root)  # only what this repro's stages read is checked after it
     args = repro_args(root, upto)
+    full = "--single-item" not in args  # DVC checks every sealed block upstream and re-runs what changed
+    stamps = digests(root, sealed_through(root, upto)) if full else {}  # the files as DVC will first see them
     code = subprocess.run([sys.executable, "-m", "dvc", *args], cwd=root, env=env).returncode
     if code != 0:
         raise PipelineError(f"dvc repro failed with exit code {code}")
     # (no relinking: with cache.type copy a workspace file is never the cache's object)
     if lock.exists() and lock.stat().st_mtime_ns != before:  # something ran: was it all stored?
-        check_outputs_cached(root, env, ["dvc.yaml"] if "--single-item" in args else [])
-    if "--single-item" not in args:  # DVC checked every sealed block upstream and re-ran what had changed
-        vouch(root, sealed_through(root, upto))
+        check_outputs_cached(root, env, [] if full else ["dvc.yaml"])
+    if full:  # vouch only for the blocks whose files did not move while DVC checked them (issue 46)
+        vouch(root, sealed_through(root, upto), stamps)
     return drop_disagreeing(root)

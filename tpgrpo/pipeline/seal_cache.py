@@ -95,14 +95,27 @@ def _write(root: Path, block: Block, data: dict) -> None:
         pass  # a cache: without it the next run checks through DVC
 
 
-def vouch(root: Path, blocks: list[Block] | None = None) -> None:
+def digests(root: Path, blocks: list[Block]) -> dict[Block, str | None]:
+    """Each block's files digest now (None: no lock entry): take it before a ``dvc repro`` and pass it to
+    :func:`vouch` after, so that only files DVC saw as they are now are vouched for."""
+    found = {block: summary(root, block) for block in blocks}
+    return {block: None if f is None else files_digest(root, f["paths"]) for block, f in found.items()}
+
+
+def vouch(root: Path, blocks: list[Block] | None = None, before: dict[Block, str | None] | None = None) -> None:
     """Record the files digest of sealed ``blocks`` (all when None) as DVC just found them (call right after a
-    ``dvc repro`` that checked them, or a ``dvc commit`` that recorded them)."""
+    ``dvc repro`` that checked them, or a ``dvc commit`` that recorded them). With ``before`` (:func:`digests`
+    taken before a long repro) a block whose files' stamps moved meanwhile is not vouched for: DVC may have
+    checked a file before it was written again (a stage re-run by hand during the repro), or re-ran the block;
+    the next run checks it through DVC once more."""
     for block in seal_files(root) if blocks is None else blocks:
         found = summary(root, block)
-        if found is not None:
-            _write(root, block, {"lock": _stamp(block.lockfile(root)), "summary": found,
-                                 "files": files_digest(root, found["paths"])})
+        if found is None:
+            continue
+        now = files_digest(root, found["paths"])
+        if before is not None and before.get(block) != now:
+            continue
+        _write(root, block, {"lock": _stamp(block.lockfile(root)), "summary": found, "files": now})
 
 
 def unchanged(root: Path, blocks: list[Block]) -> bool:

@@ -189,6 +189,20 @@ def check_outputs_cached(root: Path, env: dict[str, str], targets: list[str] | N
                             "transfer', e.g. on a full disk); free disk space and run `tpgrpo run` again")
 
 
+def dvc_up_to_date(root: Path) -> bool:
+    """Whether ``dvc status`` finds every stage of the project at ``root`` up to date (False when it fails)."""
+    import subprocess
+    import sys
+
+    env = dict(os.environ, DVC_NO_ANALYTICS="1", DVC_STUDIO_OFFLINE="true")
+    done = subprocess.run([sys.executable, "-m", "dvc", "status", "--json"], cwd=root, env=env,
+                          capture_output=True, text=True)
+    try:
+        return done.returncode == 0 and json.loads(done.stdout or "null") == {}
+    except ValueError:
+        return False
+
+
 def _ranges(numbers: list[int]) -> str:
     """``[1, 2, 3, 7]`` -> ``"1-3, 7"``."""
     parts, start = [], None

@@ -26,7 +26,8 @@ from tpgrpo.algo.tree import tree_rollout
 from tpgrpo.algo.tree_shape import TreeShape, parse_split_steps
 from tpgrpo.config import Config
 from tpgrpo.distributed import chunk_bar, current, row_chunks, run_chunks, warn_if_idle
-from tpgrpo.io.artifacts import IterationPaths, write_json
+from tpgrpo.io.artifacts import IterationPaths
+from tpgrpo.io.stage_logs import write_log
 from tpgrpo.io.trajectories import write_zarr
 from tpgrpo.policy.loading import load_policy, prompt_embeddings, sampler_spec, select_prompts, store_attrs
 from tpgrpo.stage_common import check_finite, stopwatch
@@ -111,7 +112,7 @@ def run(cfg: Config, iteration: int, root: Path) -> dict:
                     "decodes": int(merged["decodes"].sum()),
                     "cfg_doubled": backend.cfg_doubles_batch and spec.guidance_scale != 1.0,
                     "processes": dist.world, "chunks": len(chunks)})
-    write_json(paths.rollout_metrics, metrics)
+    write_log(paths.rollout_metrics, metrics)
     return metrics
 
 
