@@ -48,9 +48,8 @@ def of_store(path: Path) -> str:
     missing store is the rollout's missing output, a damaged one the reader's reason: one line either way."""
     import zarr
 
-    from tpgrpo.io.artifacts import require
+    from tpgrpo.io.artifacts import first_line, require
     from tpgrpo.io.schemas import ArtifactError
-    from tpgrpo.io.trajectories import first_line
 
     require(path, "trajectories.zarr: run the rollout stage first")
     try:
