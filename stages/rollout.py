@@ -75,20 +75,26 @@ def run(cfg: Config, iteration: int, root: Path) -> dict:
         if merged is None:  # not the main process: its parts are written, the main process merges
             return metrics
         check_finite("old log-probs", merged["log_probs"], f"rollout of iteration {iteration}")
-        arrays = {
-            "states": merged["states"], "log_probs": merged["log_probs"],
-            "sigmas": np.tile(spec.window_sigmas().numpy(), (len(seeds), 1)),
-            "seeds": np.asarray(seeds, dtype=np.int64), "prompt_index": prompt_index.astype(np.int32),
-            "sample": sample.astype(np.int32), "final_reward": merged["final_reward"],
-            "final_strict": merged["final_strict"],
-        }
-        arrays.update({name: merged[name] for name in ("x0_estimates", "velocities") if name in merged})
+        arrays = _store_arrays(merged, spec, seeds, prompt_index, sample)
         attrs = store_attrs(cfg, iteration, spec, metas, **{VELOCITIES_KEPT_ATTR: keep_v})
         write_zarr(paths.trajectories, arrays, attrs)
     metrics.update(_metrics(arrays, spec, len(seeds), backend.cfg_doubles_batch), processes=dist.world,
                    chunks=len(chunks))
     write_log(paths.rollout_metrics, metrics)
     return metrics
+
+
+def _store_arrays(merged: dict, spec, seeds: list[int], prompt_index: np.ndarray, sample: np.ndarray) -> dict:
+    """``trajectories.zarr``'s arrays from the merged chunks (``schemas.TRAJECTORY_ARRAYS``), N = len(seeds)."""
+    arrays = {
+        "states": merged["states"], "log_probs": merged["log_probs"],
+        "sigmas": np.tile(spec.window_sigmas().numpy(), (len(seeds), 1)),
+        "seeds": np.asarray(seeds, dtype=np.int64), "prompt_index": prompt_index.astype(np.int32),
+        "sample": sample.astype(np.int32), "final_reward": merged["final_reward"],
+        "final_strict": merged["final_strict"],
+    }
+    arrays.update({name: merged[name] for name in ("x0_estimates", "velocities") if name in merged})
+    return arrays
 
 
 def _score(reward, images: np.ndarray, metas: list[dict]):

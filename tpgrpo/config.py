@@ -157,12 +157,9 @@ class TreeConfig:
                              rule="each in [0, sampling.num_steps - 2]")
     children: int = param(1, "m, SDE children per node at each split step", "children", "> 0")
     roots: int = param(1, "R, independent roots (initial noises) per prompt", "roots", "> 0")
-    baseline: str = param("ode_sibling", "the tree's advantages: ode_sibling (each SDE edge's step reward minus its "
-                          "ODE sibling's, centred and scaled over the iteration's SDE edges of its depth: the trained "
-                          "advantages have mean 0) or depth_group (normalised among the nodes of its prompt and depth, "
-                          "ODE children included, then ODE edges dropped: before issue 45)",
-                          bounds=("ode_sibling", "depth_group"), note="Read by the credit stage; credit.global_std "
-                          "applies to depth_group only")
+    baseline: str = param("ode_sibling", "tree advantages: ode_sibling (step reward minus the ODE sibling's, centred "
+                          "per depth: mean 0) or depth_group (before issue 45; docs/tree.md)",
+                          bounds=("ode_sibling", "depth_group"), note="Read by credit only; global_std: depth_group only")
 
 
 @dataclass(frozen=True)
@@ -217,10 +214,8 @@ class UpdateConfig:
     epochs: int = param(1, "passes over the iteration's transitions (reshuffled each); the optimizer steps are "
                         "split evenly over them", "passes", "> 0")
     min_transitions_per_step: int = param(
-        100, "the fewest trained transitions an optimizer step is fitted to: an iteration with M trained transitions "
-        "takes min(optimizer_steps_per_iter, max(1, M // this)) steps (per pass: the same with the pass's share)",
-        "transitions", "> 0", note="Adam's step is about lr whatever the data behind it, so the steps follow the data: "
-        "a chain's 432-576 transitions keep all 4 steps, a default tree's ~50 take 1 (docs/tree.md, issue 45)")
+        100, "the fewest trained transitions an optimizer step is fitted to: M transitions take min(steps per "
+        "pass, max(1, M // this)) steps", "transitions", "> 0", note="A chain's 432-576 keep 4, a tree's ~50 take 1")
     micro_batch: int = param(32, "transitions per backward pass", "transitions", "> 0",
                              note=f"{KNOB}. The same mean gradient summed in another order: the adapter equal to float "
                              "round-off, which AdamW's per-weight step can amplify (8 vs 3: up to 1.2e-4 apart)")
