@@ -63,7 +63,8 @@ def served(tmp_path_factory, tiny_model_dir):
     root = make_project(tmp_path_factory.mktemp("served") / "project", tiny_model_dir)
     with pytest.MonkeyPatch.context() as patch:
         patch.setenv("OMP_NUM_THREADS", "1")  # the server inherits our environment; the callers use base_env()
-        with running(root) as extra:
+        model = {"kind": "tiny", "path": str(root / "data" / "base"), "device": "cpu", "dtype": "fp32", "resolution": 0}
+        with running(root, model=model) as extra:  # launch.resident_model on
             yield root, {**base_env(), **extra}
 
 
@@ -74,6 +75,8 @@ def test_served_stages_write_the_bytes_of_stage_processes_of_their_own(served, t
                  ["update", "--iter", "1"]):
         stage(root, env, *args)
         stage(plain, base_env(), *args)
+    ready = next(line for line in log_lines(root) if "ready" in line)
+    assert ready.endswith(f"model held: tiny {root / 'data' / 'base'} (fp32)")  # the stages forked with it
     forked = [line for line in log_lines(root) if line.startswith("forked")]
     assert [line.split(": ", 1)[1] for line in forked][:4] == [
         "stage rollout --iter 1", "stage probe --iter 1", "stage credit --iter 1", "stage update --iter 1"]
@@ -189,7 +192,7 @@ def test_tpgrpo_run_forks_every_stage_and_writes_what_it_writes_without_the_serv
     for server in (True, False):
         root = make_tiny_project(tmp_path / f"server_{server}", tiny_model_dir)
         params = yaml.safe_load((root / "params.yaml").read_text())
-        params["launch"]["stage_server"] = server
+        params["launch"]["stage_server"] = params["launch"]["resident_model"] = server
         (root / "params.yaml").write_text(yaml.safe_dump(params, sort_keys=False))
         env = dict(base_env(), PATH=str(Path(sys.executable).parent) + os.pathsep + os.environ["PATH"])
         done = subprocess.run([sys.executable, "-m", "tpgrpo", "run"], cwd=root, env=env, capture_output=True,
@@ -303,3 +306,24 @@ def test_a_malformed_request_leaks_no_file_descriptor(tmp_path, message):
             os.close(fd)
         client.close()
         listener.close()
+
+
+def test_the_server_holds_no_model_with_more_than_one_torch_thread(tiny_model_dir):
+    """Loading runs torch ops, which start OpenMP's thread pool; a stage forked after that hung in it (a
+    2-thread `make run` stopped in its first model stage). So the server holds a model with 1 thread only."""
+    import torch
+
+    from tpgrpo.models import resident
+    from tpgrpo.pipeline.stage_server import _hold
+
+    model = {"kind": "tiny", "path": str(tiny_model_dir), "device": "cpu", "dtype": "fp32", "resolution": 0}
+    before = torch.get_num_threads()
+    try:
+        torch.set_num_threads(2)
+        assert _hold(model) == "none (torch uses 2 threads: held with 1 only)"
+        assert resident.held_key() is None
+        torch.set_num_threads(1)
+        assert _hold(model).startswith("tiny ") and resident.held_key() is not None
+    finally:
+        torch.set_num_threads(before)
+        resident.release()

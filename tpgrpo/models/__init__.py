@@ -37,6 +37,11 @@ def load_backend(kind: str, path, device: str = "cpu", dtype="fp32", resolution:
         resolution: image side in pixels (``model.resolution``); None or 0 = the backend's default
             (tiny: its own size, which is the only one it accepts; sd3/flux: 512).
     """
+    from tpgrpo.models.resident import take
+
+    held = take(kind, path, device, dtype, resolution)  # the stage server's copy, when this stage forked from it
+    if held is not None:
+        return held
     if kind == "tiny":
         from tpgrpo.errors import PipelineError
         from tpgrpo.models.tiny import load_tiny

@@ -74,10 +74,11 @@ def preload(names=PRELOAD) -> list[str]:
     return failed
 
 
-def serve(path: str, parent: int, names=PRELOAD) -> None:
+def serve(path: str, parent: int, names=PRELOAD, model: dict | None = None) -> None:
     """Listen on ``path`` (bound before the imports, so early callers wait instead of falling back), import
-    ``names``, then fork one child per request until ``parent`` exits, SIGTERM comes, or the code changed
-    (then it stops listening and waits for its running children)."""
+    ``names``, load ``model`` (:func:`resident_spec`; None = none), then fork one child per request until
+    ``parent`` exits, SIGTERM comes, or the code changed (then it stops listening and waits for its running
+    children)."""
     listener = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
     listener.bind(path + ".tmp")
     listener.listen(64)
@@ -86,10 +87,11 @@ def serve(path: str, parent: int, names=PRELOAD) -> None:
     # noted before the imports: an edit made while they run counts as a change
     code = CodeState([folder for name in ("tpgrpo", "stages") for folder in fingerprint({})[name]])
     failed = preload(names)
+    held = _hold(model)
     # what the imports set (OMP_WAIT_POLICY, torch's cache folders): a fresh stage process would set it too
     set_by_imports = {k: v for k, v in os.environ.items() if start_env.get(k) != v}
     print(f"stage server {os.getpid()}: ready; threads {len(os.listdir('/proc/self/task'))}; not imported: "
-          f"{failed or 'none'}", flush=True)
+          f"{failed or 'none'}; model held: {held}", flush=True)
     own = fingerprint(start_env)
     children: dict[int, socket.socket | None] = {}
     try:
@@ -108,6 +110,35 @@ def serve(path: str, parent: int, names=PRELOAD) -> None:
             _stop_listening(listener, path)
         with contextlib.suppress(OSError):
             os.rmdir(os.path.dirname(path))  # running()'s folder, if the parent could not remove it
+
+
+def _hold(model: dict | None) -> str:
+    """Load the run's base model for the stages to fork with (:mod:`tpgrpo.models.resident`); a failure is
+    logged and the stages load it themselves (and report a bad folder as they always did)."""
+    if not model:
+        return "none"
+    import torch
+
+    if torch.get_num_threads() != 1:  # running ops starts OpenMP's pool; a child forked after it hangs in it
+        return f"none (torch uses {torch.get_num_threads()} threads: held with 1 only)"
+    from tpgrpo.models import load_backend, resident
+
+    try:
+        resident.hold(load_backend, **model)
+    except Exception as exc:  # noqa: BLE001 - the stage's own load gives the user the error
+        return f"none ({type(exc).__name__}: {exc})"
+    return f"{model['kind']} {model['path']} ({model['dtype']})"
+
+
+def resident_spec(cfg, root: Path) -> dict | None:
+    """What the server loads for the stages (``launch.resident_model``): the ``model`` params' folder,
+    kind, dtype and resolution, on the CPU (the only device the server runs stages for); None when off."""
+    from tpgrpo.stage_common import resolve
+
+    if not cfg.launch.resident_model:
+        return None
+    return {"kind": cfg.model.kind, "path": str(resolve(root, cfg.model.path)), "device": "cpu",
+            "dtype": cfg.model.dtype, "resolution": cfg.model.resolution}
 
 
 def _stop_listening(listener: socket.socket, path: str) -> None:
@@ -294,9 +325,10 @@ def wanted(cfg) -> bool:
 
 
 @contextlib.contextmanager
-def running(root: Path, enabled: bool = True) -> Iterator[dict[str, str]]:
+def running(root: Path, enabled: bool = True, model: dict | None = None) -> Iterator[dict[str, str]]:
     """Start the server for a ``dvc repro`` in ``root``; yields the environment entries that point the
-    stage commands at it (none when not ``enabled``). Its log is ``.dvc/tmp/stage_server.log``."""
+    stage commands at it (none when not ``enabled``). ``model``: what it loads for the stages
+    (:func:`resident_spec`). Its log is ``.dvc/tmp/stage_server.log``."""
     if not enabled:
         yield {}
         return
@@ -309,7 +341,7 @@ def running(root: Path, enabled: bool = True) -> Iterator[dict[str, str]]:
         code = "import sys; sys.path.remove(''); from tpgrpo.pipeline.stage_server import main; main()"
         # in the run's process group (a group kill of the run reaches the server and its stages); it ignores
         # SIGINT: a Ctrl-C is for the stages, which get it from the terminal and from their callers
-        server = subprocess.Popen([sys.executable, "-c", code, path, str(os.getpid())],
+        server = subprocess.Popen([sys.executable, "-c", code, path, str(os.getpid()), json.dumps(model)],
                                   cwd=root, stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT)
     try:
         _wait_for_socket(server, path)
@@ -333,14 +365,15 @@ def _wait_for_socket(server: subprocess.Popen, path: str, timeout: float = 60.0)
 
 
 def main() -> None:
-    """``python -m tpgrpo.pipeline.stage_server SOCKET PARENT_PID``."""
+    """``python -m tpgrpo.pipeline.stage_server SOCKET PARENT_PID [MODEL_JSON]``."""
     path, parent = sys.argv[1], int(sys.argv[2])
+    model = json.loads(sys.argv[3]) if len(sys.argv) > 3 else None
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     signal.signal(signal.SIGTERM, _exit_on_signal)  # running() ending, or the run's process gone:
     die_with_parent(signal.SIGTERM)                 # either way serve()'s cleanup ends its stages
     if os.getppid() != parent:
         return  # the run died before prctl
-    serve(path, parent)
+    serve(path, parent, model=model)
 
 
 def _exit_on_signal(signum, _frame):

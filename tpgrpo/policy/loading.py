@@ -34,22 +34,25 @@ def select_prompts(cfg: Config, root: Path, iteration: int) -> list[dict]:
     return [metas[i] for i in sorted(rng.choice(len(metas), size=n, replace=False))]
 
 
-def sampler_spec(cfg: Config):
-    """The rollout's :class:`SamplerSpec` from the ``sampling`` params."""
+def sampler_spec(cfg: Config, window: tuple[int, int] | None = None):
+    """The rollout's :class:`SamplerSpec` from the ``sampling`` params; ``window`` (start, size in steps)
+    instead of ``sampling.window_*`` for a tree, which does not read them (its window is its split steps)."""
     from tpgrpo.algo.schedule import flow_sigmas
     from tpgrpo.algo.trajectory import SamplerSpec
 
     s = cfg.sampling
-    return SamplerSpec(
-        sigmas=flow_sigmas(s.num_steps, s.shift), window_start=s.window_start, window_size=s.window_size,
-        step_kind=s.step_kind, noise_level=s.noise_level, guidance_scale=s.guidance_scale)
+    start, size = (s.window_start, s.window_size) if window is None else window
+    return SamplerSpec(sigmas=flow_sigmas(s.num_steps, s.shift), window_start=start, window_size=size,
+                       step_kind=s.step_kind, noise_level=s.noise_level, guidance_scale=s.guidance_scale)
 
 
-def store_attrs(cfg: Config, iteration: int, spec, metas: list[dict], **fields) -> dict:
-    """A trajectory store's attributes: the prompts, the sampler that made the states (``spec``, a
-    :class:`SamplerSpec`), the reward, then ``fields`` (a key given there replaces the chain's value in
-    place; a new one comes after ``reward``), then provenance. The chain and the tree rollout share it."""
-    attrs = {"prompts": metas, "schedule_sigmas": spec.sigmas.tolist(), "group_size": cfg.rollout.group_size,
+def store_attrs(cfg: Config, iteration: int, spec, metas: list[dict], group_size: int, **fields) -> dict:
+    """A trajectory store's attributes: the prompts, the samples per prompt (``group_size``: the chain's
+    ``rollout.group_size``, a tree's edges), the sampler that made the states (``spec``, a
+    :class:`SamplerSpec`, its window included), the reward, then ``fields`` (a key given there replaces the
+    chain's value in place; a new one comes after ``reward``), then provenance. The chain and the tree rollout
+    share it."""
+    attrs = {"prompts": metas, "schedule_sigmas": spec.sigmas.tolist(), "group_size": group_size,
              "num_steps": spec.num_steps, "shift": cfg.sampling.shift,
              "window_start": spec.window_start, "window_size": spec.window_size,
              "step_kind": spec.step_kind, "noise_level": spec.noise_level,
@@ -81,13 +84,15 @@ def load_policy(cfg: Config, root: Path, iteration: int, trainable: bool = False
     from tpgrpo.models import load_backend
     from tpgrpo.policy.lora import attach_lora
 
-    device = local_device(cfg.model.device, current())  # one GPU per process when launched
-    backend = load_backend(cfg.model.kind, resolve(root, cfg.model.path), device, cfg.model.dtype,
-                           resolution=cfg.model.resolution)
+    # The adapter first: a missing one (retention dropped it) is one line, before the model loads and its
+    # progress bars print.
     previous = IterationPaths(root, iteration).previous()
     adapter = None
     if previous is not None:
         adapter = require(previous.policy, f"policy of iteration {iteration - 1}: run its update first")
+    device = local_device(cfg.model.device, current())  # one GPU per process when launched
+    backend = load_backend(cfg.model.kind, resolve(root, cfg.model.path), device, cfg.model.dtype,
+                           resolution=cfg.model.resolution)
     if adapter is not None or trainable:
         # LoRA A is drawn at random: seed it so an interrupted run re-creates the same start.
         torch.manual_seed(sample_seed(cfg.train.seed, 0, "lora-init", 0))

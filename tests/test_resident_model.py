@@ -1,0 +1,88 @@
+"""Base weights held by the stage server (tpgrpo.models.resident): a forked process takes the held backend
+once, and only when it asks for exactly what was loaded from a folder unchanged since; otherwise it loads."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import sys
+
+import pytest
+
+from tpgrpo.models import load_backend, resident
+
+pytestmark = pytest.mark.skipif(not sys.platform.startswith("linux"), reason="fork-based, as the stage server")
+
+
+def in_child(check) -> int:
+    """Run ``check()`` (returns an int) in a forked child, as the server runs a stage; its exit code."""
+    pid = os.fork()
+    if pid == 0:
+        code = 99
+        try:
+            code = check()
+        finally:
+            os._exit(code)
+    return os.waitstatus_to_exitcode(os.waitpid(pid, 0)[1])
+
+
+@pytest.fixture
+def held(tmp_path, tiny_model_dir):
+    folder = tmp_path / "base"
+    shutil.copytree(tiny_model_dir, folder)
+    resident.hold(load_backend, "tiny", folder, "cpu", "fp32", 0)
+    yield folder, resident._held["backend"]
+    resident.release()
+
+
+def test_a_forked_stage_takes_the_held_backend_once(held):
+    folder, backend = held
+
+    def check():
+        first = load_backend("tiny", folder, "cpu", "fp32", resolution=0)
+        second = load_backend("tiny", folder, "cpu", "fp32", resolution=0)
+        return 0 if first is backend and second is not backend else 1
+
+    assert in_child(check) == 0
+    assert resident.held_key() is not None  # the child's take does not empty the holder's
+
+
+def test_the_holder_itself_never_takes_it(held):
+    folder, backend = held
+    assert load_backend("tiny", folder, "cpu", "fp32", resolution=0) is not backend
+    assert resident.held_key() is not None
+
+
+@pytest.mark.parametrize("change", ["dtype", "resolution", "other folder", "rewritten file", "new file"])
+def test_another_request_or_a_changed_folder_loads_from_disk(held, tmp_path, change):
+    folder, backend = held
+    args = {"kind": "tiny", "path": folder, "device": "cpu", "dtype": "fp32", "resolution": 0}
+    if change == "dtype":
+        args["dtype"] = "bf16"
+    elif change == "resolution":
+        args["resolution"] = 32  # the tiny model's own size: a valid request, but not what was loaded
+    elif change == "other folder":
+        args["path"] = shutil.copytree(folder, tmp_path / "copy")
+    elif change == "rewritten file":
+        weights = next(folder.rglob("*.safetensors"))
+        data = weights.read_bytes()
+        weights.unlink()  # a new inode, as a replacement of the file would have
+        weights.write_bytes(data)
+    else:
+        (folder / "transformer" / "notes.txt").write_text("added after the server loaded the model")
+
+    def check():
+        got = load_backend(**{k: v for k, v in args.items() if k != "kind"}, kind=args["kind"])
+        return 0 if got is not backend else 1
+
+    assert in_child(check) == 0
+
+
+def test_a_held_backend_samples_what_a_fresh_load_samples(held):
+    """What the stages see is the same model: equal weights, equal outputs from one input."""
+    import torch
+
+    folder, backend = held
+    fresh = load_backend("tiny", folder, "cpu", "fp32", resolution=0)
+    a, b = backend.transformer.state_dict(), fresh.transformer.state_dict()
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)

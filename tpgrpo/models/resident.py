@@ -1,0 +1,82 @@
+"""Base weights that stay loaded across the model stages of a run (``launch.resident_model``, issue 47).
+
+Why: every model stage (rollout, probe, update, eval) is its own process and loaded the model folder again:
+3.5 s a load for SD3.5-M on this CPU, about 12 s of a 48 s paper-sized H200 iteration on paper. With the stage
+server (:mod:`tpgrpo.pipeline.stage_server`), which already forks every stage process from one that imported
+the libraries, the server also loads the run's base model once (:func:`hold`), before it forks. A forked
+stage then takes that backend (:func:`take`) instead of reading the folder: it is the child's own copy-on-write
+copy, so what the stage does to it (a LoRA attached, gradients, text encoders freed) stays in that stage's
+process, and the base weights' pages, never written, stay shared.
+
+What keeps it honest: a stage takes the held backend only when it asks for exactly what was loaded (kind,
+folder, device, dtype, resolution) and every file under the folder has the size, mtime and inode it had
+when the server loaded it (:func:`folder_stamps`); otherwise it loads from disk, as without the server. It is
+taken at most once per process (a second load in the same stage reads the folder). The holder itself never
+takes it: only a process forked from the holder does.
+
+Not covered: GPUs. The stage server is CPU-only (no fork after CUDA is initialised), so on a GPU node every
+stage still loads its weights; a resident worker there would have to run stages in-process (docs/long-runs.md).
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+_held: dict = {}  # {"key": ..., "stamps": ..., "backend": ..., "holder": pid}
+
+
+def model_key(kind: str, path, device: str, dtype, resolution) -> tuple:
+    """What a load asks for: ``(kind, absolute folder, device, dtype name, resolution or 0)``."""
+    return (kind, str(Path(os.fspath(path)).resolve()), str(device), str(dtype), int(resolution or 0))
+
+
+def folder_stamps(path) -> tuple:
+    """``((relative path, size, mtime_ns, inode), ...)`` of every file under ``path``, sorted: any rewrite,
+    replacement or new file changes it (stat only, no hashing: milliseconds for a model folder)."""
+    root = Path(os.fspath(path)).resolve()
+    stamps = []
+    for folder, _, files in os.walk(root):
+        for name in files:
+            full = os.path.join(folder, name)
+            st = os.stat(full)
+            stamps.append((os.path.relpath(full, root), st.st_size, st.st_mtime_ns, st.st_ino))
+    return tuple(sorted(stamps))
+
+
+def hold(load, kind: str, path, device: str = "cpu", dtype="fp32", resolution: int | None = None) -> None:
+    """Load the backend once in this process (the stage server, before it forks), for its forked children.
+    ``load``: :func:`tpgrpo.models.load_backend` (passed in: that module imports this one)."""
+    key = model_key(kind, path, device, dtype, resolution)
+    stamps = folder_stamps(path)  # before the load: a file rewritten during it no longer matches
+    backend = load(kind, path, device, dtype, resolution=resolution)
+    _held.clear()
+    _held.update(key=key, stamps=stamps, backend=backend, holder=os.getpid())
+
+
+def release() -> None:
+    """Forget the held backend (tests; a server that stops holding)."""
+    _held.clear()
+
+
+def take(kind: str, path, device: str, dtype, resolution) -> object | None:
+    """The held backend when this process was forked from its holder and asks for exactly what it holds,
+    with the folder unchanged since; else None (load from disk). Handed out once per process."""
+    if not _held or _held["holder"] == os.getpid():
+        return None
+    if _held["key"] != model_key(kind, path, device, dtype, resolution):
+        return None
+    try:
+        if folder_stamps(path) != _held["stamps"]:
+            _held.clear()
+            return None
+    except OSError:
+        return None
+    backend = _held["backend"]
+    _held.clear()
+    return backend
+
+
+def held_key() -> tuple | None:
+    """What this process holds (or inherited and has not taken yet), for logs and tests."""
+    return _held.get("key")
