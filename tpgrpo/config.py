@@ -217,8 +217,8 @@ class UpdateConfig:
         100, "the fewest trained transitions an optimizer step is fitted to: M transitions take min(steps per "
         "pass, max(1, M // this)) steps", "transitions", "> 0", note="A chain's 432-576 keep 4, a tree's ~50 take 1")
     micro_batch: int = param(32, "transitions per backward pass", "transitions", "> 0",
-                             note=f"{KNOB}. The same mean gradient summed in another order: the adapter equal to float "
-                             "round-off, which AdamW's per-weight step can amplify (8 vs 3: up to 1.2e-4 apart)")
+                             note="Recorded (a change re-runs the updates): the same mean gradient summed in another "
+                             "order, which AdamW's per-weight step amplifies (shipped model, 8 vs 1: 1.9e-3 apart)")
     max_grad_norm: float = param(1.0, "gradient-norm clip", bounds="> 0", note="Paper: 1.0")
     ema: bool = param(False, "keep an EMA of the LoRA weights for eval and export")
     gradient_checkpointing: bool = param(False, "recompute transformer blocks in backward: less memory, about "
@@ -289,6 +289,8 @@ class LaunchConfig:
     stage_server: bool = param(True, "on the CPU with one process per stage (Linux), stages fork from a server "
                                "that imported torch/diffusers/transformers/peft once "
                                "(tpgrpo.pipeline.stage_server); false = each imports its own")
+    resident_model: bool = param(False, "the stage server loads the base model once for the stages to fork with "
+                                 "(tpgrpo.models.resident; 1 torch thread only); false = each stage loads it")
 
 
 @dataclass(frozen=True)

@@ -51,7 +51,7 @@ MUTABLE_KEYS = {"train.iterations"}
 # Keys that change how a run executes or what it keeps, not what it computes (tests/test_stage_server.py and
 # tests/test_sealing.py: the same bytes): an existing folder keeps its own value, or its lack of the key (it
 # may predate the key, and so may the code it was made with).
-NEUTRAL_KEYS = {"launch.stage_server", "train.block_size", "retention.keep_trajectories",
+NEUTRAL_KEYS = {"launch.stage_server", "launch.resident_model", "train.block_size", "retention.keep_trajectories",
                 "retention.keep_adapter_every"}
 
 
