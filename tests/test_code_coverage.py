@@ -104,8 +104,8 @@ def test_under_dvc_a_stage_refuses_code_its_manifest_does_not_record(tmp_path, t
     write_manifests(root)  # re-recorded: now a library upgrade is refused the same way
     import tpgrpo.pipeline.code_manifest as cm
 
-    real = cm.library_versions
-    monkeypatch.setattr(cm, "library_versions", lambda: {**real(), "torch": "99.0"})
+    real = cm.installed_version
+    monkeypatch.setattr(cm, "installed_version", lambda dist: "99.0" if dist == "torch" else real(dist))
     result = CliRunner().invoke(app, ["stage", "credit", "--iter", "1", "--params", str(root / "params.yaml")])
     assert result.exit_code == 2 and "torch" in result.output and "99.0" in result.output, result.output
 

@@ -81,6 +81,31 @@ def _changed(root: Path, before: dict[str, bytes]) -> set[str]:
     return {kind for kind, text in _manifests(root).items() if text != before[kind]}
 
 
+def test_a_manifest_records_the_libraries_its_code_imports_and_their_upgrades(tmp_path, monkeypatch):
+    """Issue 46: the libraries come from the kind's imports, not a hand-kept list. The default detector and
+    the OCR reward import cv2 (opencv-python), rapidocr brings onnxruntime, pyclipper and shapely, the text
+    encoders tokenizers; credit reads a table and records none of them. A fake opencv upgrade changes the
+    manifests of the kinds that import it, and a lazy ``import cv2`` inside a credit function adds it there."""
+    import tpgrpo.pipeline.code_manifest as cm
+
+    _copy_code(tmp_path)
+    before = _manifests(tmp_path)
+    libraries = {kind: json.loads(text)["libraries"] for kind, text in before.items()}
+    assert {"opencv-python", "rapidocr-onnxruntime", "onnxruntime", "pyclipper", "shapely", "tokenizers",
+            "torch"} <= set(libraries["rollout"]) and "tokenizers" in libraries["update"]
+    assert "opencv-python" not in libraries["credit"] and {"torch", "pyarrow", "zarr"} <= set(libraries["credit"])
+    assert all(list(found) == sorted(found) for found in libraries.values())
+
+    real = cm.installed_version
+    monkeypatch.setattr(cm, "installed_version", lambda dist: "99.0" if dist == "opencv-python" else real(dist))
+    assert _changed(tmp_path, before) == {k for k in KIND_STAGES if "opencv-python" in libraries[k]} >= {
+        "rollout", "probe", "eval"}
+    monkeypatch.setattr(cm, "installed_version", real)
+    _append(tmp_path / "tpgrpo" / "algo" / "credit.py", "\n\ndef _lazy():\n    import cv2  # noqa: F401\n")
+    assert _changed(tmp_path, before) == {"credit"}
+    assert "opencv-python" in json.loads(_manifests(tmp_path)["credit"])["libraries"]
+
+
 def test_no_stage_closure_contains_orchestration():
     """The boundary, drawn in the package: stage code never imports the command line or tpgrpo/pipeline/
     (stage runner, stage server, manifests, dvc.yaml, sealing, status, launch, params notes)."""

@@ -180,12 +180,12 @@ TRAJ, POLICY = "0001/trajectories.zarr", "0001/policy"
 WEIGHTS, STATE = f"{POLICY}/pytorch_lora_weights.safetensors", f"{POLICY}/training_state.pt"
 CASES = {  # case: (file under data/iters, damage, stage and iteration that read it, words of the one line)
     "states chunk with flipped bytes": (
-        f"{TRAJ}/states/c/0/0/0/0/0", flip_bytes, ("probe", 1), ["array 'states' is damaged", "fails its checksum"]),
+        f"{TRAJ}/states/c.0.0.0.0.0", flip_bytes, ("probe", 1), ["array 'states' is damaged", "fails its checksum"]),
     "log_probs chunk with flipped bytes": (
-        f"{TRAJ}/log_probs/c/0/0", lambda p: flip_bytes(p, seed=1), ("update", 1),
-        ["array 'log_probs' is damaged", "log_probs/c/0/0"]),
-    "truncated states chunk": (f"{TRAJ}/states/c/0/0/0/0/0", truncate, ("update", 1), ["array 'states' is damaged"]),
-    "missing sigmas chunk": (f"{TRAJ}/sigmas/c/0/0", Path.unlink, ("probe", 1), ["'sigmas' has 0 of its 1 chunk"]),
+        f"{TRAJ}/log_probs/c.0.0", lambda p: flip_bytes(p, seed=1), ("update", 1),
+        ["array 'log_probs' is damaged", "log_probs/c.0.0"]),
+    "truncated states chunk": (f"{TRAJ}/states/c.0.0.0.0.0", truncate, ("update", 1), ["array 'states' is damaged"]),
+    "missing sigmas chunk": (f"{TRAJ}/sigmas/c.0.0", Path.unlink, ("probe", 1), ["'sigmas' has 0 of its 1 chunk"]),
     "NaN in states": (
         TRAJ, lambda p: set_value(p, "states", (5, 1, 0, 3, 3), np.nan), ("probe", 1),
         ["iteration 1", "array 'states' has 1 non-finite values (first at [5, 1, 0, 3, 3]"]),
@@ -270,11 +270,53 @@ def test_flipped_bytes_anywhere_in_a_chunk_fail_to_decode(tmp_path, seed):
     arrays, attrs = trajectory_arrays()
     arrays["states"] = np.random.default_rng(seed).standard_normal(arrays["states"].shape).astype(np.float32)
     write_zarr(tmp_path / "t.zarr", arrays, {**attrs, "iteration": "4"})
-    flip_bytes(tmp_path / "t.zarr" / "states" / "c" / "0" / "0" / "0" / "0" / "0", seed=seed,
+    flip_bytes(tmp_path / "t.zarr" / "states" / "c.0.0.0.0.0", seed=seed,
                count=int(np.random.default_rng(seed).integers(1, 17)))
     for lazy in ((), ("states",)):  # (the file holds each (trajectory, state) on its own: read them all)
-        with pytest.raises(ArtifactError, match=r"\(iteration 4\): array 'states' is damaged: chunk states/c/0/0"):
+        with pytest.raises(ArtifactError, match=r"\(iteration 4\): array 'states' is damaged: chunk states/c\.0\.0"):
             read_trajectories(tmp_path / "t.zarr", lazy=lazy)[0]["states"][:]
+
+
+def test_each_array_keeps_its_chunk_files_side_by_side(tmp_path):
+    """DVC hashes the large files of one folder in parallel and folder after folder otherwise: every chunk
+    file of an array sits in the array's own folder (``c.1.0.0.0.0``), none in zarr's default ``c/1/0/...``."""
+    from test_artifacts import trajectory_arrays
+
+    from tpgrpo.io.trajectories import read_trajectories, write_zarr
+
+    arrays, attrs = trajectory_arrays(n=80)  # two files per array (64 trajectories a file)
+    attrs["prompts"] = [{"id": f"p{i}"} for i in range(40)]
+    arrays["states"] = np.random.default_rng(0).standard_normal(arrays["states"].shape).astype(np.float32)
+    write_zarr(tmp_path / "t.zarr", arrays, attrs)
+    for name in arrays:
+        folder = tmp_path / "t.zarr" / name
+        assert not [p for p in folder.iterdir() if p.is_dir()], f"{name}: chunk folders"
+        files = sorted(p.name for p in folder.iterdir() if p.name != "zarr.json")
+        assert [f.split(".")[:2] for f in files] == [["c", "0"], ["c", "1"]], f"{name}: {files}"
+    back, _ = read_trajectories(tmp_path / "t.zarr")
+    np.testing.assert_array_equal(back["states"], arrays["states"])
+
+
+def test_a_store_with_chunk_folders_still_reads_and_names_its_files(tmp_path, monkeypatch):
+    """A store written before the chunk files moved side by side (zarr's ``c/0/0/...``) reads as before, and a
+    damaged or missing file of it is named as it is on disk."""
+    from test_artifacts import trajectory_arrays
+
+    from tpgrpo.io import trajectories
+    from tpgrpo.io.schemas import ArtifactError
+
+    arrays, attrs = trajectory_arrays()
+    monkeypatch.setattr(trajectories, "CHUNK_KEYS", {"name": "default", "separator": "/"})
+    trajectories.write_zarr(tmp_path / "old.zarr", arrays, attrs)
+    monkeypatch.undo()
+    shard = tmp_path / "old.zarr" / "states" / "c" / "0" / "0" / "0" / "0" / "0"
+    np.testing.assert_array_equal(trajectories.read_trajectories(tmp_path / "old.zarr")[0]["states"], arrays["states"])
+    flip_bytes(shard, seed=2)
+    with pytest.raises(ArtifactError, match=r"array 'states' is damaged: chunk states/c/0/0/0/0/0 fails"):
+        trajectories.read_trajectories(tmp_path / "old.zarr")
+    shard.unlink()
+    with pytest.raises(ArtifactError, match=r"'states' has 0 of its 1 chunk files \(states/c/0/0/0/0/0 \.\.\.\)"):
+        trajectories.read_trajectories(tmp_path / "old.zarr")
 
 
 def test_a_store_written_before_checksums_still_reads(tmp_path):

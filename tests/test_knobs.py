@@ -2,7 +2,8 @@
 one changes, so each must leave every artifact's bytes alone (tables byte-identical at equal torch thread
 counts: these tests run torch on 1 thread) and move the update's adapter by float round-off at most.
 The batch sizes are not knobs: batched passes round differently at some batch shapes (docs/parameters.md),
-so they stay inputs; a test here keeps them declared."""
+so they stay inputs; a test here keeps them declared. Nor is update.micro_batch since issue 46 (AdamW amplifies
+its round-off on the shipped model to 1.9e-3); a test here keeps the size measured on the test model."""
 
 from __future__ import annotations
 
@@ -22,10 +23,9 @@ from tpgrpo.stage_params import EXECUTION_KNOBS, MODEL_PARAMS, STAGE_PARAMS
 
 # Values each knob takes in the "other" config: any value the loader accepts (a CUDA device string is a
 # string; nothing here runs on it).
-OTHER = {"model.device": "cuda:1", "reward_models.device": "cuda:1", "update.micro_batch": 3,
-         "update.gradient_checkpointing": True}
+OTHER = {"model.device": "cuda:1", "reward_models.device": "cuda:1", "update.gradient_checkpointing": True}
 KEPT_INPUTS = {"rollout.batch_size": ("rollout", "eval", "eval_prompts", "baseline"), "probe.batch_size": ("probe",),
-               "reward_models.batch_size": ("rollout", "probe", "eval", "baseline")}
+               "reward_models.batch_size": ("rollout", "probe", "eval", "baseline"), "update.micro_batch": ("update",)}
 # update.micro_batch 8 -> 3 on the tiny model, 1 thread, lr 1e-2: the adapter moved by 2.8e-7 (weights up to
 # 0.18). The loss and gradient are the same means summed in another order; AdamW divides each weight's step by
 # its gradient's own size, so round-off in a near-zero gradient can move that weight by up to lr per step.
@@ -184,8 +184,10 @@ def test_dvc_sees_no_change_when_every_knob_changes_after_a_run(tiny_project):
         return set(json.loads(done.stdout or "{}"))
 
     assert changed() == set()
-    set_params(root, {"model.device": "cpu:0", "reward_models.device": "cpu:0", "update.micro_batch": 3,
-                      "update.gradient_checkpointing": True})
+    set_params(root, {"model.device": "cpu:0", "reward_models.device": "cpu:0", "update.gradient_checkpointing": True})
     assert changed() == set()
+    set_params(root, {"update.micro_batch": 3})  # recorded since issue 46: the update is out of date
+    assert changed() == {"update-0001"}
+    set_params(root, {"update.micro_batch": 8})
     set_params(root, {"probe.batch_size": 4})
     assert changed() == {"probe-0001"}

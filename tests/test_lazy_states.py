@@ -153,12 +153,12 @@ def test_a_damaged_chunk_read_lazily_is_one_line(ready, tmp_path):
     store = shutil.copytree(ready / "data" / "iters" / "0001" / "trajectories.zarr", tmp_path / "t.zarr")
     states = LazyStates(read_trajectories(store, lazy=("states",))[0]["states"]).verify()  # sound when opened
     # then damaged before a micro-batch reads: every byte of the file flipped, so every state in it fails
-    flip_bytes(store / "states" / "c" / "0" / "0" / "0" / "0" / "0", count=10**9)
+    flip_bytes(store / "states" / "c.0.0.0.0.0", count=10**9)
     with pytest.raises(ArtifactError) as info:
         states.pairs(torch.tensor([3, 0]), torch.tensor([1, 0]))
     message = str(info.value)
     assert "\n" not in message and str(store) in message
-    assert "array 'states' is damaged: chunk states/c/0/0/0/0/0 fails its checksum" in message
+    assert "array 'states' is damaged: chunk states/c.0.0.0.0.0 fails its checksum" in message
 
 
 def test_a_non_finite_state_a_micro_batch_uses_stops_the_update(ready, tmp_path):
@@ -185,7 +185,7 @@ def test_a_micro_batch_decodes_only_the_states_it_uses(ready, tmp_path):
     from tpgrpo.policy.states import LazyStates
 
     store = shutil.copytree(ready / "data" / "iters" / "0001" / "trajectories.zarr", tmp_path / "t.zarr")
-    shard = store / "states" / "c" / "0" / "0" / "0" / "0" / "0"
+    shard = store / "states" / "c.0.0.0.0.0"
     states = LazyStates(read_trajectories(store, lazy=("states",))[0]["states"])
     k1 = states.shape[1]
     data = bytearray(shard.read_bytes())
@@ -196,7 +196,7 @@ def test_a_micro_batch_decodes_only_the_states_it_uses(ready, tmp_path):
     shard.write_bytes(bytes(data))
     x, x_next = states.pairs(torch.tensor([4, 5, 6]), torch.tensor([1, 0, 2]))  # never state (5, 2)
     assert x.shape[0] == x_next.shape[0] == 3
-    with pytest.raises(ArtifactError, match="array 'states' is damaged: chunk states/c/0/0/0/0/0"):
+    with pytest.raises(ArtifactError, match="array 'states' is damaged: chunk states/c.0.0.0.0.0"):
         states.pairs(torch.tensor([4, 5]), torch.tensor([0, 1]))  # (5, 1) -> (5, 2)
     with pytest.raises(ArtifactError, match="array 'states' is damaged"):
         states.verify()
@@ -206,6 +206,6 @@ def test_a_missing_states_file_is_one_line(ready, tmp_path):
     """The file count of a sharded array is its shards (zarr counts the chunks inside them)."""
     store = shutil.copytree(ready / "data" / "iters" / "0001" / "trajectories.zarr", tmp_path / "t.zarr")
     assert read_trajectories(store, lazy=("states",))[0]["states"].chunk_rows == 12  # one file: 12 trajectories
-    (store / "states" / "c" / "0" / "0" / "0" / "0" / "0").unlink()
-    with pytest.raises(ArtifactError, match=r"array 'states' has 0 of its 1 chunk files \(under states/c/\)"):
+    (store / "states" / "c.0.0.0.0.0").unlink()
+    with pytest.raises(ArtifactError, match=r"array 'states' has 0 of its 1 chunk files \(states/c\.0\.0\.0\.0\.0 \.\.\.\)"):
         read_trajectories(store, lazy=("states",))

@@ -139,7 +139,7 @@ def test_a_damaged_or_deleted_velocities_array_is_one_line_naming_the_store_and_
     root, _ = _rolled_out(tmp_path, tiny_model_dir, "tiny", "exact")
     pristine = tmp_path / "pristine.zarr"
     shutil.copytree(_store(root), pristine)
-    flip_bytes(_store(root) / "velocities" / "c" / "0" / "0" / "0" / "0" / "0", seed=3)
+    flip_bytes(_store(root) / "velocities" / "c.0.0.0.0.0", seed=3)
     with pytest.raises(PipelineError) as info:
         _probe(root)
     message = str(info.value)

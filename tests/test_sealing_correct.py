@@ -246,6 +246,31 @@ def test_retain_frees_only_its_own_objects_and_a_retained_block_refuses_a_leaf_p
     assert _dvc_status(root) == {}
 
 
+@pytest.mark.slow
+def test_a_run_refused_for_a_retained_block_leaves_the_pipeline_files_as_they_were(run_copy):
+    """Turning the tree on reaches the block `tpgrpo retain` thinned: the run refuses in one line before it
+    renders anything, so once the edit is undone `dvc status` is clean with no run in between. (The bench's
+    seed 202 sequence 0: the refused run had rendered dvc.yaml and the block's pipeline file for the tree,
+    and `dvc status` then listed the block's tree keys as new params.)"""
+    root = run_copy
+    _edit_params(root, "keep_trajectories: 0", "keep_trajectories: 1")
+    _edit_params(root, "keep_adapter_every: 0", "keep_adapter_every: 2")
+    assert "dropped" in _tpgrpo(root, "retain").stdout
+    assert set(_ran(_tpgrpo(root, "run").stdout)) <= {"code"}  # params.yaml changed (retention): the code stage
+    pipeline = [root / "dvc.yaml", BLOCK.dvcfile(root)]
+    before, params = [p.read_bytes() for p in pipeline], (root / "params.yaml").read_text()
+    _edit_params(root, "enabled: false", "enabled: true")
+    _edit_params(root, "split_steps: 0,3,6", "split_steps: 0,1")  # fits the tiny schedule (T = 4)
+    refused = _tpgrpo(root, "run", ok=False)
+    lines = refused.stderr.strip().splitlines()
+    assert refused.returncode == 2 and len(lines) == 1, refused.stderr
+    assert "iters-0001-0002" in lines[0] and "retain" in lines[0]
+    assert [p.read_bytes() for p in pipeline] == before
+    (root / "params.yaml").write_text(params)  # the user undoes the edit
+    assert _dvc_status(root) == {}
+    assert _ran(_tpgrpo(root, "run").stdout) == []
+
+
 # --- retain and DVC's lock: a hand-sealed project (fast) ---
 
 def _hand_sealed(root: Path) -> Path:

@@ -61,6 +61,26 @@ def test_every_param_a_stage_reads_is_declared_in_dvc_yaml(tiny_project):
     assert set(EXECUTION_KNOBS) - {"reward_models.device"} <= every
 
 
+def test_update_micro_batch_is_an_input_of_the_update_only(tiny_project):
+    """Issue 46: update.micro_batch moves the adapter (AdamW amplifies its round-off), so the update lists it:
+    dvc.yaml, the params-read notes and the update's config_hash; no other stage does (credit's table and the
+    rollout's store keep their hashes)."""
+    import yaml
+
+    from tpgrpo.pipeline.dvcfile import dvc_yaml_text
+    from tpgrpo.stage_common import provenance
+
+    cfg = load_config(tiny_project / "params.yaml")
+    other = load_config(tiny_project / "params.yaml", overrides={"update.micro_batch": cfg.update.micro_batch + 1})
+    assert "update.micro_batch" in stage_inputs("update", cfg) and "update.micro_batch" not in EXECUTION_KNOBS
+    stages = yaml.safe_load(dvc_yaml_text(cfg, tiny_project))["stages"]
+    listing = [n for n, st in stages.items() if "update.micro_batch" in st.get("params", [])]
+    assert listing == [f"update-{i:04d}" for i in range(1, cfg.train.iterations + 1)], listing
+    for stage in ("rollout", "probe", "credit", "update", "eval"):
+        same = provenance(cfg, 1, stage)["config_hash"] == provenance(other, 1, stage)["config_hash"]
+        assert same == (stage != "update"), stage
+
+
 def test_the_committed_dvc_yaml_is_what_params_yaml_renders(tmp_path):
     """A fresh clone's dvc.yaml (what `dvc dag` and `dvc status` read before any `tpgrpo run`) must be the
     rendering of its params.yaml: it went stale once (an eval_prompts output missing) with no test noticing.

@@ -84,10 +84,12 @@ def test_clear_stale_lock_removes_only_a_stale_file(tmp_path, zombie_pid):
 
 @pytest.mark.parametrize("live", [False, True])
 def test_tpgrpo_run_clears_a_stale_lock_before_dvc_repro(tiny_project, monkeypatch, zombie_pid, live):
-    """Through the CLI: a zombie's lock is removed with one line before `dvc repro`; a live one's is kept."""
+    """Through the CLI: a zombie's lock is removed with one line before `dvc repro`; a live one's is kept, and
+    the run refuses with one line before it renders anything (a DVC process runs a stage there: issue 46)."""
     root = tiny_project
+    subprocess.run([sys.executable, "-m", "dvc", "init", "-q", "--no-scm"], cwd=root, check=True)
     path = root / RWLOCK
-    path.parent.mkdir(parents=True)
+    path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(json.dumps(lock_of(os.getpid() if live else zombie_pid)))
     seen = []
 
@@ -97,10 +99,12 @@ def test_tpgrpo_run_clears_a_stale_lock_before_dvc_repro(tiny_project, monkeypat
 
     monkeypatch.setattr(subprocess, "run", fake_run)
     result = CliRunner().invoke(app, ["run", "--params", str(root / "params.yaml")])
-    assert result.exit_code == 0, result.output
-    assert seen and seen[-1][0][-1] == "repro"
     notes = [line for line in result.output.splitlines() if "stale DVC lock" in line]
     if live:
-        assert path.is_file() and seen[-1][1] and not notes
+        assert result.exit_code == 2 and result.output.strip().count("\n") == 0, result.output
+        assert f"DVC process {os.getpid()} is running a stage" in result.output
+        assert path.is_file() and not seen and not notes and not (root / "dvc.yaml").exists()
     else:
+        assert result.exit_code == 0, result.output
+        assert seen and seen[-1][0][-1] == "repro"
         assert not path.exists() and not seen[-1][1] and len(notes) == 1 and str(zombie_pid) in notes[0]

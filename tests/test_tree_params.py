@@ -23,11 +23,17 @@ from tpgrpo.config import Config, config_from_dict
 from tpgrpo.pipeline.dvcfile import dvc_yaml_text, render
 from tpgrpo.pipeline.status import stage_params
 from tpgrpo.stage_common import provenance
-from tpgrpo.stage_params import STAGE_PARAMS, TREE_SHAPE
+from tpgrpo.stage_params import CHAIN_ONLY, STAGE_PARAMS, TREE_SHAPE
 
 STAGES = ("rollout", "probe", "credit", "update", "eval", "eval_prompts", "baseline", "summary")
 # The rollout section as on main 11d501c, before the tree: its recorded params and hash must stay these keys'.
 MAIN_ROLLOUT_KEYS = ["prompts_per_iter", "group_size", "batch_size"]
+# What the tree rollout reads of the sampling, rollout and probe sections (no window, group size, completion).
+TREE_SAMPLING_KEYS = ["sampling.num_steps", "sampling.shift", "sampling.guidance_scale", "sampling.step_kind",
+                      "sampling.noise_level", "rollout.prompts_per_iter", "rollout.batch_size"]
+# Edits of keys the tree ignores, valid on the tiny schedule (T = 4, window 0 + 3 steps, G = 4).
+IGNORED_EDITS = [{"sampling": {"window_size": 2}}, {"sampling": {"window_start": 1, "window_size": 2}},
+                 {"rollout": {"group_size": 6}}]
 
 
 def _project(tmp_path, name: str, **tree) -> tuple[Config, object]:
@@ -75,7 +81,12 @@ def test_with_tree_on_the_rollout_lists_the_shape_and_credit_the_baseline(tmp_pa
     wider, _ = _project(tmp_path, "on_wider", enabled=True, split_steps="0,1", children=2)
     grouped, _ = _project(tmp_path, "on_grouped", enabled=True, split_steps="0,1", baseline="depth_group")
     stages = render(tree, tmp_path)["stages"]
-    assert stages["rollout-0001"]["params"] == [*STAGE_PARAMS["rollout"], "tree.enabled", *TREE_SHAPE]
+    listed = stages["rollout-0001"]["params"]
+    assert listed[-4:] == ["tree.enabled", *TREE_SHAPE]
+    # the chain's keys but those the tree does not read (sampling and rollout then listed key by key)
+    assert [k for k in listed if k.startswith(("sampling", "rollout", "probe"))] == TREE_SAMPLING_KEYS
+    assert [k for k in listed if not k.startswith(("sampling", "rollout", "probe", "tree"))] == [
+        k for k in STAGE_PARAMS["rollout"] if k not in ("sampling", "rollout", "probe.completion")]
     assert stages["credit-0001"]["params"] == [*STAGE_PARAMS["credit"], "tree.baseline"]
     # (the code stage lists the switch: it decides what dvc.yaml lists)
     assert all(not any(p.startswith("tree") and p != "tree.enabled" for p in s.get("params", []))
@@ -88,6 +99,24 @@ def test_with_tree_on_the_rollout_lists_the_shape_and_credit_the_baseline(tmp_pa
     # The baseline is the credit stage's alone: the rollout's hash (so its store) stays (issue 45).
     assert {s: h for s, h in on.items() if s != "credit"} == {s: h for s, h in regrouped.items() if s != "credit"}
     assert on["credit"] != regrouped["credit"]
+
+
+@pytest.mark.parametrize("edit", IGNORED_EDITS, ids=lambda e: ",".join(f"{s}.{k}" for s in e for k in e[s]))
+def test_with_tree_on_an_edit_of_a_key_the_tree_does_not_read_re_runs_nothing(tmp_path, edit):
+    """The tree rollout reads no window, group size or probe completion, and eval, baseline and summary never
+    read the window (issue 46): with the tree on, an edit of one changes no stage's list or recorded params and
+    no config_hash. With the tree off the same edit re-runs the rollout (and the chain lists what it did)."""
+    tree = {"enabled": True, "split_steps": "0,1"}
+    on, edited = (tmp_path / "on.yaml", tmp_path / "edited.yaml")
+    for path, raw in ((on, tiny_params(tree=tree)), (edited, tiny_params(tree=tree, **edit))):
+        path.write_text(yaml.safe_dump(raw, sort_keys=False))
+    cfg, cfg_edited = (config_from_dict(yaml.safe_load(p.read_text())) for p in (on, edited))
+    assert dvc_yaml_text(cfg, tmp_path) == dvc_yaml_text(cfg_edited, tmp_path)
+    assert _hashes(cfg) == _hashes(cfg_edited)
+    assert all(stage_params(on, s) == stage_params(edited, s) for s in STAGES)
+    assert not set(CHAIN_ONLY) & set(stage_params(on, "rollout"))
+    chain, chain_edited = config_from_dict(tiny_params()), config_from_dict(tiny_params(**edit))
+    assert _hashes(chain)["rollout"] != _hashes(chain_edited)["rollout"]
 
 
 @pytest.mark.parametrize("spelling", ["yes", "on", "True"])
@@ -128,5 +157,34 @@ def test_a_trained_chain_project_runs_nothing_for_the_tree_section(tmp_path, tin
     assert not any(f"{s}-0001" in status.stdout for s in ("rollout", "probe", "credit", "update", "eval")), status.stdout
     raw["tree"].update({"children": 3, "roots": 2, "split_steps": "0,1"})  # edited while off: inert
     (root / "params.yaml").write_text(yaml.safe_dump(raw, sort_keys=False))
+    second = tpgrpo_run(root)
+    assert second.returncode == 0 and "Running stage" not in second.stdout, second.stdout[-3000:]
+
+
+@pytest.mark.slow
+def test_a_trained_tree_project_runs_nothing_for_a_key_the_tree_does_not_read(tmp_path, tiny_model_dir):
+    """A tree project trained for one iteration through `tpgrpo run`; the window and the group size edited
+    (keys only a chain reads): `dvc status` stays clean, the recorded rollout's config_hash is the edited
+    params' hash, and `tpgrpo run` runs no stage (before issue 46's fix: the rollout and all after it)."""
+    import zarr
+
+    from test_dvc_pipeline import env, tpgrpo_run
+    from test_tree_pipeline import _tree_project
+    from tpgrpo.config import load_config
+
+    root = _tree_project(tmp_path, tiny_model_dir)
+    raw = yaml.safe_load((root / "params.yaml").read_text())
+    raw["train"]["iterations"] = 1
+    (root / "params.yaml").write_text(yaml.safe_dump(raw, sort_keys=False))
+    first = tpgrpo_run(root)
+    assert first.returncode == 0, first.stdout[-3000:] + first.stderr[-3000:]
+    for section, values in ({"sampling": {"window_start": 1, "window_size": 2}, "rollout": {"group_size": 6}}).items():
+        raw[section].update(values)
+    (root / "params.yaml").write_text(yaml.safe_dump(raw, sort_keys=False))
+    status = subprocess.run([sys.executable, "-m", "dvc", "status"], cwd=root, env=env(), capture_output=True,
+                            text=True)
+    assert status.returncode == 0 and "up to date" in status.stdout, status.stdout + status.stderr
+    store = zarr.open_group(str(root / "data" / "iters" / "0001" / "trajectories.zarr"), mode="r")
+    assert store.attrs["config_hash"] == provenance(load_config(root / "params.yaml"), 1, "rollout")["config_hash"]
     second = tpgrpo_run(root)
     assert second.returncode == 0 and "Running stage" not in second.stdout, second.stdout[-3000:]

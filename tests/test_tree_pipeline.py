@@ -165,7 +165,7 @@ def _old_layout(store):
     zarr.open_group(str(store), mode="r+").create_array("states", data=np.zeros((EDGES, 2, 3, 32, 32), np.float32))
 
 
-NODE = "node_states/c/0/0/0/0"  # the one file of the 42 nodes (64 per file)
+NODE = "node_states/c.0.0.0.0"  # the one file of the 42 nodes (64 per file)
 TREE_DAMAGE = {  # damage to the node store -> (stage that reads it, words of its one-line error)
     "flipped bytes in the node_states file": (lambda s: flip_bytes(s / NODE), "update",
                                               ["array 'node_states' is damaged", "fails its checksum"]),

@@ -193,6 +193,46 @@ def test_a_stage_rerun_by_hand_open_or_sealed_leaves_nothing_to_run(tmp_path, te
     _sequence(tmp_path, template, references, seed=5, length=4, actions=["rerun_same"])
 
 
+@pytest.mark.slow
+def test_a_stage_rerun_by_hand_after_retention_refuses_in_one_line_or_leaves_nothing_to_run(
+        tmp_path, template, references, monkeypatch):
+    """After `tpgrpo retain` (the sealed block 1-2 keeps no trajectories and policy 2 alone), a hand re-run
+    whose input was dropped refuses in one line naming it and writes nothing (update 2 and eval 1 need
+    policy 1: the bench's seed 201 sequence 1 found the model's loading bars printed before that line); one
+    with its inputs present runs (rollout 1 writes the dropped store again, which no record lists). After
+    each, `dvc status` is clean and `tpgrpo run` runs nothing."""
+    root = tmp_path / "project"
+    ur.copy_project(template, root)
+    raw = h.read_params(root)
+    raw["retention"] = {"keep_trajectories": 1, "keep_adapter_every": 2}
+    h.write_params(root, raw)
+    assert h.tpgrpo(root, "retain").returncode == 0
+    seq = ua.Seq(root, references, random.Random(0), retained=True)
+    picks = [("update", 2, "0002/trajectories.zarr"), ("rollout", 2, "0001/policy"), ("eval", 1, "0001/policy"),
+             ("probe", 1, "0001/trajectories.zarr"), ("rollout", 1, None), ("credit", 2, None)]
+    for stage, i, dropped in picks:
+        monkeypatch.setattr(ua, "_hand_stage", lambda seq, raw, s=stage, n=i: (s, n))
+        plan = ua.rerun_same(seq)
+        assert (f"{dropped} dropped" in plan.what) if dropped else ("refused" not in plan.what), plan.what
+        failure, _ = ur.check(seq, plan)
+        assert failure is None, f"{plan.what}: {failure}"
+
+
+@pytest.mark.slow
+def test_with_the_tree_on_a_chain_only_key_edited_runs_nothing_in_a_sealed_project(tmp_path, template, references):
+    """The tree on (block 1-2 sealed, iteration 3 open: everything re-runs as trees), then the window and the
+    group size edited: no stage reads them (issue 46), so the plan allows none, and the artifacts must equal a
+    tree run from scratch with the edited params."""
+    root = tmp_path / "project"
+    ur.copy_project(template, root)
+    seq = ua.Seq(root, references, random.Random(0))
+    for table in ({"tree.enabled": [False, True]}, {"sampling.window_size": [3, 2]}, {"rollout.group_size": [4, 2]}):
+        plan = ua._edit(seq, table, "edit")
+        assert (plan.allowed == set()) == ("tree.enabled" not in table), plan.what
+        failure, _ = ur.check(seq, plan)
+        assert failure is None, f"{plan.what}: {failure}"
+
+
 def test_a_sealed_block_allowed_to_run_allows_exactly_its_own_stages():
     """A hand re-run inside a sealed block may re-run the block (``tpgrpo block`` rewrites every log of its
     iterations): check (c) must count those stages as the block's, and nothing of another iteration."""

@@ -23,8 +23,10 @@ import up_to_date_harness as h
 
 BASE_TRAIN = {"iterations": 3, "block_size": 2}  # block 1-2 sealed, iteration 3 open: both paths exercised
 # tree.children: inert while tree.enabled is off (no stage lists the tree section), upstream while it is on.
+# sampling.window_size, rollout.group_size: a chain's only (issue 46), so with the tree on an edit runs nothing.
 UPSTREAM = {"update.lr": [0.01, 0.005], "sampling.noise_level": [0.7, 0.5], "tree.enabled": [False, True],
-            "tree.children": [1, 2]}
+            "tree.children": [1, 2], "update.micro_batch": [8, 3], "sampling.window_size": [3, 2],
+            "rollout.group_size": [4, 2]}
 LEAF = {"eval.num_steps": [4, 3], "eval.samples_per_prompt": [2, 1], "task.eval_reward": ["geneval", "geneval_soft"],
         "credit.mode": ["tp", "incremental", "flow_grpo"], "update.ema": [False, True]}
 # The stage kinds that read each param (written here from the stages' code, not from dvcfile.STAGE_PARAMS,
@@ -32,9 +34,13 @@ LEAF = {"eval.num_steps": [4, 3], "eval.samples_per_prompt": [2, 1], "task.eval_
 READERS = {"update.lr": {"update"}, "sampling.noise_level": {"rollout", "eval", "baseline"},
            "eval.num_steps": {"eval", "baseline"}, "eval.samples_per_prompt": {"eval", "baseline", "eval_prompts"},
            "task.eval_reward": {"eval", "baseline"}, "credit.mode": {"credit"}, "update.ema": {"update"},
-           "probe.completion": {"probe"}, "tree.enabled": {"rollout"},  # the probe follows the store's shape
-           "tree.children": {"rollout"}}
+           # the probe follows the store's shape; the baseline lists the window on a chain only (issue 46)
+           "probe.completion": {"probe"}, "tree.enabled": {"rollout", "baseline"},
+           "tree.children": {"rollout"}, "update.micro_batch": {"update"},
+           # eval, baseline and summary list the sampling section whole on a chain (its window too), not on a tree
+           "sampling.window_size": {"rollout", "eval", "baseline"}, "rollout.group_size": {"rollout"}}
 TREE_SWITCH = "tree.enabled"  # the rollout reads the other tree keys only while it is on
+CHAIN_ONLY = {"sampling.window_size", "rollout.group_size"}  # no stage reads them while it is on
 ALL_KINDS = {"rollout", "probe", "credit", "update", "eval", "eval_prompts", "baseline", "summary"}
 ONCE = {"eval_prompts", "baseline", "summary"}  # the stages a run has once, not per iteration
 # Code files each kind certainly runs on the tiny project (a comment appended must re-run those stages).
@@ -66,7 +72,6 @@ class Plan:
     damaged: Path | None = None  # the artifact to delete when the run refuses (a refused damage)
     marks: dict | None = None  # stage marks from before a run the action itself started
     failure: str | None = None  # the action itself broke the property (e.g. a stage ran on after a kill)
-    reset: dict | None = None  # params to put back once the checks passed (a knob tried, then undone)
 
 
 @dataclass
@@ -141,6 +146,8 @@ def _edit(seq: Seq, table: dict, label: str) -> Plan:
     raw, before, key, old, new = _change(seq, table)
     if key.startswith("tree.") and key != TREE_SWITCH and not h.get_param(raw, TREE_SWITCH):
         return Plan(f"{label} {key}: {old!r} -> {new!r} (tree off: inert)", set(), restore=before)
+    if key in CHAIN_ONLY and h.get_param(raw, TREE_SWITCH):
+        return Plan(f"{label} {key}: {old!r} -> {new!r} (tree on: not read)", set(), restore=before)
     kinds = set(READERS[key])
     if key == "credit.mode" and "flow_grpo" in (old, new):
         kinds.add("probe")  # the probe stage appears or goes
@@ -186,17 +193,13 @@ def edit_code(seq: Seq) -> Plan:
 # Execution knobs (tpgrpo.stage_params.EXECUTION_KNOBS), with values this CPU machine can run. A knob is not
 # recorded: changing it must re-run nothing (not even the code stage, unless it renders dvc.yaml from it).
 KNOBS = {"model.device": ["cpu", "cpu:0"], "reward_models.device": ["cpu", "cpu:0"],
-         "update.micro_batch": [64, 16, 5], "update.gradient_checkpointing": [False, True]}
-# Knobs whose later use changes an adapter by float round-off (tested within a tolerance, not byte for byte):
-# put back after the check, so that the sequence's later re-runs compare byte for byte with the reference.
-ROUND_OFF_KNOBS = {"update.micro_batch"}
+         "update.gradient_checkpointing": [False, True]}
 
 
 def edit_knob(seq: Seq) -> Plan:
     """Change an execution knob: nothing may run but the code stage (which reads reward_models' keys)."""
-    _, before, key, old, new = _change(seq, KNOBS)
-    return Plan(f"edit execution knob {key}: {old!r} -> {new!r}", {"code"},
-                reset=before if key in ROUND_OFF_KNOBS else None)
+    _, _, key, old, new = _change(seq, KNOBS)
+    return Plan(f"edit execution knob {key}: {old!r} -> {new!r}", {"code"})
 
 
 def touch(seq: Seq) -> Plan:
@@ -224,22 +227,55 @@ def _hand_run(seq: Seq, stage: str, i: int) -> str | None:
     return f"hand re-run of {stage} --iter {i} failed (rc {done.returncode}): {done.stderr.strip()[-600:]}"
 
 
+def hand_inputs(root: Path, raw: dict, stage: str, i: int) -> list[Path]:
+    """The artifacts ``tpgrpo stage STAGE --iter i`` reads under ``raw`` (written here from the stages' code):
+    the policy it samples or trains from, the rollout's store, the tables before it."""
+    it = lambda n: root / "data" / "iters" / f"{n:04d}"  # noqa: E731
+    policy = [it(i - 1) / "policy"] if i > 1 else []  # iteration 1 starts from the base model
+    # a chain probe completes states with the model; a tree's or flow_grpo's loads none
+    probe_model = not h.get_param(raw, TREE_SWITCH) and raw["credit"]["mode"] != "flow_grpo"
+    every = int(raw["eval"]["every"])
+    return {"rollout": policy,
+            "probe": [it(i) / "trajectories.zarr", *(policy if probe_model else [])],
+            "credit": [it(i) / "probe.parquet"],
+            "update": [it(i) / "trajectories.zarr", it(i) / "credit.parquet", *policy],
+            "eval": [it(i) / "policy"] if every > 0 and i % every == 0 else []}[stage]
+
+
 def rerun_same(seq: Seq) -> Plan:
-    """Re-run a stage by hand with the current params (any stage, open or in a sealed block, eval included):
-    it rewrites its artifacts and log byte for byte (its seconds go to an untracked sidecar, issue 46), so
+    """Re-run a stage by hand with the current params (any stage, open or in a sealed block, eval included).
+    What the product promises (docs/up-to-date.md, docs/long-runs.md on retention): with its inputs present
+    it rewrites its artifacts and log byte for byte (its seconds go to an untracked sidecar, issue 46); with
+    an input retention dropped it refuses in one line naming that input and writes nothing. Either way
     `dvc status` is clean right after it and the next run runs nothing."""
     raw = h.read_params(seq.root)
     stage, i = _hand_stage(seq, raw)
-    failure = _hand_run(seq, stage, i)
-    if failure is None and not seq.retained:  # (after retention the stage may refuse: nothing was written)
+    missing = [p for p in hand_inputs(seq.root, raw, stage, i) if not p.exists()]
+    before = h.digests(seq.root)
+    done = h.tpgrpo(seq.root, "stage", stage, "--iter", str(i))
+    failure = _hand_outcome(seq, done, f"{stage} --iter {i}", missing, before)
+    if failure is None:
         status = h.dvc_status(seq.root)
         if status != "{}":
             failure = f"dvc status after a hand re-run of {stage} --iter {i} with the same params: {status[:600]}"
-    size = int(raw["train"].get("block_size") or 0)
-    block = {f"iters-{(i - 1) // size * size + 1:04d}-{(i - 1) // size * size + size:04d}"} if size else set()
-    # after retention a hand run may rewrite an output retention dropped from its block: that block may run
-    allowed = {"summary", f"{stage}-{i:04d}", *block} if seq.retained else set()
-    return Plan(f"hand re-run {stage} --iter {i} (same params)", allowed, failure=failure)
+    dropped = f" (refused: {missing[0].relative_to(seq.root)} dropped)" if missing else ""
+    return Plan(f"hand re-run {stage} --iter {i} (same params){dropped}", set(), failure=failure)
+
+
+def _hand_outcome(seq: Seq, done: subprocess.CompletedProcess, what: str, missing: list[Path],
+                  before: dict) -> str | None:
+    """None if a hand run did as promised: ran (all inputs present), or refused in one line naming a missing
+    input and changed no artifact; else what went wrong."""
+    if not missing:
+        return None if done.returncode == 0 else (
+            f"hand re-run of {what} failed (rc {done.returncode}): {done.stderr.strip()[-600:]}")
+    names = [p.relative_to(seq.root).as_posix() for p in missing]
+    if not h.one_line_error(done) or not any(n in done.stderr for n in names):
+        return f"hand re-run of {what} without {names}: expected one line naming it, got rc {done.returncode}: " \
+               f"{done.stderr.strip()[-600:]}"
+    after = h.digests(seq.root)
+    changed = sorted(p for p in set(before) | set(after) if before.get(p) != after.get(p))
+    return f"hand re-run of {what} refused but changed {changed[:4]}" if changed else None
 
 
 OTHER = {"rollout": ("sampling.noise_level", [0.7, 0.5]), "probe": ("probe.completion", ["exact", "x0"]),

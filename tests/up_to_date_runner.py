@@ -138,9 +138,6 @@ def run_sequence(root: Path, template: Path, refs: h.References, seed: int, leng
                 result.failure, go_on = check(seq, plan)
             except RuntimeError as exc:  # the reference from scratch failed: that is a finding too
                 result.failure, go_on = str(exc), False
-            if plan.reset is not None and not result.failure and go_on:
-                h.write_params(seq.root, plan.reset)  # a knob tried and undone: nothing recorded changes
-                result.steps.append("(knob put back)")
             if result.failure or not go_on:
                 if not result.failure:
                     result.steps.append("(refused with one line; nothing to undo: sequence ends, held)")

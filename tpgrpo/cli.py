@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import subprocess
 import sys
+from contextlib import ExitStack
 from pathlib import Path
 from typing import Annotated, Optional
 
@@ -54,11 +55,30 @@ def plot_command(params: ParamsOpt = Path("params.yaml")) -> None:
 
 @app.command("dvc-yaml")
 def dvc_yaml_command(params: ParamsOpt = Path("params.yaml")) -> None:
-    """Render dvc.yaml from params.yaml (one set of stages per iteration)."""
+    """Render dvc.yaml from params.yaml (one set of stages per iteration). Refused while `tpgrpo run` or a DVC
+    command runs in the project."""
+    with ExitStack() as held:
+        _hold_rendering(held, Path(params).resolve().parent)
+        _render_dvc_yaml(params)
+
+
+def _hold_rendering(stack: ExitStack, root: Path) -> None:
+    """Hold the project's run lock on ``stack`` (:func:`tpgrpo.pipeline.dvclock.rendering`): a second
+    ``tpgrpo run`` or ``tpgrpo dvc-yaml``, or one beside a running DVC command, stops with one line before it
+    writes anything (issue 46)."""
+    from tpgrpo.errors import PipelineError
+    from tpgrpo.pipeline.dvclock import rendering
+
+    try:
+        stack.enter_context(rendering(root))
+    except PipelineError as exc:
+        _fail(str(exc))
+
+
+def _render_dvc_yaml(params: Path) -> None:
     from tpgrpo.config import ConfigError, load_config
     from tpgrpo.errors import PipelineError
     from tpgrpo.pipeline.dvcfile import write_dvc_yaml
-
     from tpgrpo.pipeline.migrate import migrate_if_needed
 
     try:
@@ -73,36 +93,50 @@ def dvc_yaml_command(params: ParamsOpt = Path("params.yaml")) -> None:
 @app.command("run")
 def run_command(params: ParamsOpt = Path("params.yaml")) -> None:
     """The main job: render dvc.yaml and `dvc repro` (trains train.iterations iterations) block by block,
-    sealing each finished block of train.block_size iterations into one DVC stage before the next."""
-    from tpgrpo.pipeline import stage_server
+    sealing each finished block of train.block_size iterations into one DVC stage before the next. Refused
+    while another `tpgrpo run` or a DVC command runs in the project."""
     from tpgrpo.config import ConfigError, load_config
-    from tpgrpo.pipeline.dvcfile import RENDER_UPTO_ENV
-    from tpgrpo.pipeline.dvclock import clear_stale_lock
-    from tpgrpo.errors import PipelineError
-    from tpgrpo.pipeline.sealing import (check_records, dvc_env, repro_ends, seal_finished, stale_seals,
-                                         unseal_changed)
     from tpgrpo.pipeline.blocks import read_as_dvc
-    from tpgrpo.pipeline.code_manifest import refresh_manifests
-    from tpgrpo.pipeline.repro import repro_checked
+    from tpgrpo.pipeline.sealing import dvc_env
 
     root = Path(params).resolve().parent
     try:
         cfg = load_config(params)
         raw = read_as_dvc(Path(params))  # values as DVC reads them
-        refresh_manifests(root, cfg)  # a code edit (or a code path's switch) shows in the manifests before the blocks are checked against them
-        _echo_unsealed(unseal_changed(root, cfg, raw, upto=0))  # structural changes (block size, length) at once
-        pending = set(stale_seals(root, cfg, raw))  # the rest block by block, as the repros reach them
-        check_records(root, pending)  # a block that cannot be unsealed stops the run before anything runs
-    except (ConfigError, PipelineError) as exc:
+    except ConfigError as exc:
         _fail(str(exc))
-    dvc_yaml_command(params)
-    note = clear_stale_lock(root)  # a killed, not yet reaped run's lock would block `dvc repro`
-    if note:
-        typer.echo(note)
     env = dvc_env()
     if not (root / ".dvc").is_dir():
         _dvc_init(root, env)
-    with stage_server.running(root, stage_server.wanted(cfg)) as server_env:
+    with ExitStack() as held:
+        _hold_rendering(held, root)  # for the whole run: its renders between repros too
+        _run_held(params, root, cfg, raw, env)
+
+
+def _run_held(params: Path, root: Path, cfg, raw: dict, env: dict) -> None:
+    """:func:`run_command`'s work, with the project's run lock held."""
+    from tpgrpo.config import ConfigError
+    from tpgrpo.pipeline import stage_server
+    from tpgrpo.pipeline.dvcfile import RENDER_UPTO_ENV
+    from tpgrpo.pipeline.dvclock import clear_stale_lock
+    from tpgrpo.errors import PipelineError
+    from tpgrpo.pipeline.sealing import check_records, repro_ends, seal_finished, stale_seals, unseal_changed
+    from tpgrpo.pipeline.code_manifest import refresh_manifests
+    from tpgrpo.pipeline.repro import repro_checked
+
+    try:
+        refresh_manifests(root, cfg)  # a code edit (or a code path's switch) shows in the manifests before the blocks are checked against them
+        _echo_unsealed(unseal_changed(root, cfg, raw, upto=0))  # structural changes (block size, length) at once
+        stale = stale_seals(root, cfg, raw)  # the rest block by block, as the repros reach them
+        check_records(root, stale)  # a block that cannot be unsealed stops the run before anything is written
+        pending = set(stale)
+    except (ConfigError, PipelineError) as exc:
+        _fail(str(exc))
+    _render_dvc_yaml(params)
+    note = clear_stale_lock(root)  # a killed, not yet reaped run's lock would block `dvc repro`
+    if note:
+        typer.echo(note)
+    with stage_server.running(root, stage_server.wanted(cfg), stage_server.resident_spec(cfg, root)) as server_env:
         for upto in repro_ends(root, cfg, pending):  # block by block: dvc.lock stays about one block long
             try:
                 _echo_unsealed(unseal_changed(root, cfg, raw, upto=upto))

@@ -31,9 +31,9 @@ def resolve(root: Path, path: str) -> Path:
 def provenance(cfg: Config, iteration: int, stage: str) -> dict[str, str]:
     """Metadata every artifact carries: what made it, from which params (a hash of the params the stage
     declares in dvc.yaml, and of the key that picks its code path while it picks the other one:
-    :func:`tpgrpo.stage_params.hashed_inputs`). Nothing that differs between identical runs: the Python and
-    torch versions are in the stage's code manifest (a recorded input) and in its log's untracked sidecar
-    (:mod:`tpgrpo.io.stage_logs`), not in the artifact, whose bytes DVC hashes."""
+    :func:`tpgrpo.stage_params.hashed_inputs`). Nothing that differs between identical runs: the versions of
+    the libraries the stage imports are in its code manifest (a recorded input), the Python and torch versions
+    in its log's untracked sidecar (:mod:`tpgrpo.io.stage_logs`), not in the artifact, whose bytes DVC hashes."""
     from tpgrpo.stage_params import hashed_inputs
 
     return {"tpgrpo_version": __version__, "stage": stage, "iteration": str(iteration),

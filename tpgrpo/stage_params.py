@@ -18,25 +18,28 @@ from tpgrpo.config import Config
 # byte-identical at equal torch thread counts and moves the adapter by float round-off at most
 # (tests/test_knobs.py); moving to another kind of device rounds differently, as another machine does.
 # The batch sizes are not here: batched passes round differently at some batch shapes on a CPU (measured),
-# so they stay inputs. `launch` (the process count) is not read by stage code.
+# so they stay inputs. Nor is update.micro_batch (issue 46): it sums the same mean gradient in another order,
+# and AdamW's per-weight step amplifies that round-off (the shipped model's adapter: 1.9e-3 apart at 8 vs 1,
+# more than update.lr), so it is an input of the update. `launch` (the process count) is not read by stage code.
 EXECUTION_KNOBS = {
     # Where the model runs. On one GPU kind (cuda -> cuda:1) the same numbers; cpu <-> cuda round differently.
     "model.device": "placement",
     "reward_models.device": "placement",  # where the reward models run: as model.device
-    # Transitions per backward pass: the same mean loss and gradient, summed in another order (round-off,
-    # which AdamW's per-weight normalisation can amplify where a gradient is near 0).
-    "update.micro_batch": "memory",
     # Recomputes each transformer block in the backward pass: the same ops, less memory; the same bytes.
     "update.gradient_checkpointing": "memory",
 }
+
+
+def section_keys(section: str) -> list[str]:
+    """Every key of a params section, in params.yaml's order (``["sampling.num_steps", ...]``)."""
+    return [f"{section}.{f.name}" for f in dataclasses.fields(get_type_hints(Config)[section])]
 
 
 def inputs(section: str) -> list[str]:
     """Every key of a params section but its execution knobs (``["model.kind", "model.path", ...]``), in
     params.yaml's order: a key added to the section later is an input unless it is listed as a knob. A section
     without a knob stays whole (``["credit"]``), as dvc.yaml listed it."""
-    fields = dataclasses.fields(get_type_hints(Config)[section])
-    keys = [f"{section}.{f.name}" for f in fields]
+    keys = section_keys(section)
     return [k for k in keys if k not in EXECUTION_KNOBS] if any(k in EXECUTION_KNOBS for k in keys) else [section]
 
 
@@ -76,6 +79,21 @@ TREE_SHAPE = ("tree.split_steps", "tree.children", "tree.roots")
 CONDITIONAL_PARAMS = {  # stage: [(the keys, the bool key that switches them on)]
     "rollout": [(("tree.enabled", *TREE_SHAPE), "tree.enabled")],
     "credit": [(("tree.baseline",), "tree.enabled")],
+}
+# Keys of STAGE_PARAMS' lists that a stage does not read while a switch is on, each group with its switch. The
+# tree rollout samples roots x (children + 1)^splits leaves per prompt at its split steps: it reads neither the
+# chain's group size nor its SDE window (its store records its own group and window, which probe, credit and
+# update read from there: tree_rollout._store), nor probe.completion (the chain keeps x0 estimates or
+# velocities for the probe; a tree's probe completes nothing, and the config loader refuses any mode but exact).
+# Listed, an edit of one would re-run every tree rollout and all after it for nothing (issue 46). Eval, baseline
+# and summary list the sampling section whole but never read the window (eval samples by ODE in eval.num_steps):
+# a tree project lists them without it. With the switch off nothing is dropped, so a chain project lists and
+# hashes what it did (its window edits re-run the rollout, and through it every eval, anyway).
+CHAIN_WINDOW = ("sampling.window_start", "sampling.window_size")
+CHAIN_ONLY = (*CHAIN_WINDOW, "rollout.group_size", "probe.completion")
+UNREAD_PARAMS = {  # stage: [(the keys, the switch that drops them)]
+    "rollout": [(CHAIN_ONLY, "tree.enabled")],
+    **{stage: [(CHAIN_WINDOW, "tree.enabled")] for stage in ("eval", "baseline", "summary")},
 }
 
 
@@ -133,24 +151,43 @@ YAML11_TRUE = ("yes", "Yes", "YES", "on", "On", "ON", "true", "True", "TRUE")  #
 
 
 def switches(stage: str) -> list[str]:
-    """The keys that switch a stage's conditional sections on (``["tree.enabled"]`` for the rollout) or pick its
-    code path (``["credit.mode"]`` for the probe): read by the stage in every configuration, recorded through
-    what they decide (``tree`` listed or not; the probe manifest's path)."""
-    return [switch for _, switch in CONDITIONAL_PARAMS.get(stage, [])] + (
+    """The keys that switch a stage's conditional keys on or off (``["tree.enabled"]`` for the rollout and the
+    eval) or pick its code path (``["credit.mode"]`` for the probe): read by the stage in every configuration
+    (its config_hash at least), recorded through what they decide (which keys are listed; the probe manifest's
+    path)."""
+    groups = [*CONDITIONAL_PARAMS.get(stage, []), *UNREAD_PARAMS.get(stage, [])]
+    return [*dict.fromkeys(switch for _, switch in groups)] + (
         [PATH_SWITCHES[stage][0]] if stage in PATH_SWITCHES else [])
 
 
 def stage_inputs(stage: str, cfg: Config | dict) -> list[str] | None:
     """The params stage ``stage`` reads under ``cfg`` (a :class:`Config` or parsed params.yaml):
     :data:`STAGE_PARAMS`' list plus each conditional group switched on (the rollout lists the tree's shape keys
-    and the credit stage ``tree.baseline`` only while ``tree.enabled``). What dvc.yaml lists and what a stage notes it read; ``config_hash`` hashes
-    :func:`hashed_inputs`.
+    and the credit stage ``tree.baseline`` only while ``tree.enabled``), less each :data:`UNREAD_PARAMS` group
+    switched on (with a tree no stage lists the window; the rollout no group size or probe completion either).
+    What dvc.yaml lists and
+    what a stage notes it read; ``config_hash`` hashes :func:`hashed_inputs`.
     None for a name no stage has."""
     keys = STAGE_PARAMS.get(stage)
     if keys is None:
         return None
+    unread = {key for group, switch in UNREAD_PARAMS.get(stage, []) if _switched_on(cfg, switch) for key in group}
     extra = [key for group, switch in CONDITIONAL_PARAMS.get(stage, []) if _switched_on(cfg, switch) for key in group]
-    return [*keys, *extra]
+    return [*_without(keys, unread), *extra]
+
+
+def _without(keys: list[str], unread: set[str]) -> list[str]:
+    """``keys`` less the ``unread`` ones; a whole section holding one is listed key by key instead
+    (``"sampling"`` -> ``"sampling.num_steps", ...`` without ``sampling.window_start``), in params.yaml's order."""
+    if not unread:
+        return list(keys)
+    kept = []
+    for key in keys:
+        if "." not in key and any(u.startswith(f"{key}.") for u in unread):
+            kept += [k for k in section_keys(key) if k not in unread and k not in EXECUTION_KNOBS]
+        elif key not in unread:
+            kept.append(key)
+    return kept
 
 
 STAGE_LOGS = ("rollout", "probe", "credit", "update", "eval")  # each writes data/iters/NNNN/<stage>.json

@@ -17,6 +17,7 @@ each stage and checks that every other project module it imported is covered.
 from __future__ import annotations
 
 import ast
+import sys
 from functools import lru_cache
 from pathlib import Path
 
@@ -67,12 +68,19 @@ def _imported_names(nodes) -> set[str]:
 
 
 @lru_cache(maxsize=256)
-def _direct(root: Path, path: str, stamp: tuple) -> tuple[str, ...]:
-    """The project files one file imports directly (cached per file content stamp)."""
-    tree = ast.parse((root / path).read_text(), filename=path)
-    names = _imported_names([tree])
+def _scan(root: Path, path: str, stamp: tuple) -> tuple[tuple[str, ...], tuple[str, ...]]:
+    """The project files one file imports directly, and the top-level modules outside the project and the
+    standard library it imports (both sorted; cached per file content stamp)."""
+    names = _imported_names([ast.parse((root / path).read_text(), filename=path)])
     files = {f for name in names if (f := module_file(root, name))}
-    return tuple(sorted(files | {p for p in _packages(path) if (root / p).is_file()}))
+    external = {top for name in names if (top := name.split(".")[0]) not in PROJECT_PACKAGES
+                and top not in sys.stdlib_module_names}
+    return tuple(sorted(files | {p for p in _packages(path) if (root / p).is_file()})), tuple(sorted(external))
+
+
+def _stamp(root: Path, path: str) -> tuple:
+    stat = (root / path).stat()
+    return stat.st_mtime_ns, stat.st_size
 
 
 def closure(root: Path, starts: list[str]) -> list[str]:
@@ -87,6 +95,12 @@ def closure(root: Path, starts: list[str]) -> list[str]:
         if not (root / path).is_file():
             raise FileNotFoundError(f"code path {path}: not found under {root} (a code file the stages run)")
         seen.add(path)
-        stat = (root / path).stat()
-        todo.extend(_direct(root, path, (stat.st_mtime_ns, stat.st_size)))
+        todo.extend(_scan(root, path, _stamp(root, path))[0])
     return sorted(p for p in seen if (root / p).is_file())
+
+
+def external_modules(root: Path, files: list[str]) -> list[str]:
+    """The third-party top-level modules (``cv2``, ``PIL``, ``torch``) that ``files`` (a closure) import, at
+    module level or inside a function (the OCR reward imports ``rapidocr_onnxruntime`` when it first runs);
+    sorted. These are the libraries a stage runs on (:func:`tpgrpo.pipeline.code_manifest.library_versions`)."""
+    return sorted({m for path in files for m in _scan(root, path, _stamp(root, path))[1]})

@@ -24,9 +24,10 @@ from __future__ import annotations
 
 import hashlib
 import json
+from functools import lru_cache
 from pathlib import Path
 
-from tpgrpo.stage_params import CONDITIONAL_PARAMS, PATH_SWITCHES, code_path, inputs
+from tpgrpo.stage_params import CONDITIONAL_PARAMS, PATH_SWITCHES, UNREAD_PARAMS, code_path, inputs
 
 CODE_DIR = "data/code"
 REPO = Path(__file__).resolve().parents[2]  # the checkout this package runs from
@@ -52,17 +53,21 @@ ALL_CODE = ["stages", "tpgrpo"]
 # A conditional section's switch (tree.enabled) too: it decides whether the rollout lists the section, so
 # `dvc exp run -S tree.enabled=true` re-runs the code stage, which then refuses the stale dvc.yaml.
 RENDER_PARAMS = ["train.iterations", "train.block_size", "model.path", "task", *inputs("reward_models"),
-                 *dict.fromkeys(switch for pairs in CONDITIONAL_PARAMS.values() for _, switch in pairs)]
+                 *dict.fromkeys(switch for table in (CONDITIONAL_PARAMS, UNREAD_PARAMS) for pairs in table.values()
+                                for _, switch in pairs)]
 # The params the manifests read: the keys that pick a stage kind's code path (tpgrpo.stage_params.PATH_SWITCHES;
 # the probe's manifest says "path": "final_reward" under credit.mode flow_grpo). The code stage lists them too,
 # so it re-runs (a second) when one changes, and rewrites a manifest only when the path changed.
 MANIFEST_PARAMS = [key for key, _, _ in PATH_SWITCHES.values()]
-# Libraries whose version is part of every manifest. No file of the project changes when one is upgraded:
-# `tpgrpo run` rewrites the manifests before each repro (DVC then re-runs the code stage, whose outputs are
-# not cached so its run cache cannot restore old ones, and the stages whose manifest changed), and under
-# DVC a stage refuses to run when its manifest does not match the files and versions (check_stage_code).
-LIBRARIES = ("torch", "diffusers", "transformers", "peft", "accelerate", "numpy", "safetensors", "zarr",
-             "numcodecs", "pyarrow", "pandas", "pillow", "rapidocr-onnxruntime", "onnxruntime")
+# The libraries a manifest records, with their versions: the distributions that provide the third-party
+# modules its kind's code imports (code_graph.external_modules: cv2 -> opencv-python, PIL -> pillow), and the
+# installed requirements those distributions declare themselves, one level down (rapidocr-onnxruntime ->
+# onnxruntime, pyclipper, shapely; zarr -> numcodecs; torch -> its CUDA libraries where installed). Deeper
+# requirements are not recorded (a chosen gap: they are mostly HTTP, command-line and typing helpers,
+# huggingface-hub -> httpx -> h11, and recording them would re-run every stage for each such upgrade). No file of the project changes when a library is upgraded: `tpgrpo run` rewrites the
+# manifests before each repro (DVC then re-runs the code stage, whose outputs are not cached so its run cache
+# cannot restore old ones, and the stages whose manifest changed), and under DVC a stage refuses to run when
+# its manifest does not match the files and versions (check_stage_code).
 
 
 def kind_code(root: Path, kind: str) -> list[str]:
@@ -72,16 +77,59 @@ def kind_code(root: Path, kind: str) -> list[str]:
     return closure(root, KIND_STAGES[kind])
 
 
-def library_versions() -> dict[str, str]:
-    """``{distribution: version}`` of :data:`LIBRARIES` as installed (``"absent"`` when not installed)."""
+def canonical(name: str) -> str:
+    """A distribution's name as PEP 503 compares them (``PyYAML`` -> ``pyyaml``, ``huggingface_hub`` ->
+    ``huggingface-hub``): the manifests' keys."""
+    import re
+
+    return re.sub(r"[-_.]+", "-", name).lower()
+
+
+def installed_version(dist: str) -> str | None:
+    """The installed version of distribution ``dist``, or None."""
     from importlib.metadata import PackageNotFoundError, version
 
-    def one(name: str) -> str:
-        try:
-            return version(name)
-        except PackageNotFoundError:
-            return "absent"
-    return {name: one(name) for name in LIBRARIES}
+    try:
+        return version(dist)
+    except PackageNotFoundError:
+        return None
+
+
+@lru_cache(maxsize=1)
+def _providers() -> dict[str, tuple[str, ...]]:
+    """Top-level module -> the installed distributions that provide it (canonical names, sorted)."""
+    from importlib.metadata import packages_distributions
+
+    return {module: tuple(sorted({canonical(d) for d in dists})) for module, dists in packages_distributions().items()}
+
+
+@lru_cache(maxsize=256)
+def _requirements(dist: str) -> tuple[str, ...]:
+    """The distributions ``dist`` requires on this machine (markers evaluated, no extras; canonical names)."""
+    from importlib.metadata import PackageNotFoundError, requires
+
+    from packaging.requirements import Requirement
+
+    try:
+        found = [Requirement(line) for line in requires(dist) or []]
+    except PackageNotFoundError:
+        return ()
+    return tuple(sorted({canonical(r.name) for r in found if r.marker is None or r.marker.evaluate({"extra": ""})}))
+
+
+def library_versions(modules: list[str]) -> dict[str, str]:
+    """``{distribution: version}`` (sorted) of the libraries code importing the top-level ``modules`` runs on:
+    their distributions and those distributions' installed requirements (one level; see above). A module no
+    installed distribution provides is recorded under its own name as ``"absent"`` (installing it changes the
+    manifest)."""
+    providers = _providers()
+    direct = {d for m in modules for d in providers.get(m, ())}
+    found = {m: "absent" for m in modules if m not in providers}
+    for dist in sorted(direct | {r for d in direct for r in _requirements(d)}):
+        version = installed_version(dist)
+        if version is not None:  # a requirement this machine lacks (an optional one) runs nowhere
+            found[dist] = version
+    return dict(sorted(found.items()))
 
 
 def manifest_path(kind: str) -> str:
@@ -99,7 +147,10 @@ def manifest(root: Path, kind: str, cfg=None) -> dict:
     """``{"kind", "files": {path: md5}, "libraries": {name: version}}`` for the kind's code (sorted paths), plus
     ``"path"`` where ``cfg`` (a Config or parsed params.yaml; None: ``root/params.yaml``) picks the kind's other
     code path (:func:`tpgrpo.stage_params.code_path`; absent on the default path, as before paths existed)."""
-    found = {"kind": kind, "files": _hashes(root, kind_code(root, kind)), "libraries": library_versions()}
+    from tpgrpo.pipeline.code_graph import external_modules
+
+    code = kind_code(root, kind)
+    found = {"kind": kind, "files": _hashes(root, code), "libraries": library_versions(external_modules(root, code))}
     path = code_path(kind, _params_of(root) if cfg is None else cfg)
     return found if path is None else {**found, "path": path}
 
@@ -162,8 +213,9 @@ def check_code(root: Path, kind: str, cfg=None) -> None:
     recorded, now = json.loads(path.read_text()), manifest(root, kind, cfg)
     changed = sorted(f for f in set(recorded.get("files", {})) | set(now["files"])
                      if recorded.get("files", {}).get(f) != now["files"].get(f))
-    changed += sorted(f"{name} {recorded.get('libraries', {}).get(name)} -> {v}"
-                      for name, v in now["libraries"].items() if recorded.get("libraries", {}).get(name) != v)
+    was = recorded.get("libraries", {})
+    changed += sorted(f"{name} {was.get(name)} -> {now['libraries'].get(name)}"
+                      for name in set(was) | set(now["libraries"]) if was.get(name) != now["libraries"].get(name))
     if recorded.get("path") != now.get("path"):  # params.yaml changed the path after the code stage ran
         changed.append(f"code path {recorded.get('path') or 'default'} -> {now.get('path') or 'default'}")
     if changed:

@@ -1,4 +1,6 @@
-"""A stale DVC read/write lock left by a killed run, and clearing it safely.
+"""DVC's locks as tpgrpo uses them: a stale read/write lock left by a killed run, and clearing it safely;
+holding DVC's lock while tpgrpo edits the lock files (:func:`dvc_lock_held`); the project's run lock while
+``tpgrpo run`` or ``tpgrpo dvc-yaml`` renders (:func:`rendering`).
 
 DVC records the PID of every running ``dvc repro`` in ``.dvc/tmp/rwlock`` and removes the entries of
 processes that no longer exist (``psutil.pid_exists``). A SIGKILLed run that its parent has not yet reaped
@@ -101,3 +103,40 @@ def dvc_lock_held(root: Path):
             repo.lock.unlock()
     finally:
         repo.close()
+
+
+RUN_LOCK = Path(".dvc") / "tmp" / "tpgrpo_run.lock"
+
+
+@contextmanager
+def rendering(root: Path):
+    """Hold the project's run lock (``.dvc/tmp/tpgrpo_run.lock``) while ``tpgrpo run`` or ``tpgrpo dvc-yaml``
+    renders dvc.yaml, the block files and the manifests (``tpgrpo run``: for the whole run, its repros too).
+
+    Refuses with one line while another ``tpgrpo run`` or ``tpgrpo dvc-yaml`` holds it, or while a DVC command
+    (a ``dvc repro`` started by hand, ``dvc exp run``) holds DVC's lock or runs a stage here
+    (:func:`dvc_lock_held`, taken and released: DVC's own repros need it). Without ``.dvc`` (before the first
+    ``tpgrpo run`` initialises DVC) nothing can be repro'ing: nothing to hold. The lock is ``flock(2)`` on an
+    open file, so a killed holder releases it with its last open descriptor (children do not inherit it)."""
+    import fcntl
+    import os
+
+    from tpgrpo.errors import PipelineError
+
+    if not (root / ".dvc").is_dir():
+        yield
+        return
+    (root / RUN_LOCK).parent.mkdir(parents=True, exist_ok=True)
+    with open(root / RUN_LOCK, "a+") as held:
+        try:
+            fcntl.flock(held, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            held.seek(0)
+            raise PipelineError(f"{RUN_LOCK}: tpgrpo (PID {held.read().strip() or '?'}) is rendering or running this "
+                                "project's pipeline; retry when it has finished") from None
+        held.truncate(0)
+        held.write(f"{os.getpid()}\n")
+        held.flush()
+        with dvc_lock_held(root):
+            pass
+        yield

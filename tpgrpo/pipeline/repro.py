@@ -53,7 +53,7 @@ def _repro(root: Path, cfg: Config, upto: int, env: dict[str, str]) -> list[str]
     from tpgrpo.pipeline.status import check_outputs_cached
 
     write_dvc_yaml(cfg, root, upto)
-    refresh_manifests(root, cfg)  # a library upgraded since the code stage ran: it re-runs (see LIBRARIES)
+    refresh_manifests(root, cfg)  # a library upgraded since the code stage ran: it re-runs (see library_versions)
     lock = root / "dvc.lock"
     before = lock.stat().st_mtime_ns if lock.exists() else None
     clear_notes(root)  # only what this repro's stages read is checked after it

@@ -283,10 +283,7 @@ def unseal_changed(root: Path, cfg: Config, raw_params: dict | None = None,
     with dvc_lock_held(root):
         migrate_sealed_entries(root, cfg)
         todo = stale_seals(root, cfg, params, upto)
-        check_records(root, todo)
-        entries = {b: current_entries(read_seal(b.entries_path(root)), block_entry(root, b)) for b in todo}
-        for block, why in todo.items():
-            _refuse_thinned(root, block, why, entries[block])
+        entries = check_records(root, todo)
         if todo:
             lock = read_lock(root)
             for block in todo:
@@ -297,13 +294,20 @@ def unseal_changed(root: Path, cfg: Config, raw_params: dict | None = None,
     return todo
 
 
-def check_records(root: Path, blocks) -> None:
-    """Refuse (PipelineError, one line) when a block to be unsealed has a missing or damaged seal file or
-    stage entries file: unsealing restores its stages from them, and without them the block's iterations would
-    lose every lock entry (DVC would re-run them all). Reads only."""
-    for block in blocks:
+def check_records(root: Path, blocks: dict[Block, str]) -> dict[Block, dict]:
+    """Refuse (PipelineError, one line) when a block to be unsealed (``{block: why}``, :func:`stale_seals`) has
+    a missing or damaged seal file or stage entries file (unsealing restores its stages from them, and without
+    them the block's iterations would lose every lock entry: DVC would re-run them all), or was thinned by
+    ``tpgrpo retain`` (:func:`_refuse_thinned`). Reads only: ``tpgrpo run`` calls it before it renders anything,
+    so a refused run leaves dvc.yaml and the blocks' pipeline files as they were (else `dvc status` lists what
+    the refused params would list, once the edit is undone). Returns each block's per-stage entries, brought up
+    to its own lock entry (:func:`current_entries`)."""
+    entries = {}
+    for block, why in blocks.items():
         read_seal(block.seal_path(root))
-        read_seal(block.entries_path(root))
+        entries[block] = current_entries(read_seal(block.entries_path(root)), block_entry(root, block))
+        _refuse_thinned(root, block, why, entries[block])
+    return entries
 
 
 def _refuse_thinned(root: Path, block: Block, why: str, entries: dict) -> None:

@@ -74,7 +74,8 @@ def run(cfg: Config, iteration: int, root: Path) -> dict:
         metas = select_prompts(cfg, root, iteration)
         reward = build_reward(cfg.task.reward, cfg, root)
         backend = load_policy(cfg, root, iteration)
-        spec, shape = sampler_spec(cfg), tree_shape(cfg)
+        shape = tree_shape(cfg)  # its window: the first split step on (the params' window is the chain's)
+        spec = sampler_spec(cfg, window=(shape.split_steps[0], 1))
         R, P = shape.roots, len(metas)
         per_root = (shape.edges_per_root(), shape.leaves_per_root(), shape.nodes_per_root())
         root_prompt = np.repeat(np.arange(P), R)
@@ -126,7 +127,6 @@ def _store(cfg: Config, merged: dict, metas: list[dict], spec, shape: TreeShape,
                                      "tree_parent_leaf", "tree_parent_node", "tree_child_node")}
     arrays.update({"seeds": np.asarray(seeds, dtype=np.int64)[root_row], "prompt_index": prompt_index.astype(np.int32),
                    "sample": np.tile(np.arange(E_prompt), len(metas)).astype(np.int32)})
-    attrs = store_attrs(cfg, iteration, spec, metas, group_size=E_prompt, window_start=shape.split_steps[0],
-                        window_size=1, shape="tree", tree_split_steps=list(shape.split_steps),
+    attrs = store_attrs(cfg, iteration, spec, metas, E_prompt, shape="tree", tree_split_steps=list(shape.split_steps),
                         tree_children=shape.children, tree_roots=shape.roots)
     return arrays, attrs
