@@ -18,6 +18,10 @@ from tpgrpo.io.schemas import TRAJECTORY_ARRAYS, ArtifactError, check_array_valu
 
 # arrays stored as shards of single states: name -> leading index dims ((trajectory, state) or (node,))
 SHARDED = {"states": 2, "node_states": 1}
+# Chunk files named c.0.0.0.0.0 side by side in the array's folder, not c/0/0/0/0/0 (zarr's default, one folder
+# per file): DVC hashes the large files of ONE folder in parallel threads and those of different folders one
+# after another, so at the paper's 18 files of 160 MiB per array the default layout hashed on one core.
+CHUNK_KEYS = {"name": "default", "separator": "."}
 
 
 def _chunk_codecs() -> list:
@@ -48,7 +52,7 @@ def write_zarr(path: Path, arrays: dict, attrs: dict) -> None:
             layout = {"shards": chunks, "chunks": (1,) * lead + data.shape[lead:]} if lead else {"chunks": chunks}
             # every chunk stored, fill-valued ones too: a missing chunk file is then damage, not zeros
             arr = group.create_array(name, data=data, **layout, compressors=_chunk_codecs(),
-                                     config={"write_empty_chunks": True})
+                                     chunk_key_encoding=CHUNK_KEYS, config={"write_empty_chunks": True})
             arr.attrs.update({"dims": list(docs[name].dims), "meaning": docs[name].meaning})
         group.attrs.update(attrs)
 
@@ -89,16 +93,22 @@ def _read_array(arr, source: str, name: str, key=slice(None), orthogonal: bool =
                             f"or does not decode ({first_line(exc)})") from None
 
 
+def _chunk_file(arr, index) -> str:
+    """The file of chunk (or shard) ``index`` of ``arr`` under the store: ``states/c.3.0.0.0.0``, or
+    ``states/c/3/0/0/0/0`` in a store written before ``CHUNK_KEYS``."""
+    return f"{arr.path}/{arr.metadata.chunk_key_encoding.encode_chunk_key(index)}"
+
+
 def _bad_chunk(arr) -> str:
-    """The key (``c/i/0/...``, under the array's folder) of the first chunk of ``arr`` that fails to read.
-    The store's files split the trajectory axis only (``write_zarr``; a sharded array's files are its shards)."""
+    """The file (under the store) of the first chunk of ``arr`` that fails to read. The store's files split
+    the trajectory axis only (``write_zarr``; a sharded array's files are its shards)."""
     rows = (arr.shards or arr.chunks)[0]
     for i in range(-(-arr.shape[0] // rows)):
         try:
             arr[i * rows:(i + 1) * rows]
         except Exception:  # noqa: BLE001
-            return "/".join([f"{arr.path}/c", str(i), *["0"] * (arr.ndim - 1)])
-    return f"{arr.path}/c/?"
+            return _chunk_file(arr, (i, *[0] * (arr.ndim - 1)))
+    return _chunk_file(arr, ("?",))
 
 
 def _check_chunks_stored(arr, source: str, name: str) -> None:
@@ -110,8 +120,9 @@ def _check_chunks_stored(arr, source: str, name: str) -> None:
     stored = arr.nchunks_initialized // (math.prod(files) // math.prod(arr.chunks))
     expected = math.prod(-(-size // rows) for size, rows in zip(arr.shape, files))
     if any(isinstance(c, Crc32cCodec) for c in arr.compressors) and stored != expected:
+        first = _chunk_file(arr, (0,) * arr.ndim)
         raise ArtifactError(f"{source}: array '{name}' has {stored} of its {expected} "
-                            f"chunk files (under {arr.path}/c/): the store is damaged")
+                            f"chunk files ({first} ...): the store is damaged")
 
 
 def read_trajectories(path: Path, lazy: tuple[str, ...] = ()) -> tuple[dict, dict]:

@@ -1,7 +1,7 @@
 """The update stage's peak memory and wall time with every state in memory (before) and with the states
 read per micro-batch (after, ``tpgrpo.policy.states``), side by side in one run (issue 22).
 
-    python bench/update_memory.py --prompts 64 --group-size 16 --micro-batch 8 --json .cache/update_memory/run.json
+    python bench/studies/update_memory.py --prompts 64 --group-size 16 --micro-batch 8 --json .cache/update_memory/run.json
 
 Builds a tiny-model project under ``--workdir`` (``data/base``, ``credit.mode: flow_grpo`` so the probe loads no
 model), runs iteration 1's rollout, probe and credit once, then runs ``tpgrpo stage update --iter 1``
@@ -29,7 +29,7 @@ from pathlib import Path
 
 import yaml
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 CHUNK_ROWS = 64  # trajectories per stored chunk (tpgrpo.io.trajectories.write_zarr)
 
 

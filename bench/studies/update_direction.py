@@ -1,6 +1,6 @@
 """Did one update move each trained transition's log-prob the way its advantage says? (issue 35's geneval question)
 
-    python bench/update_direction.py RUN_FOLDER [ITERATION]    # a trained run folder (chain or tree), default 1
+    python bench/studies/update_direction.py RUN_FOLDER [ITERATION]    # a trained run folder (chain or tree), default 1
 
 Re-scores iteration i's stored transitions that have a non-zero advantage under the policy that sampled them
 (policy i - 1) and under the one its update wrote (policy i), with the update's own scoring
@@ -78,5 +78,5 @@ def main(folder: Path, iteration: int) -> None:
 
 if __name__ == "__main__":
     if len(sys.argv) not in (2, 3):
-        sys.exit("usage: python bench/update_direction.py RUN_FOLDER [ITERATION]")
+        sys.exit("usage: python bench/studies/update_direction.py RUN_FOLDER [ITERATION]")
     main(Path(sys.argv[1]).resolve(), int(sys.argv[2]) if len(sys.argv) == 3 else 1)

@@ -1,6 +1,6 @@
 """Training runs of several probe / credit settings, side by side: held-out reward and cost per iteration.
 
-Usage: ``python bench/probe_mode_runs.py LABEL=RUN_FOLDER,RUN_FOLDER,... [...] [--reference LABEL]
+Usage: ``python bench/studies/probe_mode_runs.py LABEL=RUN_FOLDER,RUN_FOLDER,... [...] [--reference LABEL]
 [--iteration 12] [--n-boot 10000]``: each label names run folders of one setting, one per training seed, in
 the same seed order for every label (seed i pairs with seed i). Prints, per label, the held-out reward at
 ``--iteration`` per seed and pooled over seeds, its paired difference against the base model and against
@@ -15,7 +15,7 @@ import argparse
 import sys
 from pathlib import Path
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(REPO))
 
 from tpgrpo.comparison.results import paired_difference, seed_scores  # noqa: E402

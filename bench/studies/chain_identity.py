@@ -3,8 +3,8 @@ artifacts carry, to show that a change leaves the chain's numbers and recorded p
 tree work this way: the tree keys live in the params' own `tree` section, which no chain stage lists).
 
     git archive 11d501c | tar -x -C /tmp/old
-    (cd /tmp/old && OMP_NUM_THREADS=1 PYTHONPATH=/tmp/old python $OLDPWD/bench/chain_identity.py /tmp/old /tmp/old.json)
-    OMP_NUM_THREADS=1 PYTHONPATH=. python bench/chain_identity.py . /tmp/new.json && diff /tmp/old.json /tmp/new.json
+    (cd /tmp/old && OMP_NUM_THREADS=1 PYTHONPATH=/tmp/old python $OLDPWD/bench/studies/chain_identity.py /tmp/old /tmp/old.json)
+    OMP_NUM_THREADS=1 PYTHONPATH=. python bench/studies/chain_identity.py . /tmp/new.json && diff /tmp/old.json /tmp/new.json
 
 argv[1]: the checkout whose params.yaml and prompts to use (its code first on sys.path); argv[2]: the output JSON;
 argv[3] (optional): more ``update`` overrides as JSON, e.g. '{"epochs": 2, "optimizer_steps_per_iter": 4}'. A

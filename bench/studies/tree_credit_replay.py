@@ -1,7 +1,7 @@
 """Offline replay of a tree's credit under both edge returns (issue 35): the stage's ``mean`` against ``ode``.
 
-    python bench/tree_credit_replay.py data/iters/0001/probe.parquet   # a tree run's probe table
-    python bench/tree_credit_replay.py                                 # makes one: tree rollout + probe, tiny model
+    python bench/studies/tree_credit_replay.py data/iters/0001/probe.parquet   # a tree run's probe table
+    python bench/studies/tree_credit_replay.py                                 # makes one: tree rollout + probe, tiny model
 
 No model runs for a given table: ``tpgrpo.algo.tree_credit.tree_credit_table`` is called on it for every credit
 mode with ``edge_return`` mean (the credit stage's choice) and ode (F = Q(child): B = d, so the TP modes equal
@@ -18,7 +18,7 @@ from pathlib import Path
 import numpy as np
 import pandas as pd
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(REPO))
 MODES = ("flow_grpo", "incremental", "tp", "tp_unconstrained")
 

@@ -1,6 +1,6 @@
 """The eval stages' text-encoder load before and after the eval-prompt cache (issue 22), side by side.
 
-    python bench/eval_text_load.py --before dacfbc3 --repeats 3 [--model FOLDER] [--threads 2]
+    python bench/studies/eval_text_load.py --before dacfbc3 --repeats 3 [--model FOLDER] [--threads 2]
 
 For each commit (``--before``, and ``--after``, default the working tree): a fresh project with that commit's
 code (``git archive``; the working tree's files for the working tree) on an SD3 pipeline folder (``--model``,
@@ -28,7 +28,7 @@ from pathlib import Path
 
 import yaml
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 EVAL = {"num_prompts": 4, "samples_per_prompt": 2, "num_steps": 2, "every": 1}
 
 
