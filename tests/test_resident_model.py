@@ -6,6 +6,7 @@ from __future__ import annotations
 import os
 import shutil
 import sys
+import traceback
 
 import pytest
 
@@ -21,6 +22,8 @@ def in_child(check) -> int:
         code = 99
         try:
             code = check()
+        except BaseException:
+            traceback.print_exc()  # the child's error, in the test's captured stderr
         finally:
             os._exit(code)
     return os.waitstatus_to_exitcode(os.waitpid(pid, 0)[1])

@@ -60,7 +60,8 @@ def _repro(root: Path, cfg: Config, upto: int, env: dict[str, str]) -> list[str]
     args = repro_args(root, upto)
     full = "--single-item" not in args  # DVC checks every sealed block upstream and re-runs what changed
     stamps = digests(root, sealed_through(root, upto)) if full else {}  # the files as DVC will first see them
-    code = subprocess.run([sys.executable, "-m", "dvc", *args], cwd=root, env=env).returncode
+    # DVC through dvc_atomic: a run killed while DVC rewrites dvc.lock leaves the old file, not a part of it
+    code = subprocess.run([sys.executable, "-m", "tpgrpo.pipeline.dvc_atomic", *args], cwd=root, env=env).returncode
     if code != 0:
         raise PipelineError(f"dvc repro failed with exit code {code}")
     # (no relinking: with cache.type copy a workspace file is never the cache's object)

@@ -56,8 +56,9 @@ def dvc_env() -> dict[str, str]:
 
 
 def dvc(root: Path, *args: str) -> None:
-    """Run one DVC command in ``root``; a failure is one line naming it."""
-    done = subprocess.run([sys.executable, "-m", "dvc", *args], cwd=root, env=dvc_env(),
+    """Run one DVC command in ``root`` (its own files written atomically: :mod:`tpgrpo.pipeline.dvc_atomic`);
+    a failure is one line naming it."""
+    done = subprocess.run([sys.executable, "-m", "tpgrpo.pipeline.dvc_atomic", *args], cwd=root, env=dvc_env(),
                           capture_output=True, text=True)
     if done.returncode != 0:
         last = (done.stderr.strip() or done.stdout.strip() or "no output").splitlines()[-1]
