@@ -91,6 +91,7 @@ def check_user_views(root: Path) -> None:
     status = subprocess.run([sys.executable, "-m", "tpgrpo", "status"], cwd=root, env=env(), capture_output=True,
                             text=True)
     assert status.returncode == 0 and status.stdout.startswith("iterations: 2 of 2 done (1-2)"), status.stdout
+    check_declared_outputs(root, (1, 2))
     before = (root / "data" / "iters" / "0002" / "credit.parquet").read_bytes()
     again = subprocess.run([sys.executable, "-m", "tpgrpo", "stage", "credit", "--iter", "2"], cwd=root, env=env(),
                            capture_output=True, text=True)
@@ -98,6 +99,18 @@ def check_user_views(root: Path) -> None:
     beyond = subprocess.run([sys.executable, "-m", "tpgrpo", "stage", "credit", "--iter", "3"], cwd=root, env=env(),
                             capture_output=True, text=True)
     assert beyond.returncode == 2 and "this run has iterations 1..2" in beyond.stderr
+
+
+def check_declared_outputs(root: Path, iterations) -> None:
+    """Each iteration folder holds exactly what tpgrpo.stage_params.ITERATION_STAGES declares, and the logs'
+    timing sidecars: a stage that wrote an undeclared file, or a declared file no stage writes, fails here."""
+    from tpgrpo.io.stage_logs import timing_path
+    from tpgrpo.stage_params import ITERATION_OUTPUTS
+
+    declared = {out.name for out in ITERATION_OUTPUTS.values()}
+    sidecars = {timing_path(Path(name)).name for name in declared if name.endswith(".json")}
+    for i in iterations:
+        assert {p.name for p in (root / "data" / "iters" / f"{i:04d}").iterdir()} == declared | sidecars
 
 
 def test_repro_trains_then_reruns_only_what_changed(tiny_project):

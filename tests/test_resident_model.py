@@ -89,3 +89,40 @@ def test_a_held_backend_samples_what_a_fresh_load_samples(held):
     fresh = load_backend("tiny", folder, "cpu", "fp32", resolution=0)
     a, b = backend.transformer.state_dict(), fresh.transformer.state_dict()
     assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+
+
+# A fresh interpreter at 2 torch threads: the server's _hold, then a forked stage that runs 2-thread ops and
+# takes the held model. Exit 0 when the child finished, 1 when it hung (killed after the deadline).
+FORKED_AT_TWO_THREADS = """
+import os, sys, time
+import torch
+torch.set_num_threads(2)
+from tpgrpo.models import load_backend
+from tpgrpo.pipeline.stage_server import _hold
+path = sys.argv[1]
+assert _hold({"kind": "tiny", "path": path, "device": "cpu", "dtype": "fp32", "resolution": 0}).startswith("tiny")
+pid = os.fork()
+if pid == 0:
+    x = torch.randn(512, 512)
+    for _ in range(20):
+        x = torch.tanh(x @ x / 512)
+    os._exit(0 if torch.get_num_threads() == 2 and load_backend("tiny", path, "cpu", "fp32", resolution=0) else 3)
+deadline = time.time() + 120
+while time.time() < deadline:
+    done, status = os.waitpid(pid, os.WNOHANG)
+    if done:
+        sys.exit(os.waitstatus_to_exitcode(status))
+    time.sleep(0.1)
+os.kill(pid, 9)
+sys.exit(1)
+"""
+
+
+def test_a_stage_forked_at_two_threads_runs_with_the_held_model(tiny_model_dir):
+    """Measured when this was written: the same child hung (killed after 60 s) when the parent had run one
+    2-thread op while loading, and finished in 1.0 s after a load on one thread (docs/performance.md)."""
+    import subprocess
+
+    done = subprocess.run([sys.executable, "-c", FORKED_AT_TWO_THREADS, str(tiny_model_dir)], capture_output=True,
+                          text=True, env=dict(os.environ, OMP_NUM_THREADS="2"), timeout=300)
+    assert done.returncode == 0, done.stderr[-2000:]

@@ -119,6 +119,26 @@ def test_with_tree_on_an_edit_of_a_key_the_tree_does_not_read_re_runs_nothing(tm
     assert _hashes(chain)["rollout"] != _hashes(chain_edited)["rollout"]
 
 
+@pytest.mark.parametrize("edit", [{"probe": {"batch_size": 7}}, {"probe": {"completion": "ode:1"}},
+                                  {"model": {"resolution": 16}}, {"update": {"lora_rank": 2}}],
+                         ids=lambda e: ",".join(f"{s}.{k}" for s in e for k in e[s]))
+def test_a_tree_probe_lists_only_the_switch(tmp_path, edit):
+    """A tree's probe reads its store only (no model, pass or reward): it lists tree.enabled, so an edit of a
+    probe key changes no record of it; one the rollout reads too re-runs it through the store, not its list.
+    With the tree off the chain probe lists what it did."""
+    tree = {"enabled": True, "split_steps": "0,1"}
+    on, edited = (tmp_path / "on.yaml", tmp_path / "edited.yaml")
+    for path, raw in ((on, tiny_params(tree=tree)), (edited, tiny_params(tree=tree, **edit))):
+        path.write_text(yaml.safe_dump(raw, sort_keys=False))
+    assert stage_params(on, "probe") == stage_params(edited, "probe") == {"tree.enabled": True}
+    if "completion" not in edit.get("probe", {}):  # a tree takes the exact completion only: ode:1 is refused
+        cfg, cfg_edited = (config_from_dict(yaml.safe_load(p.read_text())) for p in (on, edited))
+        assert _hashes(cfg)["probe"] == _hashes(cfg_edited)["probe"]
+    chain = tmp_path / "chain.yaml"
+    chain.write_text(yaml.safe_dump(tiny_params(), sort_keys=False))
+    assert {"probe.batch_size", "probe.completion", "model.resolution"} <= set(stage_params(chain, "probe"))
+
+
 @pytest.mark.parametrize("spelling", ["yes", "on", "True"])
 def test_a_yaml_1_1_true_switches_the_section_on_for_the_checks_as_for_the_stage(tmp_path, spelling):
     """DVC (and the params-read checks) parse YAML 1.2, where `yes` is a string; the config loader reads it

@@ -79,11 +79,11 @@ def _render_dvc_yaml(params: Path) -> None:
     from tpgrpo.config import ConfigError, load_config
     from tpgrpo.errors import PipelineError
     from tpgrpo.pipeline.dvcfile import write_dvc_yaml
-    from tpgrpo.pipeline.migrate import migrate_if_needed
+    from tpgrpo.pipeline import long_run
 
     try:
         cfg = load_config(params)
-        migrate_if_needed(Path(params).resolve().parent, cfg)  # a block sealed in the root lock moves out first
+        long_run.migrate(Path(params).resolve().parent, cfg)  # a block sealed in the root lock moves out first
         changed = write_dvc_yaml(cfg, Path(params).resolve().parent)
     except (ConfigError, PipelineError) as exc:
         _fail(str(exc))
@@ -97,7 +97,7 @@ def run_command(params: ParamsOpt = Path("params.yaml")) -> None:
     while another `tpgrpo run` or a DVC command runs in the project."""
     from tpgrpo.config import ConfigError, load_config
     from tpgrpo.pipeline.blocks import read_as_dvc
-    from tpgrpo.pipeline.sealing import dvc_env
+    from tpgrpo.pipeline.dvc_atomic import dvc_env
 
     root = Path(params).resolve().parent
     try:
@@ -120,16 +120,13 @@ def _run_held(params: Path, root: Path, cfg, raw: dict, env: dict) -> None:
     from tpgrpo.pipeline.dvcfile import RENDER_UPTO_ENV
     from tpgrpo.pipeline.dvclock import clear_stale_lock
     from tpgrpo.errors import PipelineError
-    from tpgrpo.pipeline.sealing import check_records, repro_ends, seal_finished, stale_seals, unseal_changed
+    from tpgrpo.pipeline import long_run
     from tpgrpo.pipeline.code_manifest import refresh_manifests
     from tpgrpo.pipeline.repro import repro_checked
 
     try:
         refresh_manifests(root, cfg)  # a code edit (or a code path's switch) shows in the manifests before the blocks are checked against them
-        _echo_unsealed(unseal_changed(root, cfg, raw, upto=0))  # structural changes (block size, length) at once
-        stale = stale_seals(root, cfg, raw)  # the rest block by block, as the repros reach them
-        check_records(root, stale)  # a block that cannot be unsealed stops the run before anything is written
-        pending = set(stale)
+        pending = long_run.prepare(root, cfg, raw, typer.echo)  # structural changes at once, the rest as repros reach them
     except (ConfigError, PipelineError) as exc:
         _fail(str(exc))
     _render_dvc_yaml(params)
@@ -137,20 +134,13 @@ def _run_held(params: Path, root: Path, cfg, raw: dict, env: dict) -> None:
     if note:
         typer.echo(note)
     with stage_server.running(root, stage_server.wanted(cfg), stage_server.resident_spec(cfg, root)) as server_env:
-        for upto in repro_ends(root, cfg, pending):  # block by block: dvc.lock stays about one block long
+        for upto in long_run.repro_ends(root, cfg, pending):  # block by block: dvc.lock stays about one block long
             try:
-                _echo_unsealed(unseal_changed(root, cfg, raw, upto=upto))
+                long_run.before_repro(root, cfg, raw, upto, typer.echo)
                 repro_checked(root, cfg, upto, {**env, **server_env, RENDER_UPTO_ENV: str(upto)}, typer.echo)
-                sealed = seal_finished(root, cfg, upto, note=typer.echo)
+                long_run.after_repro(root, cfg, upto, typer.echo)
             except PipelineError as exc:
                 _fail(str(exc))
-            if sealed:
-                typer.echo(f"sealed {', '.join(b.name for b in sealed)} (one DVC stage per block from now on)")
-
-
-def _echo_unsealed(unsealed: dict) -> None:
-    for block, why in unsealed.items():
-        typer.echo(f"unsealed {block.name} ({why})")
 
 
 def _dvc_init(root: Path, env: dict) -> None:

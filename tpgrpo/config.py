@@ -290,7 +290,7 @@ class LaunchConfig:
                                "that imported torch/diffusers/transformers/peft once "
                                "(tpgrpo.pipeline.stage_server); false = each imports its own")
     resident_model: bool = param(False, "the stage server loads the base model once for the stages to fork with "
-                                 "(tpgrpo.models.resident; 1 torch thread only); false = each stage loads it")
+                                 "(tpgrpo.models.resident); false = each stage loads it")
 
 
 @dataclass(frozen=True)

@@ -7,6 +7,7 @@ its artifacts' ``config_hash``) does not import the orchestration that renders `
 from __future__ import annotations
 
 import dataclasses
+from dataclasses import dataclass
 from typing import get_type_hints
 
 from tpgrpo.config import Config
@@ -46,20 +47,88 @@ def inputs(section: str) -> list[str]:
 MODEL_PARAMS = inputs("model")  # also the key of cached prompt embeddings (tpgrpo.stage_common, eval_embeds)
 REWARD_PARAMS = [*inputs("reward_models"), "remote_reward"]  # read by every stage that scores images
 
+SUMMARY, DONE, COMPARE = "summary", "done", "compare"  # readers of an output beyond the stages after it
+
+
+@dataclass(frozen=True)
+class Output:
+    """A file or folder an iteration stage writes into ``data/iters/NNNN/``."""
+
+    name: str  # its name in the iteration folder
+    attr: str  # the attribute of tpgrpo.io.artifacts.IterationPaths that gives its path
+    cached: bool = True  # False: DVC hashes it and git keeps it, DVC's cache does not (eval's small outputs)
+    droppable: str = ""  # the retention group `tpgrpo retain` may delete it with once sealed; "": kept forever
+    # SUMMARY: the summary stage reads it (and so a sealed block's log digest hashes it); DONE: every finished
+    # iteration has it (tpgrpo status, tpgrpo compare); COMPARE: tpgrpo compare's curves read it
+    read_by: tuple[str, ...] = ()
+
+
+@dataclass(frozen=True)
+class IterationStage:
+    """One stage of an iteration, declared once. dvc.yaml's entry (tpgrpo.pipeline.dvcfile), the paths stage
+    code uses (IterationPaths), its code manifest (tpgrpo.pipeline.code_manifest), what retention may drop,
+    the block log digest, tpgrpo status, tpgrpo compare and its archives all derive from this."""
+
+    name: str  # `tpgrpo stage NAME --iter I`; NAME-NNNN in dvc.yaml; its log is NAME.json
+    code: tuple[str, ...]  # the scripts whose import closure is its kind's code manifest
+    params: tuple[str, ...]  # the params it reads in every configuration (with CONDITIONAL/UNREAD_PARAMS below)
+    external: tuple[str, ...]  # deps from outside the iteration folder, in dvc.yaml's order (dvcfile.EXTERNAL)
+    inputs: tuple[str, ...]  # outputs of the same iteration's earlier stages that it reads
+    previous_policy: bool  # reads iteration i - 1's adapter (policy 0 is the base model: no dep at i = 1)
+    outputs: tuple[Output, ...]
+
+
 # The params each stage reads in every configuration (DVC re-runs a stage when one of these changes); with
 # CONDITIONAL_PARAMS below, stage_inputs() gives the full list for a config. No stage lists `launch`, and
 # dvc.yaml's commands do not carry it: the process count never changes an artifact (nor the config hash
 # artifacts carry); `tpgrpo stage` reads it when it starts (tpgrpo.pipeline.launch). Nor an execution knob.
+# The probe reads credit.mode only to know whether it is flow_grpo (PATH_SWITCHES below), so it does not list
+# the mode: switching among the scored modes re-runs no probe.
+ITERATION_STAGES = (
+    IterationStage(
+        "rollout", ("stages/rollout.py",),
+        (*MODEL_PARAMS, "task.train_prompts", "task.reward", "sampling", "rollout", "probe.completion",
+         "update.lora_rank", "update.lora_alpha", "train.seed", *REWARD_PARAMS),
+        external=("scorers", "model", "train_prompts"), inputs=(), previous_policy=True,
+        outputs=(Output("trajectories.zarr", "trajectories", droppable="trajectories"),
+                 Output("prompt_embeds.safetensors", "prompt_embeds", droppable="trajectories"),
+                 Output("rollout.json", "rollout_metrics", read_by=(SUMMARY, DONE)))),
+    IterationStage(
+        "probe", ("stages/probe.py",),
+        (*MODEL_PARAMS, "probe", "update.lora_rank", "update.lora_alpha", "train.seed", *REWARD_PARAMS),
+        external=("scorers", "model"), inputs=("trajectories.zarr", "prompt_embeds.safetensors"),
+        previous_policy=True,
+        outputs=(Output("probe.parquet", "probe"), Output("probe.json", "probe_metrics", read_by=(SUMMARY,)))),
+    IterationStage(
+        "credit", ("stages/credit.py",), ("credit",), external=(), inputs=("probe.parquet",), previous_policy=False,
+        outputs=(Output("credit.parquet", "credit", read_by=(SUMMARY,)),
+                 Output("credit.json", "credit_metrics", read_by=(SUMMARY, DONE)))),
+    IterationStage(
+        "update", ("stages/update.py",), (*MODEL_PARAMS, *inputs("update"), "train.seed"),
+        external=("model",), inputs=("trajectories.zarr", "prompt_embeds.safetensors", "credit.parquet"),
+        previous_policy=True,
+        outputs=(Output("policy", "policy", droppable="adapter"),
+                 Output("update.json", "update_metrics", read_by=(SUMMARY, DONE)))),
+    IterationStage(  # its manifest also covers the baseline (the base model's eval, stages/baseline.py)
+        "eval", ("stages/eval.py", "stages/baseline.py"),
+        (*MODEL_PARAMS, "task", "sampling", "eval", "rollout.batch_size", "update.lora_rank", "update.lora_alpha",
+         "update.ema", "train.seed", *REWARD_PARAMS),
+        external=("eval_scorers", "model", "eval_prompts", "eval_embeds"), inputs=("policy",),
+        previous_policy=False,
+        outputs=(Output("eval.parquet", "eval_table", cached=False, read_by=(SUMMARY, COMPARE)),
+                 Output("eval.json", "eval_metrics", cached=False, read_by=(SUMMARY, DONE)))),
+)
+STAGE_LOGS = tuple(stage.name for stage in ITERATION_STAGES)  # each writes data/iters/NNNN/<stage>.json
+ITERATION_OUTPUTS = {out.attr: out for stage in ITERATION_STAGES for out in stage.outputs}
+
+
+def outputs_read_by(*readers: str) -> tuple[str, ...]:
+    """The iteration outputs' names that any of ``readers`` reads, in pipeline order."""
+    return tuple(out.name for out in ITERATION_OUTPUTS.values() if set(out.read_by) & set(readers))
+
+
 STAGE_PARAMS = {
-    "rollout": [*MODEL_PARAMS, "task.train_prompts", "task.reward", "sampling", "rollout", "probe.completion",
-                "update.lora_rank", "update.lora_alpha", "train.seed", *REWARD_PARAMS],
-    # The probe reads credit.mode only to know whether it is flow_grpo (PATH_SWITCHES below), so it does not
-    # list the mode: switching among the scored modes re-runs no probe.
-    "probe": [*MODEL_PARAMS, "probe", "update.lora_rank", "update.lora_alpha", "train.seed", *REWARD_PARAMS],
-    "credit": ["credit"],
-    "update": [*MODEL_PARAMS, *inputs("update"), "train.seed"],
-    "eval": [*MODEL_PARAMS, "task", "sampling", "eval", "rollout.batch_size", "update.lora_rank",
-             "update.lora_alpha", "update.ema", "train.seed", *REWARD_PARAMS],
+    **{stage.name: list(stage.params) for stage in ITERATION_STAGES},
     # The held-out prompts' embeddings, once per run (tpgrpo.policy.eval_embeds): the chunks eval encodes,
     # cut by rollout.batch_size (so it changes this stage's files, not only floats).
     "eval_prompts": [*MODEL_PARAMS, "task.eval_prompts", "eval.num_prompts", "eval.samples_per_prompt",
@@ -78,6 +147,7 @@ STAGE_PARAMS = {
 TREE_SHAPE = ("tree.split_steps", "tree.children", "tree.roots")
 CONDITIONAL_PARAMS = {  # stage: [(the keys, the bool key that switches them on)]
     "rollout": [(("tree.enabled", *TREE_SHAPE), "tree.enabled")],
+    "probe": [(("tree.enabled",), "tree.enabled")],  # all a tree's probe lists (below)
     "credit": [(("tree.baseline",), "tree.enabled")],
 }
 # Keys of STAGE_PARAMS' lists that a stage does not read while a switch is on, each group with its switch. The
@@ -91,8 +161,12 @@ CONDITIONAL_PARAMS = {  # stage: [(the keys, the bool key that switches them on)
 # hashes what it did (its window edits re-run the rollout, and through it every eval, anyway).
 CHAIN_WINDOW = ("sampling.window_start", "sampling.window_size")
 CHAIN_ONLY = (*CHAIN_WINDOW, "rollout.group_size", "probe.completion")
+# A tree's probe (tpgrpo.io.tree_probe) loads no model, scores nothing and completes nothing: its table is the
+# store's leaf rewards rearranged, so it reads none of the probe's keys (an edit of probe.batch_size re-ran every
+# tree probe, and through its table's config_hash every credit and update after it).
 UNREAD_PARAMS = {  # stage: [(the keys, the switch that drops them)]
     "rollout": [(CHAIN_ONLY, "tree.enabled")],
+    "probe": [(tuple(STAGE_PARAMS["probe"]), "tree.enabled")],
     **{stage: [(CHAIN_WINDOW, "tree.enabled")] for stage in ("eval", "baseline", "summary")},
 }
 
@@ -190,7 +264,6 @@ def _without(keys: list[str], unread: set[str]) -> list[str]:
     return kept
 
 
-STAGE_LOGS = ("rollout", "probe", "credit", "update", "eval")  # each writes data/iters/NNNN/<stage>.json
 # Stages that run on the processes the launch params ask for; credit and summary stay single.
 MULTI_PROCESS_STAGES = ("rollout", "probe", "update", "eval", "baseline")
 GLANCE = ("held_out", "strict", "train_reward", "tp_rate", "approx_kl_x1e6", "seconds_per_iter")  # dvc metrics

@@ -39,11 +39,12 @@ from tpgrpo.comparison.variants import BASELINE_MODE, RunSpec, Variant
 from tpgrpo.config import ConfigError, config_from_dict
 from tpgrpo.errors import PipelineError
 from tpgrpo.pipeline.status import dvc_up_to_date
+from tpgrpo.stage_params import COMPARE, DONE, outputs_read_by
 
 CODE_DIRS = ("stages", "tpgrpo")
-# What makes an iteration finished (as tpgrpo.pipeline.status): not probe.json, which flow_grpo runs made before
-# its model-free probe stage do not have.
-ITER_FILES = ("rollout.json", "credit.json", "update.json", "eval.json", "eval.parquet")
+# What makes an iteration finished (the logs tpgrpo.pipeline.status reads: not probe.json, which flow_grpo runs
+# made before its model-free probe stage do not have) and the eval table the curves read.
+ITER_FILES = outputs_read_by(DONE, COMPARE)
 TRAIN_STAGES = ("rollout", "probe", "credit", "update")  # the training cost; eval is measurement, not training
 SUMMARY = Path("data") / "metrics" / "summary.json"
 # Keys a run folder may differ in from a re-planned comparison: the equal-wall pass raises train.iterations.

@@ -48,7 +48,10 @@ MANIFEST_FILE = "sha256.json"  # in a folder a stage writes for later stages: {f
 
 @dataclass(frozen=True)
 class IterationPaths:
-    """Paths of one iteration's artifacts."""
+    """Paths of one iteration's artifacts: ``folder`` (``data/iters/NNNN``) and one attribute per output that
+    :data:`tpgrpo.stage_params.ITERATION_STAGES` declares: ``trajectories``, ``prompt_embeds``,
+    ``rollout_metrics``, ``probe``, ``probe_metrics``, ``credit``, ``credit_metrics``, ``policy``,
+    ``update_metrics``, ``eval_table``, ``eval_metrics``."""
 
     root: Path
     iteration: int
@@ -57,19 +60,12 @@ class IterationPaths:
     def folder(self) -> Path:
         return self.root / "data" / "iters" / f"{self.iteration:04d}"
 
-    def _file(self, name: str) -> Path:
-        return self.folder / name
+    def __getattr__(self, attr: str) -> Path:
+        from tpgrpo.stage_params import ITERATION_OUTPUTS
 
-    trajectories = property(lambda self: self._file("trajectories.zarr"))
-    prompt_embeds = property(lambda self: self._file("prompt_embeds.safetensors"))
-    rollout_metrics = property(lambda self: self._file("rollout.json"))
-    probe = property(lambda self: self._file("probe.parquet"))
-    probe_metrics = property(lambda self: self._file("probe.json"))
-    credit = property(lambda self: self._file("credit.parquet"))
-    credit_metrics = property(lambda self: self._file("credit.json"))
-    policy = property(lambda self: self._file("policy"))
-    update_metrics = property(lambda self: self._file("update.json"))
-    eval_metrics = property(lambda self: self._file("eval.json"))
+        if attr not in ITERATION_OUTPUTS:
+            raise AttributeError(f"IterationPaths has no {attr!r} (outputs: {', '.join(ITERATION_OUTPUTS)})")
+        return self.folder / ITERATION_OUTPUTS[attr].name
 
     def previous(self) -> "IterationPaths | None":
         return IterationPaths(self.root, self.iteration - 1) if self.iteration > 1 else None

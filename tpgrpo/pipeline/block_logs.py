@@ -16,9 +16,9 @@ import json
 from pathlib import Path
 
 from tpgrpo.pipeline.blocks import Block
+from tpgrpo.stage_params import SUMMARY, outputs_read_by
 
-READ_BY_SUMMARY = ("rollout.json", "probe.json", "credit.json", "update.json", "eval.json", "eval.parquet",
-                   "credit.parquet")
+READ_BY_SUMMARY = outputs_read_by(SUMMARY)  # tpgrpo.stage_params.ITERATION_STAGES
 
 
 def digest_path(block: Block) -> str:

@@ -27,24 +27,19 @@ import json
 from functools import lru_cache
 from pathlib import Path
 
-from tpgrpo.stage_params import CONDITIONAL_PARAMS, PATH_SWITCHES, UNREAD_PARAMS, code_path, inputs
+from tpgrpo.stage_params import CONDITIONAL_PARAMS, ITERATION_STAGES, PATH_SWITCHES, UNREAD_PARAMS, code_path, inputs
 
 CODE_DIR = "data/code"
 REPO = Path(__file__).resolve().parents[2]  # the checkout this package runs from
-# The stage modules each kind of stage runs; its code is what they import (tpgrpo.pipeline.code_graph).
-# `eval` serves the baseline too.
+# The stage modules each kind of stage runs (the iteration stages: tpgrpo.stage_params.ITERATION_STAGES); its
+# code is what they import (tpgrpo.pipeline.code_graph).
 KIND_STAGES: dict[str, list[str]] = {
-    "rollout": ["stages/rollout.py"],
-    "probe": ["stages/probe.py"],
-    "credit": ["stages/credit.py"],
-    "update": ["stages/update.py"],
-    "eval": ["stages/eval.py", "stages/baseline.py"],
+    **{stage.name: list(stage.code) for stage in ITERATION_STAGES},  # the eval's covers the baseline too
     "eval_prompts": ["stages/eval_prompts.py"],
     "summary": ["stages/summary.py"],
 }
 # `tpgrpo stage NAME` -> the manifest it depends on
-STAGE_KIND = {"rollout": "rollout", "probe": "probe", "credit": "credit", "update": "update", "eval": "eval",
-              "baseline": "eval", "eval_prompts": "eval_prompts", "summary": "summary"}
+STAGE_KIND = {**{kind: kind for kind in KIND_STAGES}, "baseline": "eval"}
 # The code stage depends on all of the code, folders whole (a new module is seen; .dvcignore drops byte code).
 ALL_CODE = ["stages", "tpgrpo"]
 # The params dvc.yaml's rendering reads (tpgrpo.pipeline.dvcfile.render; a test checks the list): the stages,

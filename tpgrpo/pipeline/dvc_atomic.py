@@ -123,6 +123,29 @@ def install() -> None:
     rwlock._edit_rwlock = _edit_rwlock
 
 
+COMMAND = (sys.executable, "-m", "tpgrpo.pipeline.dvc_atomic")  # how tpgrpo runs a DVC command that writes
+
+
+def dvc_env() -> dict[str, str]:
+    """DVC's environment for tpgrpo: no analytics or Studio calls, and this interpreter's scripts folder first
+    on PATH (stage commands call ``tpgrpo``)."""
+    env = dict(os.environ, DVC_NO_ANALYTICS="1", DVC_STUDIO_OFFLINE="true")
+    env["PATH"] = str(Path(sys.executable).parent) + os.pathsep + env.get("PATH", "")
+    return env
+
+
+def run_dvc(root: Path, *args: str) -> None:
+    """Run one DVC command in ``root`` through this module; a failure is one PipelineError line naming it."""
+    import subprocess
+
+    from tpgrpo.errors import PipelineError
+
+    done = subprocess.run([*COMMAND, *args], cwd=root, env=dvc_env(), capture_output=True, text=True)
+    if done.returncode != 0:
+        last = (done.stderr.strip() or done.stdout.strip() or "no output").splitlines()[-1]
+        raise PipelineError(f"dvc {' '.join(args)} failed (exit {done.returncode}): {last}")
+
+
 def main(argv: list[str]) -> int:
     install()
     sweep_stale_temps(Path.cwd())

@@ -21,7 +21,7 @@ from tpgrpo.pipeline.blocks import (Block, full_blocks, read_lock, seal_files, s
                                     write_text_atomic)
 from tpgrpo.io.artifacts import EVAL_EMBEDS, EVAL_EMBEDS_LOG
 from tpgrpo.stage_params import (GLANCE, MULTI_PROCESS_STAGES, REWARD_PARAMS, STAGE_LOGS,  # noqa: F401 - re-exported
-                                 PATH_SWITCHES, STAGE_PARAMS, stage_inputs)
+                                 ITERATION_STAGES, PATH_SWITCHES, STAGE_PARAMS, stage_inputs)
 
 HEADER = ("# Generated from params.yaml by `tpgrpo dvc-yaml` (`tpgrpo run` does it before `dvc repro`).\n"
           "# Edit params.yaml, not this file.\n")
@@ -42,6 +42,18 @@ def reward_folders(cfg: Config, *specs) -> list[str]:
     from tpgrpo.tasks.rewards import reward_folders as folders_of
 
     return list(dict.fromkeys(f for spec in specs for f in folders_of(spec, cfg)))
+
+
+# The deps from outside an iteration's folder that tpgrpo.stage_params.ITERATION_STAGES name, each the paths
+# it stands for under a config.
+EXTERNAL = {
+    "scorers": lambda cfg: reward_folders(cfg, cfg.task.reward),  # the training reward's model folders
+    "eval_scorers": lambda cfg: reward_folders(cfg, cfg.task.reward, cfg.task.eval_reward),
+    "model": lambda cfg: [cfg.model.path],
+    "train_prompts": lambda cfg: [cfg.task.train_prompts],
+    "eval_prompts": lambda cfg: [cfg.task.eval_prompts],
+    "eval_embeds": lambda cfg: [EVAL_EMBEDS],
+}
 
 
 def _uncached(path: str) -> dict:
@@ -87,10 +99,7 @@ def path_params(kind: str, cfg: Config, manifests: bool) -> list[str]:
 def iteration_stages(cfg: Config, i: int, manifests: bool = True) -> dict[str, dict]:
     """The rollout, probe, credit, update and eval stages of iteration ``i``; each depends on its kind's
     code manifest (``manifests`` False: on the code files, the layout of older projects)."""
-    d, prev = _iter_dir(i), [f"{_iter_dir(i - 1)}/policy"] if i > 1 else []  # policy 0 = the base model
-    cmd = lambda name: stage_command(cfg, name, i)  # noqa: E731
-    code = lambda kind: code_deps(kind, manifests)  # noqa: E731
-    model, scorers = [cfg.model.path], reward_folders(cfg, cfg.task.reward)
+    d = _iter_dir(i)
     # A stage's JSON log is an output (small; eval's uncached like its table): DVC's run cache, which restores
     # a stage it has seen with these deps and params instead of running it, restores the log with the tables
     # (it kept the last real run's log before, which the summary read), and a stage re-run by hand with other
@@ -100,29 +109,15 @@ def iteration_stages(cfg: Config, i: int, manifests: bool = True) -> dict[str, d
     # Every credit mode has the same stages, so that `dvc exp run -S credit.mode=...` runs what `tpgrpo run`
     # renders: Flow-GRPO's probe loads no model and writes Q_k = R_fin from the rollout (stages/probe.py). The
     # probe does not list credit.mode: its manifest records whether the mode is flow_grpo (path_params).
-    stages: dict[str, dict] = {
-        f"rollout-{i:04d}": {
-            "cmd": cmd("rollout"), "params": stage_inputs("rollout", cfg),
-            "deps": [*code("rollout"), *scorers, *model, cfg.task.train_prompts, *prev],
-            "outs": [f"{d}/trajectories.zarr", f"{d}/prompt_embeds.safetensors", f"{d}/rollout.json"]},
-        f"probe-{i:04d}": {
-            "cmd": cmd("probe"), "params": path_params("probe", cfg, manifests),
-            "deps": [*code("probe"), *scorers, *model, f"{d}/trajectories.zarr", f"{d}/prompt_embeds.safetensors", *prev],
-            "outs": [f"{d}/probe.parquet", f"{d}/probe.json"]},
-        f"credit-{i:04d}": {
-            "cmd": cmd("credit"), "params": stage_inputs("credit", cfg),
-            "deps": [*code("credit"), f"{d}/probe.parquet"],
-            "outs": [f"{d}/credit.parquet", f"{d}/credit.json"]},
-        f"update-{i:04d}": {
-            "cmd": cmd("update"), "params": stage_inputs("update", cfg),
-            "deps": [*code("update"), *model, f"{d}/trajectories.zarr", f"{d}/prompt_embeds.safetensors", f"{d}/credit.parquet", *prev],
-            "outs": [f"{d}/policy", f"{d}/update.json"]},
-        f"eval-{i:04d}": {
-            "cmd": cmd("eval"), "params": stage_inputs("eval", cfg),
-            "deps": [*code("eval"), *reward_folders(cfg, cfg.task.reward, cfg.task.eval_reward), *model,
-                     cfg.task.eval_prompts, EVAL_EMBEDS, f"{d}/policy"],
-            "outs": [_uncached(f"{d}/eval.parquet"), _uncached(f"{d}/eval.json")]},
-    }
+    stages: dict[str, dict] = {}
+    for stage in ITERATION_STAGES:
+        previous = [f"{_iter_dir(i - 1)}/policy"] if stage.previous_policy and i > 1 else []  # 0: the base model
+        deps = [*code_deps(stage.name, manifests), *(p for name in stage.external for p in EXTERNAL[name](cfg)),
+                *(f"{d}/{name}" for name in stage.inputs), *previous]
+        outs = [f"{d}/{out.name}" if out.cached else _uncached(f"{d}/{out.name}") for out in stage.outputs]
+        stages[f"{stage.name}-{i:04d}"] = {"cmd": stage_command(cfg, stage.name, i),
+                                           "params": path_params(stage.name, cfg, manifests), "deps": deps,
+                                           "outs": outs}
     return stages  # in pipeline order
 
 

@@ -8,6 +8,7 @@ from pathlib import Path
 from typing import Callable
 
 from tpgrpo.config import Config
+from tpgrpo.pipeline.dvc_atomic import COMMAND as DVC_COMMAND
 from tpgrpo.errors import PipelineError
 
 TRIES = 3  # repros of one rendering whose records disagree with what the stages read, before giving up
@@ -38,10 +39,12 @@ def repro_args(root: Path, upto: int) -> list[str]:
     (:mod:`tpgrpo.pipeline.seal_cache`), only the stages of dvc.yaml, each against its own record, in the
     file's order (pipeline order); otherwise DVC's full check of every stage upstream, sealed blocks included.
     Why: the full check hashes every sealed output (6,000 at 1,000 iterations) on every repro."""
+    sealed = sealed_through(root, upto)
+    if not sealed:
+        return ["repro"]
     from tpgrpo.pipeline.seal_cache import unchanged
 
-    sealed = sealed_through(root, upto)
-    return ["repro", "--single-item", "dvc.yaml"] if sealed and unchanged(root, sealed) else ["repro"]
+    return ["repro", "--single-item", "dvc.yaml"] if unchanged(root, sealed) else ["repro"]
 
 
 def _repro(root: Path, cfg: Config, upto: int, env: dict[str, str]) -> list[str]:
@@ -49,7 +52,6 @@ def _repro(root: Path, cfg: Config, upto: int, env: dict[str, str]) -> list[str]
     from tpgrpo.pipeline.code_manifest import refresh_manifests
     from tpgrpo.pipeline.dvcfile import write_dvc_yaml
     from tpgrpo.pipeline.params_read import clear_notes, drop_disagreeing
-    from tpgrpo.pipeline.seal_cache import digests, vouch
     from tpgrpo.pipeline.status import check_outputs_cached
 
     write_dvc_yaml(cfg, root, upto)
@@ -59,14 +61,17 @@ def _repro(root: Path, cfg: Config, upto: int, env: dict[str, str]) -> list[str]
     clear_notes(root)  # only what this repro's stages read is checked after it
     args = repro_args(root, upto)
     full = "--single-item" not in args  # DVC checks every sealed block upstream and re-runs what changed
-    stamps = digests(root, sealed_through(root, upto)) if full else {}  # the files as DVC will first see them
+    sealed = sealed_through(root, upto)
+    if sealed:  # a long run's: a short one loads none of this (tpgrpo.pipeline.long_run)
+        from tpgrpo.pipeline.seal_cache import digests, vouch
+    stamps = digests(root, sealed) if full and sealed else {}  # the files as DVC will first see them
     # DVC through dvc_atomic: a run killed while DVC rewrites dvc.lock leaves the old file, not a part of it
-    code = subprocess.run([sys.executable, "-m", "tpgrpo.pipeline.dvc_atomic", *args], cwd=root, env=env).returncode
+    code = subprocess.run([*DVC_COMMAND, *args], cwd=root, env=env).returncode
     if code != 0:
         raise PipelineError(f"dvc repro failed with exit code {code}")
     # (no relinking: with cache.type copy a workspace file is never the cache's object)
     if lock.exists() and lock.stat().st_mtime_ns != before:  # something ran: was it all stored?
         check_outputs_cached(root, env, [] if full else ["dvc.yaml"])
-    if full:  # vouch only for the blocks whose files did not move while DVC checked them (issue 46)
-        vouch(root, sealed_through(root, upto), stamps)
+    if full and sealed:  # vouch only for the blocks whose files did not move while DVC checked them (issue 46)
+        vouch(root, sealed, stamps)
     return drop_disagreeing(root)

@@ -17,9 +17,11 @@ from tpgrpo.errors import PipelineError
 from tpgrpo.pipeline.blocks import (Block, block_entry, committed_oids, entry_oids, full_blocks, read_lock, read_seal,
                                     seal_files, unreferenced, write_block_entry, write_yaml)
 from tpgrpo.pipeline.dvclock import dvc_lock_held
+from tpgrpo.stage_params import ITERATION_OUTPUTS
 
-DROPPABLE = {"trajectories.zarr": "trajectories", "prompt_embeds.safetensors": "trajectories",
-             "policy": "adapter"}  # everything else (tables, metrics) is kept forever
+# {output name: its retention group} (tpgrpo.stage_params.ITERATION_STAGES); everything else (tables, metrics)
+# is kept forever
+DROPPABLE = {out.name: out.droppable for out in ITERATION_OUTPUTS.values() if out.droppable}
 
 
 def dropped_outs(root: Path, block: Block, entries: dict | None = None) -> list[str]:

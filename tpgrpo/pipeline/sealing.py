@@ -26,7 +26,6 @@ The guarantees stay those of per-stage DVC:
 from __future__ import annotations
 
 import json
-import os
 import subprocess
 import sys
 from functools import lru_cache
@@ -41,28 +40,12 @@ from tpgrpo.pipeline.blocks import (Block, block_entry, current_entries, disagre
                                     write_block_entry, write_lock, write_yaml)
 from tpgrpo.pipeline.code_manifest import CODE_DIR
 from tpgrpo.pipeline.dvcfile import block_out_paths, block_stage, iteration_stages, stage_command, write_dvc_yaml
+from tpgrpo.pipeline.dvc_atomic import dvc_env, run_dvc as dvc  # noqa: F401 - dvc_env re-exported (benches)
 from tpgrpo.pipeline.dvclock import dvc_lock_held
 from tpgrpo.pipeline.migrate import _unmigrated, migrate_if_needed, migrate_sealed_entries  # noqa: F401
 from tpgrpo.pipeline.seal_cache import vouch
 from tpgrpo.pipeline.retention import (DROPPABLE, dropped_outs, free_cache, kept_outs, remove_path,  # noqa: F401
                                        retain)  # (re-exported: retention's home was this module)
-
-
-def dvc_env() -> dict[str, str]:
-    """Stage commands call ``tpgrpo``: this interpreter's scripts folder comes first on PATH."""
-    env = dict(os.environ, DVC_NO_ANALYTICS="1", DVC_STUDIO_OFFLINE="true")
-    env["PATH"] = str(Path(sys.executable).parent) + os.pathsep + env.get("PATH", "")
-    return env
-
-
-def dvc(root: Path, *args: str) -> None:
-    """Run one DVC command in ``root`` (its own files written atomically: :mod:`tpgrpo.pipeline.dvc_atomic`);
-    a failure is one line naming it."""
-    done = subprocess.run([sys.executable, "-m", "tpgrpo.pipeline.dvc_atomic", *args], cwd=root, env=dvc_env(),
-                          capture_output=True, text=True)
-    if done.returncode != 0:
-        last = (done.stderr.strip() or done.stdout.strip() or "no output").splitlines()[-1]
-        raise PipelineError(f"dvc {' '.join(args)} failed (exit {done.returncode}): {last}")
 
 
 def stage_names(cfg: Config, block: Block) -> list[str]:

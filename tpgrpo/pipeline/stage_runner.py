@@ -22,11 +22,13 @@ from typing import Annotated
 
 import typer
 
+from tpgrpo.stage_params import STAGE_LOGS
+
 # Idle OpenMP threads sleep instead of spinning: on a shared 2-core machine spinning threads of
 # concurrent processes slowed a training step from 1.2 s to 17 s. Must be set before torch loads.
 os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 
-STAGES = ("rollout", "probe", "credit", "update", "eval")  # the stages of one iteration (--iter)
+STAGES = STAGE_LOGS  # the stages of one iteration (--iter): tpgrpo.stage_params.ITERATION_STAGES
 
 ParamsOpt = Annotated[Path, typer.Option("--params", help="params.yaml to read")]
 IterOpt = Annotated[int, typer.Option("--iter", help="iteration 1..train.iterations (iteration i samples from "

@@ -119,14 +119,20 @@ def _hold(model: dict | None) -> str:
         return "none"
     import torch
 
-    if torch.get_num_threads() != 1:  # running ops starts OpenMP's pool; a child forked after it hangs in it
-        return f"none (torch uses {torch.get_num_threads()} threads: held with 1 only)"
     from tpgrpo.models import load_backend, resident
 
+    # Loaded on one thread: a torch op on more starts OpenMP's thread pool in this process, and a stage forked
+    # after that hangs in its first parallel op (libgomp's pool does not survive fork: a 2-thread `make run`
+    # stopped in its first model stage). With one thread no pool is started, and each forked stage starts its
+    # own at the run's thread count (tests/test_resident_model.py).
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
     try:
         resident.hold(load_backend, **model)
     except Exception as exc:  # noqa: BLE001 - the stage's own load gives the user the error
         return f"none ({type(exc).__name__}: {exc})"
+    finally:
+        torch.set_num_threads(threads)
     return f"{model['kind']} {model['path']} ({model['dtype']})"
 
 

@@ -18,9 +18,9 @@ from tpgrpo.io.artifacts import IterationPaths
 from tpgrpo.pipeline.dvclock import pid_state
 from tpgrpo.errors import PipelineError
 from tpgrpo.pipeline.blocks import seal_files
+from tpgrpo.stage_params import DONE, outputs_read_by
 
-# The stage logs that make an iteration done (a probe ran before credit, except for credit.mode flow_grpo).
-ITERATION_FILES = ("rollout.json", "credit.json", "update.json", "eval.json")
+ITERATION_FILES = outputs_read_by(DONE)  # the stage logs that make an iteration done
 LAST_STAGE = Path("data") / ".last_stage.json"
 
 

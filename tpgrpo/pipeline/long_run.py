@@ -1,0 +1,85 @@
+"""The long-run machinery behind one small interface: what ``tpgrpo run`` asks of sealing (each finished block
+of ``train.block_size`` iterations sealed into one DVC stage), unsealing what a change reaches, the seal cache,
+vouching for sealed files, and moving blocks sealed by older versions out of the root lock.
+
+``tpgrpo run`` is :func:`prepare`, then for each ``upto`` of :func:`repro_ends`: :func:`before_repro`, one
+``dvc repro`` of dvc.yaml rendered through ``upto`` (:mod:`tpgrpo.pipeline.repro`), :func:`after_repro`. A short
+run (``train.block_size`` 0 and nothing sealed on disk: :func:`active` is False) is one render and one repro:
+each call returns at once and none of the machinery (:mod:`tpgrpo.pipeline.sealing`, ``seal_cache``,
+``migrate``) is imported. docs/long-runs.md says why it exists.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Callable
+
+from tpgrpo.config import Config
+
+
+def active(root: Path, cfg: Config) -> bool:
+    """Whether this run has blocks to seal, or sealed blocks on disk (left by a larger block size too)."""
+    from tpgrpo.pipeline.blocks import seal_files
+
+    return cfg.train.block_size > 0 or bool(seal_files(root))
+
+
+def prepare(root: Path, cfg: Config, raw: dict, note: Callable[[str], None]) -> set:
+    """Before the first render: unseal the sealed blocks that a structural change reaches (block size, run
+    length; a ``note`` line each) and find those that other changes reach, to unseal as the repros get to them;
+    refuse (PipelineError, one line, nothing written) a block whose records cannot be unsealed. Returns the
+    blocks pending. ``raw``: params.yaml as DVC reads it."""
+    if not active(root, cfg):
+        return set()
+    from tpgrpo.pipeline.sealing import check_records, stale_seals, unseal_changed
+
+    _note_unsealed(unseal_changed(root, cfg, raw, upto=0), note)
+    stale = stale_seals(root, cfg, raw)
+    check_records(root, stale)
+    return set(stale)
+
+
+def _note_unsealed(unsealed: dict, note: Callable[[str], None]) -> None:
+    for block, why in unsealed.items():
+        note(f"unsealed {block.name} ({why})")
+
+
+def repro_ends(root: Path, cfg: Config, pending: set) -> list[int]:
+    """The iterations to render dvc.yaml through, one repro each: the end of every block to seal, then the run's
+    last (:func:`tpgrpo.pipeline.sealing.repro_ends`); a short run's last alone."""
+    if not active(root, cfg):
+        return [cfg.train.iterations]
+    from tpgrpo.pipeline.sealing import repro_ends as ends
+
+    return ends(root, cfg, pending)
+
+
+def before_repro(root: Path, cfg: Config, raw: dict, upto: int, note: Callable[[str], None]) -> None:
+    """Unseal the sealed blocks through ``upto`` that this config no longer matches (a ``note`` line each)."""
+    if active(root, cfg):
+        from tpgrpo.pipeline.sealing import unseal_changed
+
+        _note_unsealed(unseal_changed(root, cfg, raw, upto=upto), note)
+
+
+def after_repro(root: Path, cfg: Config, upto: int, note: Callable[[str], None]) -> None:
+    """Seal every block finished through ``upto`` (one DVC stage per block from now on; a ``note`` line)."""
+    if not active(root, cfg):
+        return
+    from tpgrpo.pipeline.sealing import seal_finished
+
+    sealed = seal_finished(root, cfg, upto, note=note)
+    if sealed:
+        note(f"sealed {', '.join(b.name for b in sealed)} (one DVC stage per block from now on)")
+
+
+def migrate(root: Path, cfg: Config) -> list:
+    """Move the entries of blocks sealed by older versions (in the root dvc.lock) into the blocks' own lock
+    files before dvc.yaml is rendered without them; the blocks moved."""
+    from tpgrpo.pipeline.blocks import seal_files
+
+    if not seal_files(root):
+        return []
+    from tpgrpo.pipeline.migrate import migrate_if_needed
+
+    return migrate_if_needed(root, cfg)
