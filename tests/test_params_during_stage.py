@@ -126,7 +126,8 @@ def test_an_edit_dvc_records_after_the_stage_checked_is_re_run(tiny_project, mon
 
     def run_then_edit(args, *a, **k):
         done = real_run(args, *a, **k)
-        if list(args[1:3]) == ["-m", "dvc"] and args[3] == "repro" and not repros:
+        # tpgrpo run calls DVC through tpgrpo.pipeline.dvc_atomic (DVC's CLI with atomic lock writes)
+        if args[1] == "-m" and args[2] in ("dvc", "tpgrpo.pipeline.dvc_atomic") and args[3] == "repro" and not repros:
             repros.append(True)
             (root / "params.yaml").write_text((root / "params.yaml").read_text().replace(f"lr: {LR}", "lr: 0.005"))
             lock = read_lock(root)
