@@ -14,6 +14,7 @@ failed assertion.
 from __future__ import annotations
 
 import argparse
+import hashlib
 import json
 import shutil
 import sys
@@ -61,7 +62,10 @@ def main() -> None:
     work = Path(tempfile.mkdtemp(prefix="up_to_date_"))
     code_src = h.export_code(work / "code", args.code)
     model = build_model(args.cache / "model" / "base")
-    refs = h.References(args.cache / f"refs-{h.code_key(code_src)[:12]}", model)
+    # keyed by the project code and by the harness's own digests (a change of how artifacts are digested
+    # must not compare against references digested the old way)
+    harness = hashlib.sha256(Path(h.__file__).read_bytes()).hexdigest()[:8]
+    refs = h.References(args.cache / f"refs-{h.code_key(code_src)[:12]}-{harness}", model)
     started, results = time.time(), []
     template = work / "template"
     failure = ur.new_project(template, model, code_src, refs)

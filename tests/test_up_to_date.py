@@ -8,6 +8,7 @@ cheap actions and longer sequences over the whole CI action set (all three slow:
 
 from __future__ import annotations
 
+import hashlib
 import json
 import random
 import subprocess
@@ -46,6 +47,26 @@ def test_digest_sees_a_changed_value_but_not_a_wall_clock_field(tmp_path):
     assert h.digest(log) != same
     table.write_bytes(table.read_bytes()[:40])
     assert h.digest(table).startswith("unreadable")
+
+
+def test_a_code_manifest_digest_ignores_which_comment_was_appended_but_sees_a_stale_md5(tmp_path):
+    """Harness sequence 1000004 (session 10): one reference serves every commented variant of a file, so a
+    manifest's raw md5s cannot be compared with it; whether each md5 is that of the file now can."""
+    code = tmp_path / "tpgrpo" / "loss.py"
+    code.parent.mkdir()
+    manifest = tmp_path / "data" / "code" / "update.json"
+    manifest.parent.mkdir(parents=True)
+
+    def edit_and_record(token: str) -> str:
+        code.write_text(f"x = 1\n\n{h.MARK} {token}\n")
+        md5 = hashlib.md5(code.read_bytes()).hexdigest()
+        manifest.write_text(json.dumps({"kind": "update", "files": {"tpgrpo/loss.py": md5}, "libraries": {}}))
+        return h.digest(manifest)
+
+    first = edit_and_record("aaaa")
+    assert edit_and_record("bbbb") == first  # another token, recorded: same digest
+    code.write_text("x = 1\n\n# up-to-date harness edit cccc\n")  # edited after the manifest was written
+    assert h.digest(manifest) != first
 
 
 def test_compare_allows_only_what_retention_drops_to_be_missing():

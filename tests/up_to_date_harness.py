@@ -250,6 +250,19 @@ def _log_digest(path: Path, h) -> None:
         h.update(f"{name}:{md5 is None}:{'matches' if fresh else 'STALE'};".encode())
 
 
+def _manifest_digest(path: Path, h) -> None:
+    """A code manifest (data/code/KIND.json) lists md5s of code files, and the harness's code edits append
+    comments with random tokens that one reference (keyed without them) cannot match. What must hold: the
+    manifest names the same files, libraries and path, and each md5 is that of the project's file now (a
+    stale manifest reads STALE)."""
+    root = path.parents[2]
+    recorded = json.loads(path.read_text())
+    files = {name: "matches" if (root / name).is_file()
+             and hashlib.md5((root / name).read_bytes()).hexdigest() == md5 else "STALE"
+             for name, md5 in recorded.get("files", {}).items()}
+    h.update(json.dumps({**recorded, "files": files}, sort_keys=True).encode())
+
+
 def digest(path: Path) -> str:
     """A digest of what ``path`` holds, decoded (tables' values, Zarr arrays' values, tensors, JSON
     without wall-clock fields, pixels); raw bytes for anything else. A read error is part of the answer."""
@@ -267,6 +280,8 @@ def digest(path: Path) -> str:
             _torch_obj(torch.load(path, map_location="cpu", weights_only=False), h)
         elif path.name.endswith((".logs.json", "block_logs.json")):
             _log_digest(path, h)
+        elif path.parent.name == "code" and path.parent.parent.name == "data":
+            _manifest_digest(path, h)
         elif path.suffix == ".json":
             h.update(json.dumps(_drop_wall(json.loads(path.read_text())), sort_keys=True).encode())
         elif path.suffix == ".csv":
