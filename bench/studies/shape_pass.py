@@ -1,0 +1,52 @@
+"""Issue 45 item 5: a tree shape's short training pass, summarised per variant root.
+
+    python bench/studies/shape_pass.py ROOT [ROOT ...]
+
+Each ROOT is a `tpgrpo compare run --tree-modes tp` output (one arm, ``tree-tp``, seeds under it). Prints per
+root: the tree's counts (leaves, trained SDE edges and transformer rows per prompt), the update's transitions
+and AdamW steps per iteration (from ``update.json``), training seconds per iteration (the stages' timing
+sidecars, :func:`tpgrpo.comparison.runs.train_seconds`), and held-out reward per evaluated iteration, per seed.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+from statistics import mean
+
+import yaml
+
+from tpgrpo.algo.tree_shape import TreeShape, parse_split_steps
+from tpgrpo.comparison.runs import train_seconds
+
+
+def summarise(root: Path) -> None:
+    seeds = sorted((root / "tree-tp").glob("seed*"))
+    raw = yaml.safe_load((seeds[0] / "params.yaml").read_text())
+    t, T = raw["tree"], raw["sampling"]["num_steps"]
+    shape = TreeShape(parse_split_steps(t["split_steps"]), int(t["children"]), int(t["roots"]))
+    prompts = raw["rollout"]["prompts_per_iter"]
+    print(f"{root.name}: split {t['split_steps']} m {t['children']} R {t['roots']}, {prompts} prompts/iteration: "
+          f"per prompt {shape.roots * shape.leaves_per_root()} leaves, {shape.roots * shape.sde_edges_per_root()} "
+          f"SDE edges, {shape.roots * shape.passes_per_root(T)} rows")
+    curves = {}
+    for folder in seeds:
+        iters = sorted(int(p.name) for p in (folder / "data" / "iters").iterdir() if p.name.isdigit())
+        logs = [json.loads((folder / "data" / "iters" / f"{i:04d}" / "update.json").read_text()) for i in iters]
+        secs = train_seconds(folder, len(iters))
+        evals = {i: e["eval_reward"] for i in iters
+                 if (p := folder / "data" / "iters" / f"{i:04d}" / "eval.json").is_file()
+                 and "eval_reward" in (e := json.loads(p.read_text()))}
+        curves[folder.name] = evals
+        print(f"  {folder.name}: {len(iters)} iterations, {mean(secs):.1f} s/iteration, transitions "
+              f"{mean(g['num_transitions'] for g in logs):.0f}, steps "
+              f"{mean(g['optimizer_steps'] for g in logs):.1f}; held-out "
+              + ", ".join(f"{i}: {v:.4f}" for i, v in sorted(evals.items())))
+    common = set.intersection(*(set(c) for c in curves.values()))
+    print("  mean held-out: " + ", ".join(f"{i}: {mean(c[i] for c in curves.values()):.4f}" for i in sorted(common)))
+
+
+if __name__ == "__main__":
+    for arg in sys.argv[1:]:
+        summarise(Path(arg))
