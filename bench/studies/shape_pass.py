@@ -32,7 +32,10 @@ def summarise(root: Path) -> None:
           f"SDE edges, {shape.roots * shape.passes_per_root(T)} rows")
     curves = {}
     for folder in seeds:
-        iters = sorted(int(p.name) for p in (folder / "data" / "iters").iterdir() if p.name.isdigit())
+        found = (folder / "data" / "iters").glob("[0-9][0-9][0-9][0-9]/update.json")
+        iters = sorted(int(p.parent.name) for p in found)
+        if not iters:  # not started yet
+            continue
         logs = [json.loads((folder / "data" / "iters" / f"{i:04d}" / "update.json").read_text()) for i in iters]
         secs = train_seconds(folder, len(iters))
         evals = {i: e["eval_reward"] for i in iters
@@ -43,7 +46,7 @@ def summarise(root: Path) -> None:
               f"{mean(g['num_transitions'] for g in logs):.0f}, steps "
               f"{mean(g['optimizer_steps'] for g in logs):.1f}; held-out "
               + ", ".join(f"{i}: {v:.4f}" for i, v in sorted(evals.items())))
-    common = set.intersection(*(set(c) for c in curves.values()))
+    common = set.intersection(*(set(c) for c in curves.values())) if curves else set()
     print("  mean held-out: " + ", ".join(f"{i}: {mean(c[i] for c in curves.values()):.4f}" for i in sorted(common)))
 
 
