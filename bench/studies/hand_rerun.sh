@@ -18,22 +18,26 @@ ran_stages() {  # the stages DVC ran (not restored, not skipped) in a `tpgrpo ru
   grep -E "^Running stage '" "$1" | sed -E "s/Running stage '([^']+)'.*/\1/" | tr '\n' ' '
 }
 
+in_project() {  # run "${@:2}" in project $1 with its own code first on the path (as DVC's stage commands do)
+  (cd "$1" && PYTHONPATH="$1" "${@:2}")
+}
+
 verdict() {  # $1 what was done, in $2 the project
-  local status ran t0 t1
-  status=$(cd "$2" && dvc status 2>&1 | grep -v "Data and pipelines are up to date" | head -8)
-  t0=$(date +%s.%N)
-  (cd "$2" && tpgrpo run > "$work/run.log" 2>&1)
-  t1=$(date +%s.%N)
+  local status ran restored t0
+  status=$(in_project "$2" dvc status 2>&1 | grep -v "Data and pipelines are up to date" | head -8)
+  t0=$SECONDS
+  in_project "$2" tpgrpo run > "$work/run.log" 2>&1
   ran=$(ran_stages "$work/run.log")
-  printf '%-34s dvc status: %-8s next tpgrpo run: %s (%.1f s)\n' "$1" "${status:+DIRTY}${status:-clean}" \
-    "${ran:-ran no stage}" "$(echo "$t1 - $t0" | bc)"
-  if [ -n "$status" ] || [ -n "$ran" ]; then failed=1; echo "$status"; fi
+  restored=$(grep -c "is cached - skipping run" "$work/run.log")
+  printf '%-38s dvc status: %-6s next tpgrpo run: %s; restored from the run cache: %s (%d s)\n' "$1" \
+    "$([ -n "$status" ] && echo DIRTY || echo clean)" "${ran:-ran no stage}" "$restored" $((SECONDS - t0))
+  if [ -n "$status" ] || [ -n "$ran" ] || [ "$restored" != 0 ]; then failed=1; echo "$status"; fi
 }
 
 open="$work/open"; cp -a "$src" "$open"
 verdict "(no action)" "$open"
 for stage in rollout probe credit update eval; do
-  (cd "$open" && tpgrpo stage "$stage" --iter "$iter" > "$work/stage.log" 2>&1) || { echo "stage $stage failed"; tail -3 "$work/stage.log"; exit 1; }
+  in_project "$open" tpgrpo stage "$stage" --iter "$iter" > "$work/stage.log" 2>&1 || { echo "stage $stage failed"; tail -3 "$work/stage.log"; exit 1; }
   verdict "tpgrpo stage $stage --iter $iter" "$open"
 done
 
@@ -45,11 +49,11 @@ raw["train"]["block_size"] = 4
 yaml.safe_dump(raw, open("params.yaml", "w"), sort_keys=False)
 EOF
 )
-(cd "$sealed" && tpgrpo run > "$work/seal.log" 2>&1) || { echo "sealing failed"; tail -3 "$work/seal.log"; exit 1; }
+in_project "$sealed" tpgrpo run > "$work/seal.log" 2>&1 || { echo "sealing failed"; tail -3 "$work/seal.log"; exit 1; }
 echo "sealed into blocks of 4: $(ls "$sealed"/data/seals 2>/dev/null | tr '\n' ' ')"
 verdict "(sealed, no action)" "$sealed"
-(cd "$sealed" && tpgrpo stage eval --iter 4 > "$work/stage.log" 2>&1) || { echo "stage eval failed"; exit 1; }
-dry=$(cd "$sealed" && dvc repro --dry 2>&1 | grep -E "^Running stage" | tr '\n' ' ')
+in_project "$sealed" tpgrpo stage eval --iter 4 > "$work/stage.log" 2>&1 || { echo "stage eval failed"; exit 1; }
+dry=$(in_project "$sealed" dvc repro --dry 2>&1 | grep -E "^Running stage" | tr '\n' ' ')
 echo "after tpgrpo stage eval --iter 4 (sealed): dvc repro --dry would run: ${dry:-nothing}"
 [ -n "$dry" ] && failed=1
 verdict "tpgrpo stage eval --iter 4 (sealed)" "$sealed"
