@@ -65,7 +65,7 @@ def test_a_code_manifest_digest_ignores_which_comment_was_appended_but_sees_a_st
 
     first = edit_and_record("aaaa")
     assert edit_and_record("bbbb") == first  # another token, recorded: same digest
-    code.write_text("x = 1\n\n# up-to-date harness edit cccc\n")  # edited after the manifest was written
+    code.write_text(f"x = 1\n\n{h.MARK} cccc\n")  # edited after the manifest was written
     assert h.digest(manifest) != first
 
 

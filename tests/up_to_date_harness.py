@@ -238,6 +238,11 @@ def _png(path: Path, h) -> None:
         h.update(f"{im.mode}{im.size}".encode() + im.tobytes())
 
 
+def _md5_now(path: Path) -> str | None:
+    """The md5 of the file at ``path`` now, or None if there is none."""
+    return hashlib.md5(path.read_bytes()).hexdigest() if path.is_file() else None
+
+
 def _log_digest(path: Path, h) -> None:
     """A sealed block's log digest holds md5s of stage logs (wall-clock fields and all): never equal between
     two runs. What must hold: its names, and each table's md5 matching the table it names now (a JSON
@@ -245,7 +250,7 @@ def _log_digest(path: Path, h) -> None:
     on their own)."""
     folder = next(p for p in path.parents if p.name == "iters")  # its names are relative to data/iters
     for name, md5 in sorted(json.loads(path.read_text()).items()):
-        actual = hashlib.md5((folder / name).read_bytes()).hexdigest() if (folder / name).is_file() else None
+        actual = _md5_now(folder / name)
         fresh = md5 == actual or (name.endswith(".json") and (md5 is None) == (actual is None))
         h.update(f"{name}:{md5 is None}:{'matches' if fresh else 'STALE'};".encode())
 
@@ -257,8 +262,7 @@ def _manifest_digest(path: Path, h) -> None:
     stale manifest reads STALE)."""
     root = path.parents[2]
     recorded = json.loads(path.read_text())
-    files = {name: "matches" if (root / name).is_file()
-             and hashlib.md5((root / name).read_bytes()).hexdigest() == md5 else "STALE"
+    files = {name: "matches" if _md5_now(root / name) == md5 else "STALE"
              for name, md5 in recorded.get("files", {}).items()}
     h.update(json.dumps({**recorded, "files": files}, sort_keys=True).encode())
 
