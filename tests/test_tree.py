@@ -167,3 +167,43 @@ def test_sde_edges_log_probs_rescore_and_noise_is_batch_independent(grown, backe
     torch.testing.assert_close(out.log_prob, tree.log_probs[e], atol=1e-4, rtol=1e-5)
     alone = tree_rollout(backend, embeds.select(torch.tensor([1])), [12], _spec(), SHAPE)  # root 1 alone
     torch.testing.assert_close(alone.leaves, tree.leaves[tree.leaves.shape[0] // 2:], atol=2e-5, rtol=0)
+
+
+def test_per_split_child_counts_count_and_check():
+    """``children`` one count per split (issue 45): m_j SDE children at split j; the counts follow P_j."""
+    s = TreeShape((0, 3, 6), (3, 1, 1), 1)
+    s.check(10)
+    # steps 0 | 1-3 | 4-6 | 7-9 alive: 1 | 4 | 8 | 16 lineages
+    assert [s.lineages_at(t) for t in (0, 1, 4, 7)] == [1, 4, 8, 16]
+    assert s.passes_per_root(10) == 1 + 3 * 4 + 3 * 8 + 3 * 16 and s.leaves_per_root() == 16
+    assert s.edges_per_root() == 4 + 8 + 16 and s.sde_edges_per_root() == 3 * 1 + 1 * 4 + 1 * 8
+    assert s.nodes_per_root() == (1 + 4) + (4 + 8) + (8 + 16)
+    uniform = TreeShape((0, 3, 6), (2, 2, 2), 1)  # a tuple of equal counts counts as the int
+    assert [getattr(uniform, f)() for f in ("leaves_per_root", "edges_per_root", "sde_edges_per_root",
+                                            "nodes_per_root")] == \
+        [getattr(TreeShape((0, 3, 6), 2, 1), f)() for f in ("leaves_per_root", "edges_per_root",
+                                                             "sde_edges_per_root", "nodes_per_root")]
+    with pytest.raises(ValueError, match=r"one count per split step \[0, 3\] \(2\)"):
+        TreeShape((0, 3), (3, 1, 1), 1).check(10)
+    with pytest.raises(ValueError, match=">= 1"):
+        TreeShape((0, 3), (3, 0), 1).check(10)
+
+
+def test_a_per_split_tree_has_m_j_sde_children_per_node_and_exact_q(backend):
+    """A tree with 2 SDE children at its first split and 1 at its second: each node of depth j has one ODE
+    and m_j SDE children, every Q is its state's ODE completion, and equal counts give the int's tree."""
+    embeds = backend.encode_prompts(["a red circle"]).select(torch.tensor([0]))
+    shape = TreeShape((0, 2), (2, 1), 1)
+    tree = tree_rollout(backend, embeds, [7], _spec(), shape)
+    assert tree.leaves.shape[0] == shape.leaves_per_root() == 3 * 2
+    assert int(tree.sde.sum()) == shape.sde_edges_per_root() == 2 + 3
+    for depth, m in enumerate(shape.counts):
+        at = tree.depth == depth
+        kids = torch.bincount(tree.parent_node[at])
+        assert set(kids[kids > 0].tolist()) == {m + 1}  # every parent at this depth: 1 ODE + m SDE children
+    final, _ = ode_complete(backend, tree.child_states, tree.steps + 1, flow_sigmas(T, 1.0),
+                            embeds.select(tree.root), 4.5, batch_size=64)
+    torch.testing.assert_close(final, tree.leaves[tree.leaf], atol=2e-5, rtol=0)
+    as_int = tree_rollout(backend, embeds, [7], _spec(), TreeShape((0, 2), 1, 1))
+    as_tuple = tree_rollout(backend, embeds, [7], _spec(), TreeShape((0, 2), (1, 1), 1))
+    assert torch.equal(as_int.leaves, as_tuple.leaves) and torch.equal(as_int.log_probs, as_tuple.log_probs)

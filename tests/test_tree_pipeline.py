@@ -215,6 +215,20 @@ def test_split_steps_may_be_a_yaml_list_or_int_and_hash_as_the_text(written):
     assert provenance(cfg, 1, "rollout")["config_hash"] == provenance(same, 1, "rollout")["config_hash"]
 
 
+@pytest.mark.parametrize("written, held", [(3, 3), ("3", 3), ([3], 3), ("3,1", "3,1"), ([3, 1], "3,1")])
+def test_children_one_count_or_one_per_split_hash_as_one_spelling(written, held):
+    """``tree.children``: an int, kept an int (the hash of a run that wrote one is unchanged), or one count per
+    split as text or a list, held as the text ``"3,1"``; each spelling hashes as the held value."""
+    from conftest import tiny_params
+
+    from tpgrpo.stage_common import provenance
+
+    cfg = config_from_dict(tiny_params(tree={**TREE, "children": written}))
+    same = config_from_dict(tiny_params(tree={**TREE, "children": held}))
+    assert cfg.tree.children == held and type(cfg.tree.children) is type(held)
+    assert provenance(cfg, 1, "rollout")["config_hash"] == provenance(same, 1, "rollout")["config_hash"]
+
+
 def test_tree_params_errors_are_one_line():
     from conftest import tiny_params
 
@@ -222,6 +236,11 @@ def test_tree_params_errors_are_one_line():
                                ({**TREE, "split_steps": "a"}, "exact", "comma-separated"),
                                ({**TREE, "split_steps": [0, "a"]}, "exact", r"a list of ints \(\[0, 3, 6\]\)"),
                                ({**TREE, "split_steps": True}, "exact", "comma-separated text"),
+                               ({**TREE, "children": "3,x"}, "exact", r"tree.children = '3,x'.*one per split"),
+                               ({**TREE, "children": [3, 0]}, "exact", r"tree.children = \[3, 0\].*> 0"),
+                               ({**TREE, "children": True}, "exact", "tree.children = True"),
+                               ({**TREE, "children": "3,1,1,1"}, "exact",
+                                r"tree.children = '3,1,1,1'.*one count per split step"),
                                (TREE, "x0", "probe.completion = 'x0' with tree.enabled")):
         raw = tiny_params(tree=tree, probe={"completion": probe})
         with pytest.raises(ConfigError, match=match) as info:

@@ -25,7 +25,8 @@ from tpgrpo.config_values import RANGE_TEXT, RANGES, ConfigError, build_section 
 KNOB = "An execution knob: not recorded, changing it re-runs nothing (docs/long-runs.md)"
 # The batch sizes are recorded: at some batch shapes a batched pass rounds differently (measured on a CPU).
 BATCH_INPUT = "Recorded, not a mere memory knob: at some sizes batched passes round differently"
-SPECIAL_BOUNDS = ("reward", "completion", "steps")  # a reward spec; a probe completion; step indices (step_list)
+SPECIAL_BOUNDS = ("reward", "completion", "steps", "children")  # a reward spec; a probe completion; step indices
+# (step_list); SDE children per split (child_counts)
 
 
 def param(default: Any, doc: str, unit: str = "", bounds: str | tuple[str, ...] = "", rule: str = "",
@@ -155,7 +156,9 @@ class TreeConfig:
     split_steps: str = param("0,3,6", "the schedule steps where every node spawns one ODE and `children` SDE "
                              "children (comma-separated, increasing)", "step indices", bounds="steps",
                              rule="each in [0, sampling.num_steps - 2]")
-    children: int = param(1, "m, SDE children per node at each split step", "children", "> 0")
+    children: int | str = param(1, "m, SDE children per node at each split step: one count for every split, or one "
+                                "per split step (comma-separated: 3,1)", "children", bounds="children",
+                                rule="each > 0; one count, or as many as tree.split_steps")
     roots: int = param(1, "R, independent roots (initial noises) per prompt", "roots", "> 0")
     baseline: str = param("ode_sibling", "tree advantages: ode_sibling (step reward minus the ODE sibling's, centred "
                           "per depth: mean 0) or depth_group (before issue 45; docs/tree.md)",

@@ -74,6 +74,9 @@ def build_section(name: str, cls: type, raw: Any) -> Any:
         if bounds == "steps":
             values[key] = step_list(f"{name}.{key}", raw[key])
             continue
+        if bounds == "children":
+            values[key] = child_counts(f"{name}.{key}", raw[key])
+            continue
         values[key] = coerce(f"{name}.{key}", raw[key], hints[key])
         check_range(f"{name}.{key}", values[key], bounds)
     return cls(**values)
@@ -93,6 +96,28 @@ def step_list(key: str, value: Any) -> str:
         return ",".join(str(v) for v in value)
     raise ConfigError(f"params: {key} = {value!r}: expected step indices: comma-separated text (0,3,6), a list "
                       "of ints ([0, 3, 6]) or one int")
+
+
+def child_counts(key: str, value: Any) -> int | str:
+    """SDE children per split: one int for every split (kept an int, so the config hash of a run that wrote
+    one is unchanged), or one count per split step as comma-separated text (``"3,1"``) or a YAML list
+    (``[3, 1]``), held as ``"3,1"``; a text of one int (``"3"``, as ``--set`` may pass it) is that int. Each
+    count > 0; one per split step is checked with the other tree params (tpgrpo.algo.tree_shape)."""
+    plain_int = lambda v: isinstance(v, int) and not isinstance(v, bool)  # noqa: E731
+    counts = None
+    if plain_int(value):
+        counts = [value]
+    elif isinstance(value, list) and value and all(plain_int(v) for v in value):
+        counts = value
+    elif isinstance(value, str):
+        try:
+            counts = [int(part) for part in value.split(",")]
+        except ValueError:
+            pass
+    if not counts or min(counts) < 1:
+        raise ConfigError(f"params: {key} = {value!r}: expected a count > 0 for every split (1) or one per split "
+                          "step, comma-separated (3,1) or a list of ints ([3, 1])")
+    return counts[0] if len(counts) == 1 else ",".join(str(c) for c in counts)
 
 
 def reward_spec(key: str, value: Any) -> str | dict[str, float]:

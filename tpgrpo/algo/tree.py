@@ -132,7 +132,7 @@ def tree_rollout(backend, embeds, seeds: Sequence[int], spec: SamplerSpec, shape
     velocity call per schedule step for every lineage of every root.
     """
     shape.check(spec.num_steps)
-    m, sigmas, B = shape.children, spec.sigmas, len(seeds)
+    sigmas, B = spec.sigmas, len(seeds)
     x = backend.initial_noise(list(seeds)).to(backend.device, torch.float32)
     lineage_root = torch.arange(B)
     position = [0] * B  # each lineage's node index among its root's nodes at the current depth
@@ -151,6 +151,7 @@ def tree_rollout(backend, embeds, seeds: Sequence[int], spec: SamplerSpec, shape
         if x_node is None:  # the lineages' states before this split are new nodes
             x_node = _new_nodes(nodes, x, lineage_root)
         depth = shape.split_steps.index(step)
+        m = shape.counts[depth]
         noise = _noise([int(seeds[r]) for r in lineage_root], position, depth, m, tuple(x.shape[1:]))
         children, log_probs = split(x, v, s, s_next, spec, m, noise)
         first = sum(len(e["sde"]) for e in edges)

@@ -23,7 +23,7 @@ import torch
 
 from tpgrpo.algo.seeds import sample_seed
 from tpgrpo.algo.tree import tree_rollout
-from tpgrpo.algo.tree_shape import TreeShape, parse_split_steps
+from tpgrpo.algo.tree_shape import TreeShape, shape_of
 from tpgrpo.config import Config
 from tpgrpo.distributed import chunk_bar, current, row_chunks, run_chunks, warn_if_idle
 from tpgrpo.io.artifacts import IterationPaths
@@ -36,8 +36,7 @@ from tpgrpo.tasks.rewards import build_reward
 
 def tree_shape(cfg: Config) -> TreeShape:
     """The rollout's :class:`TreeShape` from the ``tree`` params (checked by the config loader)."""
-    t = cfg.tree
-    return TreeShape(parse_split_steps(t.split_steps), t.children, t.roots)
+    return shape_of(cfg.tree)
 
 
 def edge_arrays(tree, leaf_reward: np.ndarray, leaf_strict: np.ndarray, roots_per_prompt: int,
@@ -127,6 +126,7 @@ def _store(cfg: Config, merged: dict, metas: list[dict], spec, shape: TreeShape,
                                      "tree_parent_leaf", "tree_parent_node", "tree_child_node")}
     arrays.update({"seeds": np.asarray(seeds, dtype=np.int64)[root_row], "prompt_index": prompt_index.astype(np.int32),
                    "sample": np.tile(np.arange(E_prompt), len(metas)).astype(np.int32)})
+    children = shape.children if isinstance(shape.children, int) else list(shape.children)  # an int as before
     attrs = store_attrs(cfg, iteration, spec, metas, E_prompt, shape="tree", tree_split_steps=list(shape.split_steps),
-                        tree_children=shape.children, tree_roots=shape.roots)
+                        tree_children=children, tree_roots=shape.roots)
     return arrays, attrs
