@@ -19,13 +19,14 @@ import yaml
 
 from tpgrpo.algo.tree_shape import TreeShape, parse_children, parse_split_steps
 from tpgrpo.comparison.runs import train_seconds
+from tpgrpo.config_values import child_counts
 
 
 def summarise(root: Path) -> None:
     seeds = sorted((root / "tree-tp").glob("seed*"))
     raw = yaml.safe_load((seeds[0] / "params.yaml").read_text())
     t, T = raw["tree"], raw["sampling"]["num_steps"]
-    shape = TreeShape(parse_split_steps(t["split_steps"]), parse_children(t["children"] if isinstance(t["children"], int) else str(t["children"])), int(t["roots"]))
+    shape = TreeShape(parse_split_steps(t["split_steps"]), parse_children(child_counts("tree.children", t["children"])), int(t["roots"]))
     prompts = raw["rollout"]["prompts_per_iter"]
     print(f"{root.name}: split {t['split_steps']} m {t['children']} R {t['roots']}, {prompts} prompts/iteration: "
           f"per prompt {shape.roots * shape.leaves_per_root()} leaves, {shape.roots * shape.sde_edges_per_root()} "
