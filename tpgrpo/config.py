@@ -19,6 +19,7 @@ from typing import Any, get_type_hints
 
 import yaml
 
+from tpgrpo.config_rules import check_consistency
 from tpgrpo.config_values import RANGE_TEXT, RANGES, ConfigError, build_section  # noqa: F401 - re-exported
 
 # Execution knobs (tpgrpo.stage_params.EXECUTION_KNOBS): read by the stages, recorded by none.
@@ -33,7 +34,7 @@ def param(default: Any, doc: str, unit: str = "", bounds: str | tuple[str, ...] 
           note: str = "") -> Any:
     """A params key: its code default and, written once, what it means (``doc``), its ``unit``, its
     ``bounds`` (checked at load: a tuple of choices, a key of :data:`RANGES` or of :data:`SPECIAL_BOUNDS`),
-    a cross-key ``rule`` (checked in ``_check_consistency``) and a ``note`` (why this value, the paper's)."""
+    a cross-key ``rule`` (checked by :func:`tpgrpo.config_rules.check_consistency`) and a ``note`` (why this value, the paper's)."""
     if bounds and not isinstance(bounds, tuple) and bounds not in RANGES and bounds not in SPECIAL_BOUNDS:
         raise ValueError(f"param bounds {bounds!r}: expected choices, one of {list(RANGES)} or {SPECIAL_BOUNDS}")
     meta = {"doc": doc, "unit": unit, "bounds": bounds, "rule": rule, "note": note}
@@ -330,46 +331,6 @@ def param_fields() -> dict[str, dataclasses.Field]:
             for f in dataclasses.fields(get_type_hints(Config)[section.name])}
 
 
-def _check_consistency(cfg: Config) -> None:
-    if cfg.launch.num_processes == 0 and cfg.launch.launcher != "slurm":
-        raise ConfigError(f"params: launch.num_processes = 0 with launch.launcher = {cfg.launch.launcher}: expected "
-                          "a value > 0 (0 = SLURM's GPUs per node, launch.launcher slurm only)")
-    if cfg.launch.config_file and cfg.launch.launcher != "accelerate":
-        raise ConfigError(f"params: launch.config_file = {cfg.launch.config_file!r} with launch.launcher = "
-                          f"{cfg.launch.launcher}: expected launch.launcher accelerate (an accelerate config file)")
-    if cfg.launch.config_file and cfg.launch.num_processes != 1:
-        raise ConfigError(
-            f"params: launch.num_processes = {cfg.launch.num_processes} with launch.config_file set: "
-            "expected 1 (the accelerate config file sets the process count)")
-    s = cfg.sampling
-    if s.window_start + s.window_size > s.num_steps:
-        raise ConfigError(
-            f"params: sampling.window_start + sampling.window_size = {s.window_start + s.window_size}: "
-            f"expected <= sampling.num_steps ({s.num_steps})")
-    if s.window_size < 1:
-        raise ConfigError("params: sampling.window_size = 0: expected at least one stochastic step")
-    if s.step_kind == "sde" and s.window_start + s.window_size == s.num_steps:
-        # An sde step at the last step (s -> 0) leaves noise std * sqrt(s) in the final latent;
-        # cps is deterministic there (its noise is s_{k+1} sin(.) = 0), so it may reach the end; the
-        # update leaves that step out of the PPO term (no policy: select_transitions).
-        raise ConfigError(
-            f"params: sampling.window_start + sampling.window_size = {s.window_start + s.window_size} with "
-            f"sampling.step_kind = sde: expected <= {s.num_steps - 1} (sampling.num_steps - 1; an sde step "
-            "at the last step puts noise into the final latent; cps may reach it)")
-    if cfg.tree.enabled:  # off, the tree keys are inert: not checked against the schedule either
-        from tpgrpo.algo.tree_shape import check_tree_params
-
-        check_tree_params(cfg)
-    u = cfg.update
-    if u.optimizer_steps_per_iter % u.epochs:
-        raise ConfigError(
-            f"params: update.optimizer_steps_per_iter = {u.optimizer_steps_per_iter}: expected a multiple of "
-            f"update.epochs ({u.epochs}), the steps are split evenly over the passes")
-    if cfg.rollout.group_size < 2:
-        raise ConfigError(
-            f"params: rollout.group_size = {cfg.rollout.group_size}: expected >= 2 (GRPO needs a group)")
-
-
 def config_from_dict(raw: Any) -> Config:
     """Build a validated :class:`Config` from a parsed ``params.yaml`` mapping."""
     if not isinstance(raw, dict):
@@ -384,7 +345,7 @@ def config_from_dict(raw: Any) -> Config:
             raise ConfigError(f"params: missing section {name} (its keys and defaults: docs/parameters.md)")
         sections[name] = build_section(name, cls, raw[name])
     cfg = Config(**sections)
-    _check_consistency(cfg)
+    check_consistency(cfg)
     return cfg
 
 
