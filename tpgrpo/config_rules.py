@@ -3,16 +3,12 @@ has loaded and passed its own key checks. Split out of ``tpgrpo.config``, which 
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
-
 from tpgrpo.config_values import ConfigError
 
-if TYPE_CHECKING:
-    from tpgrpo.config import Config
 
-
-def check_consistency(cfg: Config) -> None:
-    """ConfigError (one line) unless the keys that constrain one another agree (each field's ``rule``)."""
+def check_consistency(cfg) -> None:
+    """ConfigError (one line) unless the keys of ``cfg`` (a :class:`tpgrpo.config.Config`; not imported here: it
+    imports this module) that constrain one another agree (each field's ``rule``)."""
     if cfg.launch.num_processes == 0 and cfg.launch.launcher != "slurm":
         raise ConfigError(f"params: launch.num_processes = 0 with launch.launcher = {cfg.launch.launcher}: expected "
                           "a value > 0 (0 = SLURM's GPUs per node, launch.launcher slurm only)")
