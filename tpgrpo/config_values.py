@@ -82,17 +82,21 @@ def build_section(name: str, cls: type, raw: Any) -> Any:
     return cls(**values)
 
 
+def _plain_int(value: Any) -> bool:
+    """An int as YAML gives one, not a bool (YAML's ``true`` is no step or count)."""
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
 def step_list(key: str, value: Any) -> str:
     """Schedule step indices as the comma-separated text the key holds: text as written (``"0,3,6"``: the
     config hash of a run that wrote it is unchanged), a YAML int (``3``) as ``"3"`` and a YAML list
     (``[0, 3, 6]``) as ``"0,3,6"``, so the same steps hash the same however they are written. Whether the
     steps fit the schedule is checked with the other tree params (tpgrpo.algo.tree_shape)."""
-    plain_int = lambda v: isinstance(v, int) and not isinstance(v, bool)  # noqa: E731 - YAML's true is no step
     if isinstance(value, str):
         return value
-    if plain_int(value):
+    if _plain_int(value):
         return str(value)
-    if isinstance(value, list) and value and all(plain_int(v) for v in value):
+    if isinstance(value, list) and value and all(_plain_int(v) for v in value):
         return ",".join(str(v) for v in value)
     raise ConfigError(f"params: {key} = {value!r}: expected step indices: comma-separated text (0,3,6), a list "
                       "of ints ([0, 3, 6]) or one int")
@@ -103,11 +107,10 @@ def child_counts(key: str, value: Any) -> int | str:
     one is unchanged), or one count per split step as comma-separated text (``"3,1"``) or a YAML list
     (``[3, 1]``), held as ``"3,1"``; a text of one int (``"3"``, as ``--set`` may pass it) is that int. Each
     count > 0; one per split step is checked with the other tree params (tpgrpo.algo.tree_shape)."""
-    plain_int = lambda v: isinstance(v, int) and not isinstance(v, bool)  # noqa: E731
     counts = None
-    if plain_int(value):
+    if _plain_int(value):
         counts = [value]
-    elif isinstance(value, list) and value and all(plain_int(v) for v in value):
+    elif isinstance(value, list) and value and all(_plain_int(v) for v in value):
         counts = value
     elif isinstance(value, str):
         try:
