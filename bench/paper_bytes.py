@@ -166,8 +166,9 @@ def per_iteration(records: list[dict], root: Path, i: int) -> dict[str, float]:
 
 
 def _is_dvc(record: dict) -> bool:
-    argv = record["argv"]
-    return "-m" in argv and argv[argv.index("-m") + 1: argv.index("-m") + 2] == ["dvc"]
+    from paper_standin.paper_timers import is_dvc_argv
+
+    return is_dvc_argv(record["argv"])
 
 
 def compute_seconds(root: Path, i: int) -> float:

@@ -16,6 +16,16 @@ import os
 import threading
 import time
 
+# The modules a DVC process runs as: DVC's own CLI, and since issue 46 the wrapper ``tpgrpo run`` and sealing
+# call (DVC's CLI with its lock writes made atomic). Missing the wrapper left every DVC part at 0 s.
+DVC_MODULES = ("dvc", "tpgrpo.pipeline.dvc_atomic")
+
+
+def is_dvc_argv(argv: list[str]) -> bool:
+    """Whether a process's argv is a DVC process (``python -m dvc ...`` or the atomic-write wrapper)."""
+    return "-m" in argv and argv[argv.index("-m") + 1: argv.index("-m") + 2] in ([m] for m in DVC_MODULES)
+
+
 _LOCK = threading.Lock()
 _MAIN = threading.main_thread()
 _STACK: list[list] = []  # main thread: [part, start, seconds of wrapped children]

@@ -2,7 +2,7 @@
 
 1. In tpgrpo processes: ``tpgrpo.models.load_backend`` returns the stand-in (``standin.py``) for a model folder
    holding ``standin.json``; any other folder loads as before. The project's code is not changed.
-2. With ``PAPER_BYTES_TIMERS=DIR``: DVC processes (``python -m dvc ...``) and ``tpgrpo run`` time named parts of
+2. With ``PAPER_BYTES_TIMERS=DIR``: DVC processes (``python -m dvc ...`` or ``-m tpgrpo.pipeline.dvc_atomic ...``) and ``tpgrpo run`` time named parts of
    their work (busy wall seconds: overlapping calls in threads count once) and write them to
    ``DIR/<pid>.json`` at exit, with the process's argv and wall seconds.
 """
@@ -21,8 +21,7 @@ def _install():
         sys.path.append(here)
     import paper_timers
 
-    is_dvc = "-m" in _ARGV and _ARGV[_ARGV.index("-m") + 1: _ARGV.index("-m") + 2] == ["dvc"]
-    if is_dvc:
+    if paper_timers.is_dvc_argv(_ARGV):
         paper_timers.install_dvc(_T0, _ARGV)
         return
     paper_timers.install_standin()
