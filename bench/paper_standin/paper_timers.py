@@ -23,7 +23,8 @@ DVC_MODULES = ("dvc", "tpgrpo.pipeline.dvc_atomic")
 
 def is_dvc_argv(argv: list[str]) -> bool:
     """Whether a process's argv is a DVC process (``python -m dvc ...`` or the atomic-write wrapper)."""
-    return "-m" in argv and argv[argv.index("-m") + 1: argv.index("-m") + 2] in ([m] for m in DVC_MODULES)
+    module = argv[argv.index("-m") + 1] if "-m" in argv[:-1] else ""
+    return module in DVC_MODULES
 
 
 _LOCK = threading.Lock()

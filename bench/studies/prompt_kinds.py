@@ -12,7 +12,6 @@ field (``data/prompts/compositional_eval.jsonl`` unless ``--prompts``). No model
 from __future__ import annotations
 
 import argparse
-import json
 import sys
 from pathlib import Path
 
@@ -23,9 +22,10 @@ REPO = Path(__file__).resolve().parents[2]
 
 
 def prompt_kinds(path: Path) -> dict[str, str]:
-    """``{prompt id: kind}`` of a prompts JSONL file."""
-    rows = [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
-    return {row["id"]: row.get("kind", "?") for row in rows}
+    """``{prompt id: kind}`` of a prompts JSONL file (read and validated by the project's loader)."""
+    from tpgrpo.tasks.prompts import load_prompts
+
+    return {row["id"]: row["kind"] for row in load_prompts(path)}
 
 
 def kind_column(arm: Path, iteration: int, seeds: list[int], kinds: dict[str, str]):
