@@ -2,6 +2,7 @@
 
     python bench/paper_bytes.py --scale 0.03125 --iterations 2     # 1/32 of the paper's trajectories: minutes
     python bench/paper_bytes.py --iterations 2 --json bench/results/paper_bytes.json   # full size: ~5 GiB each
+    python bench/paper_bytes.py --iterations 2 --alternate launch.hash_while_writing=false,true   # before/after
 
 What is real: DVC (``tpgrpo run`` -> ``dvc repro`` of the project's rendered dvc.yaml, its hashing, cache and
 lock files, the run cache), the stage commands (``tpgrpo stage NAME --iter i``, through the stage server), the
@@ -180,10 +181,15 @@ def compute_seconds(root: Path, i: int) -> float:
     return seconds + (json.loads(summary.read_text()).get("wall_seconds", 0.0) if summary.is_file() else 0.0)
 
 
-def one_more(root: Path, i: int, work: Path) -> dict:
-    """Train iteration ``i`` (``train.iterations`` = i, then ``tpgrpo run``), timed and split."""
+def one_more(root: Path, i: int, work: Path, setting: tuple[str, object] | None = None) -> dict:
+    """Train iteration ``i`` (``train.iterations`` = i, then ``tpgrpo run``), timed and split; ``setting``
+    (``("section.key", value)``) is written into params.yaml first (a knob no stage declares: it re-runs
+    nothing, so iterations side by side differ in that knob only)."""
     params = yaml.safe_load((root / "params.yaml").read_text())
     params["train"]["iterations"] = i
+    if setting is not None:
+        section, name = setting[0].split(".", 1)
+        params[section][name] = setting[1]
     (root / "params.yaml").write_text(yaml.safe_dump(params, sort_keys=False))
     timers = work / f"timers-{i:04d}"
     shutil.rmtree(timers, ignore_errors=True)
@@ -191,9 +197,12 @@ def one_more(root: Path, i: int, work: Path) -> dict:
     ws0, cache0, load0 = du(root / "data"), du(root / ".dvc" / "cache"), loadavg()
     wall, out = sh(root, sys.executable, "-m", "tpgrpo", "run", timers=timers)
     compute = compute_seconds(root, i)
-    row = {"iteration": i, "wall s": wall, "load before": load0, "load after": loadavg(),
+    row = {"iteration": i, "setting": f"{setting[0]}={setting[1]}" if setting else "", "wall s": wall, "load before": load0, "load after": loadavg(),
            "workspace bytes added": du(root / "data") - ws0, "cache bytes added": du(root / ".dvc" / "cache") - cache0,
            "sealed": [line for line in out.splitlines() if line.startswith("sealed")]}
+    from tpgrpo.io.stage_logs import log_seconds
+
+    row["rollout compute s"] = log_seconds(root / "data" / "iters" / f"{i:04d}" / "rollout.json")
     records = timer_records(timers)
     row["parts s"] = split(records, wall, compute)
     row["iteration stages' DVC parts s"] = per_iteration(records, root, i)
@@ -205,13 +214,16 @@ def report(rows: list[dict]) -> None:
     print("\nstage compute is the STAND-IN's (the model's arithmetic is not SD3.5-M's); the rest is real")
     names = list(rows[0]["parts s"])
     print(f"{'part (seconds)':52s}" + "".join(f"{'iter ' + str(r['iteration']):>12s}" for r in rows))
+    if any(r.get("setting") for r in rows):
+        print(f"{'setting':52s}" + "".join(f"{r['setting'].rpartition('.')[2][-12:]:>12s}" for r in rows))
     for name in names:
         print(f"{name:52s}" + "".join(f"{r['parts s'][name]:12.2f}" for r in rows))
     book = lambda r: r["wall s"] - r["parts s"]["stage compute (stand-in)"]  # noqa: E731
     print("(the parts add up to the wall time but for the two rows in brackets)")
     for label, fn in (("wall", lambda r: r["wall s"]), ("bookkeeping (wall - stage compute)", book),
                       ("workspace GiB added", lambda r: r["workspace bytes added"] / 2**30),
-                      ("cache GiB added", lambda r: r["cache bytes added"] / 2**30)):
+                      ("cache GiB added", lambda r: r["cache bytes added"] / 2**30),
+                      ("(of stage compute: the rollout's, hashing included)", lambda r: r["rollout compute s"])):
         print(f"{label:52s}" + "".join(f"{fn(r):12.2f}" for r in rows))
     print("\niteration's own five stages (exclusive seconds; the rest of the wall is per repro or per run):")
     own = "iteration stages' DVC parts s"
@@ -231,6 +243,8 @@ def main() -> None:
                     help="a `dvc config` setting of the project (e.g. core.checksum_jobs=4)")
     ap.add_argument("--params", action="append", default=[], metavar="SECTION.KEY=YAML",
                     help="a params.yaml value (e.g. retention.keep_trajectories=1)")
+    ap.add_argument("--alternate", metavar="SECTION.KEY=YAML1,YAML2",
+                    help="a knob no stage declares, cycled over the measured iterations (before/after side by side)")
     ap.add_argument("--work", type=Path, default=REPO / ".cache" / "paper_bytes")
     ap.add_argument("--keep", action="store_true", help="leave the project (GBs) on disk")
     ap.add_argument("--json", type=Path)
@@ -241,15 +255,20 @@ def main() -> None:
         section, name = key.split(".", 1)
         params[section][name] = yaml.safe_load(value)
     dvc_config = dict(item.split("=", 1) for item in args.dvc_config)
+    alternate = []
+    if args.alternate:
+        key, values = args.alternate.split("=", 1)
+        alternate = [(key, yaml.safe_load(v)) for v in values.split(",")]
     print(f"paper bytes x {args.scale}: {params['rollout']['prompts_per_iter'] * GROUP} trajectories an "
           f"iteration; dvc config {dvc_config or 'as tpgrpo init'}; load average {loadavg()}", flush=True)
-    result: dict = {"scale": args.scale, "dvc_config": dvc_config, "params": args.params, "rows": []}
+    result: dict = {"scale": args.scale, "dvc_config": dvc_config, "params": args.params,
+                    "alternate": args.alternate, "rows": []}
     root = make_project(args.work / "project", params, dvc_config)
     try:
         seconds, _ = sh(root, sys.executable, "-m", "tpgrpo", "run")
         print(f"set-up run (code, eval_prompts, baseline, iteration 1, summary): {seconds:.1f} s", flush=True)
         for i in range(2, 2 + args.iterations):
-            row = one_more(root, i, args.work)
+            row = one_more(root, i, args.work, alternate[(i - 2) % len(alternate)] if alternate else None)
             result["rows"].append(row)
             print(json.dumps(row), flush=True)
         report(result["rows"])

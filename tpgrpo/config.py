@@ -295,6 +295,9 @@ class LaunchConfig:
                                "(tpgrpo.pipeline.stage_server); false = each imports its own")
     resident_model: bool = param(False, "the stage server loads the base model once for the stages to fork with "
                                  "(tpgrpo.models.resident); false = each stage loads it")
+    hash_while_writing: bool = param(True, "the rollout takes the md5 of each trajectory-store file while writing "
+                                     "it and hands it to DVC's state database, so `dvc repro` does not read the "
+                                     "store again to hash it (tpgrpo.io.dvc_prehash); false = DVC hashes it")
 
 
 @dataclass(frozen=True)

@@ -33,16 +33,22 @@ def _chunk_codecs() -> list:
     return [ZstdCodec(level=0, checksum=True), Crc32cCodec()]
 
 
-def write_zarr(path: Path, arrays: dict, attrs: dict) -> None:
+def write_zarr(path: Path, arrays: dict, attrs: dict, hash_for_dvc: bool = False) -> int:
     """Write the trajectory store atomically after checking it against its schema; each array gets its
-    dimension names and meaning as attributes, each chunk a checksum (``_chunk_codecs``)."""
+    dimension names and meaning as attributes, each chunk a checksum (``_chunk_codecs``). ``hash_for_dvc``
+    (``launch.hash_while_writing``): take each file's md5 while writing it and hand it to DVC's state
+    database (``tpgrpo.io.dvc_prehash``), so that ``dvc repro`` does not read the store again to hash it.
+    Returns the number of md5s handed to DVC (0 without ``hash_for_dvc`` or outside a DVC project)."""
     import zarr
+
+    from tpgrpo.io.dvc_prehash import HashingStore, hand_md5s_to_dvc
 
     check_trajectories(arrays, attrs, f"{path} (being written)")
     arrays = conform_arrays(arrays)
     docs = {spec.name: spec for spec in TRAJECTORY_ARRAYS}
     with atomic_path(path) as tmp:
-        group = zarr.open_group(str(tmp), mode="w")
+        store = HashingStore(tmp) if hash_for_dvc else str(tmp)
+        group = zarr.open_group(store, mode="w")
         for name, data in arrays.items():
             chunks = (min(64, data.shape[0]),) + data.shape[1:]
             # states: one file per 64 trajectories as the other arrays, each (trajectory, state) compressed
@@ -55,6 +61,7 @@ def write_zarr(path: Path, arrays: dict, attrs: dict) -> None:
                                      chunk_key_encoding=CHUNK_KEYS, config={"write_empty_chunks": True})
             arr.attrs.update({"dims": list(docs[name].dims), "meaning": docs[name].meaning})
         group.attrs.update(attrs)
+    return hand_md5s_to_dvc(path, store.md5s()) if hash_for_dvc else 0
 
 
 class CheckedArray:

@@ -1,0 +1,127 @@
+"""Hashing while writing: the trajectory store hands DVC the md5 of each file it writes, so that ``dvc repro``
+does not read the gigabytes again to hash them (issue 47).
+
+Why it is safe to hand DVC a hash: DVC keeps the md5s it computed in a state database keyed by path, inode,
+mtime and size (``Repo.state``), and trusts an entry while those four still match the file on disk. It does not
+check where an entry came from (``bench/studies/dvc_state_trust.py``): an entry that is not the md5 of the
+file's final bytes would be recorded in ``dvc.lock`` and stored in the cache under the wrong name, silently.
+So an entry is written only for a file that
+
+- was written exactly once by :class:`HashingStore`, whose md5 is taken of the very buffer handed to the file
+  (zarr's ``LocalStore`` writes it whole to a temporary file and renames it, so a written file is that buffer);
+- was neither deleted nor rewritten since, by the store (counted) or by anything else: its size on disk equals
+  the buffer's, and any later change of its bytes moves its mtime, which makes DVC's own lookup miss;
+
+and the entries are written after the store's final rename, with the stat DVC will compare. Files without an
+entry (the small metadata files zarr writes more than once) are hashed by DVC as before.
+``tests/test_dvc_prehash.py`` compares every entry with the md5 of the file's bytes and with what DVC records.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import sqlite3
+import sys
+from concurrent.futures import Future, ThreadPoolExecutor
+from pathlib import Path
+
+from zarr.storage import LocalStore
+
+
+def _md5(view) -> str:
+    """md5 of a buffer (hashlib releases the GIL for large buffers: it runs beside zarr's encoding)."""
+    return hashlib.md5(view, usedforsecurity=False).hexdigest()
+
+
+class HashingStore(LocalStore):
+    """A zarr ``LocalStore`` that takes the md5 of every file it writes, beside the writing.
+
+    Each buffer is hashed on a thread of its own while zarr goes on encoding the next chunks (hashlib
+    releases the GIL), so on a machine with a spare core the hashing costs the writer no wall time.
+    :meth:`md5s` waits for the hashes and returns ``{key: (md5 hex, bytes)}`` for each key written exactly
+    once and never deleted; keys written more than once get no entry (two writes of one key could finish in
+    either order)."""
+
+    def __init__(self, root: Path | str) -> None:
+        super().__init__(root)
+        self._hashing = ThreadPoolExecutor(max_workers=1, thread_name_prefix="md5")
+        self._pending: dict[str, tuple[Future, int]] = {}
+        self._rewritten: set[str] = set()
+
+    async def _set(self, key: str, value, exclusive: bool = False) -> None:
+        await super()._set(key, value, exclusive=exclusive)
+        if key in self._pending or key in self._rewritten:
+            self._pending.pop(key, None)
+            self._rewritten.add(key)
+        else:
+            view = value.as_buffer_like()  # kept alive by the future until it is hashed
+            self._pending[key] = (self._hashing.submit(_md5, view), memoryview(view).nbytes)
+
+    def _forget(self, prefix: str) -> None:
+        for key in [k for k in self._pending if k == prefix or k.startswith(prefix.rstrip("/") + "/")]:
+            del self._pending[key]
+            self._rewritten.add(key)
+
+    async def delete(self, key: str) -> None:
+        self._forget(key)
+        await super().delete(key)
+
+    async def delete_dir(self, prefix: str) -> None:
+        self._forget(prefix)
+        await super().delete_dir(prefix)
+
+    async def clear(self) -> None:
+        self._forget("")
+        await super().clear()
+
+    def md5s(self) -> dict[str, tuple[str, int]]:
+        """Wait for the hashes; ``{key: (md5 hex, bytes)}`` of the keys written once and still there."""
+        out = {key: (future.result(), size) for key, (future, size) in self._pending.items()}
+        self._hashing.shutdown()
+        return out
+
+
+def _dvc_repo(path: Path):
+    """The DVC project that holds ``path`` (its nearest folder with ``.dvc/``), opened; None outside one."""
+    for folder in path.resolve().parents:
+        if (folder / ".dvc").is_dir():
+            from dvc.repo import Repo
+
+            return Repo(str(folder))
+    return None
+
+
+def entries_for(folder: Path, written: dict[str, tuple[str, int]]) -> list[tuple[str, str]]:
+    """``(absolute path, md5)`` of each file of ``folder`` (the store after its rename) that ``written`` vouches
+    for: present as a regular file whose size on disk is the size that was hashed."""
+    out = []
+    for key, (digest, size) in sorted(written.items()):
+        path = os.path.join(os.path.abspath(folder), key)
+        try:
+            st = os.lstat(path)
+        except FileNotFoundError:
+            continue
+        if os.path.isfile(path) and not os.path.islink(path) and st.st_size == size:
+            out.append((path, digest))
+    return out
+
+
+def hand_md5s_to_dvc(folder: Path, written: dict[str, tuple[str, int]]) -> int:
+    """Write DVC state entries for the files of ``folder`` that ``written`` vouches for (``entries_for``);
+    returns how many. Nothing outside a DVC project."""
+    entries = entries_for(folder, written)
+    repo = _dvc_repo(Path(folder)) if entries else None
+    if repo is None:
+        return 0
+    from dvc_data.hashfile.hash_info import HashInfo
+
+    try:
+        repo.state.save_many([(path, HashInfo("md5", digest), None) for path, digest in entries], repo.fs)
+    except (OSError, sqlite3.Error) as exc:  # e.g. the database locked too long: DVC then hashes the files itself
+        print(f"warning: {folder}: md5s not handed to DVC ({type(exc).__name__}: {exc}); DVC hashes the files",
+              file=sys.stderr)
+        return 0
+    finally:
+        repo.close()
+    return len(entries)
