@@ -192,8 +192,9 @@ def edit_code(seq: Seq) -> Plan:
 
 # Execution knobs (tpgrpo.stage_params.EXECUTION_KNOBS), with values this CPU machine can run. A knob is not
 # recorded: changing it must re-run nothing (not even the code stage, unless it renders dvc.yaml from it).
+# Toggling launch.hash_while_writing, later rollouts hand DVC their md5s or leave DVC to hash.
 KNOBS = {"model.device": ["cpu", "cpu:0"], "reward_models.device": ["cpu", "cpu:0"],
-         "update.gradient_checkpointing": [False, True]}
+         "update.gradient_checkpointing": [False, True], "launch.hash_while_writing": [True, False]}
 
 
 def edit_knob(seq: Seq) -> Plan:

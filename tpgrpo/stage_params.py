@@ -28,6 +28,8 @@ EXECUTION_KNOBS = {
     "reward_models.device": "placement",  # where the reward models run: as model.device
     # Recomputes each transformer block in the backward pass: the same ops, less memory; the same bytes.
     "update.gradient_checkpointing": "memory",
+    # Who hashes the trajectory store for DVC: the rollout while writing it, or DVC after; the same bytes.
+    "launch.hash_while_writing": "hashing",
 }
 
 

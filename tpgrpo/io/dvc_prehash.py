@@ -8,7 +8,9 @@ file's final bytes would be recorded in ``dvc.lock`` and stored in the cache und
 So an entry is written only for a file that
 
 - was written exactly once by :class:`HashingStore`, whose md5 is taken of the very buffer handed to the file
-  (zarr's ``LocalStore`` writes it whole to a temporary file and renames it, so a written file is that buffer);
+  (zarr's ``LocalStore`` writes it whole to a temporary file and renames it, so a written file is that buffer;
+  the hash may finish after the write, which is sound because the buffer is the codecs' fresh output of a
+  chunk or shard that zarr does not reuse: the tests would see a reused one as a wrong md5);
 - was neither deleted nor rewritten since, by the store (counted) or by anything else: its size on disk equals
   the buffer's, and any later change of its bytes moves its mtime, which makes DVC's own lookup miss;
 
@@ -83,8 +85,9 @@ class HashingStore(LocalStore):
 
 
 def _dvc_repo(path: Path):
-    """The DVC project that holds ``path`` (its nearest folder with ``.dvc/``), opened; None outside one."""
-    for folder in path.resolve().parents:
+    """The DVC project that holds ``path`` (its nearest folder with ``.dvc/``), opened; None outside one.
+    Not resolved: DVC keys its state on the path as it was given (from the working directory, as here)."""
+    for folder in Path(os.path.abspath(path)).parents:
         if (folder / ".dvc").is_dir():
             from dvc.repo import Repo
 
