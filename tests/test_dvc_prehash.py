@@ -119,6 +119,18 @@ def test_keys_written_twice_or_deleted_get_no_md5(tmp_path):
     assert entries_for(tmp_path / "s", written) == []
 
 
+def test_a_wrong_md5_is_caught_by_the_read_back_and_nothing_is_handed(tmp_path, monkeypatch, capsys):
+    """What a writer that reused a buffer after handing it over would produce: md5s of other bytes."""
+    from tpgrpo.io import dvc_prehash
+    from tpgrpo.io.trajectories import write_zarr
+
+    monkeypatch.setattr(dvc_prehash, "_md5", lambda view: hashlib.md5(bytes(view)[1:]).hexdigest())
+    root = dvc_project(tmp_path / "project")
+    assert write_zarr(root / "trajectories.zarr", *big_store_arrays(), hash_for_dvc=True) == 0
+    assert "is not that of the file on disk; no md5 handed to DVC" in capsys.readouterr().err
+    assert not any(state_md5s(root, files_of(root / "trajectories.zarr")).values())
+
+
 def test_outside_a_dvc_project_nothing_is_handed(tmp_path):
     from tpgrpo.io.trajectories import write_zarr
 
