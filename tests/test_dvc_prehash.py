@@ -132,9 +132,16 @@ def test_a_wrong_md5_is_caught_by_the_read_back_and_nothing_is_handed(tmp_path, 
 
 
 def test_outside_a_dvc_project_nothing_is_handed(tmp_path):
-    from tpgrpo.io.trajectories import write_zarr
+    from tpgrpo.io.trajectories import read_trajectories, write_zarr
 
     assert write_zarr(tmp_path / "trajectories.zarr", *big_store_arrays(), hash_for_dvc=True) == 0
+    # a `.dvc/` DVC cannot open (made for a git repository that is not there): nothing handed, the store written
+    (tmp_path / "git" / ".dvc").mkdir(parents=True)
+    (tmp_path / "git" / ".dvc" / "config").write_text("")
+    arrays, attrs = big_store_arrays()
+    assert write_zarr(tmp_path / "git" / "trajectories.zarr", arrays, attrs, hash_for_dvc=True) == 0
+    np.testing.assert_array_equal(read_trajectories(tmp_path / "git" / "trajectories.zarr")[0]["states"],
+                                  arrays["states"])
 
 
 def test_a_locked_state_database_costs_the_shortcut_not_the_store(tmp_path, monkeypatch, capsys):

@@ -86,13 +86,18 @@ class HashingStore(LocalStore):
 
 
 def _dvc_repo(path: Path):
-    """The DVC project that holds ``path`` (its nearest folder with ``.dvc/``), opened; None outside one.
+    """The DVC project that holds ``path`` (its nearest folder with ``.dvc/``), opened; None outside one or
+    where DVC cannot open it (then no ``dvc repro`` can use the md5s either).
     Not resolved: DVC keys its state on the path as it was given (from the working directory, as here)."""
     for folder in Path(os.path.abspath(path)).parents:
         if (folder / ".dvc").is_dir():
+            from dvc.exceptions import DvcException
             from dvc.repo import Repo
 
-            return Repo(str(folder))
+            try:
+                return Repo(str(folder))
+            except DvcException:  # e.g. `.dvc/` without the git repository it was made for: no repro to spare
+                return None
     return None
 
 
