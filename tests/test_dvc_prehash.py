@@ -113,6 +113,10 @@ def test_keys_written_twice_or_deleted_get_no_md5(tmp_path):
         await store.delete_dir("c")
 
     asyncio.run(writes())
+    cleared = HashingStore(tmp_path / "t")
+    asyncio.run(cleared.set("k", buf(b"6" * 10)))
+    asyncio.run(cleared.clear())
+    assert cleared.md5s() == {}
     written = store.md5s()
     assert written == {"a/once": (hashlib.md5(b"1" * 100).hexdigest(), 100)}
     (tmp_path / "s" / "a" / "once").write_bytes(b"1" * 99)  # a size that is not what was hashed: no entry

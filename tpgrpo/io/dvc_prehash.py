@@ -62,7 +62,8 @@ class HashingStore(LocalStore):
             self._pending[key] = (self._hashing.submit(_md5, view), memoryview(view).nbytes)
 
     def _forget(self, prefix: str) -> None:
-        for key in [k for k in self._pending if k == prefix or k.startswith(prefix.rstrip("/") + "/")]:
+        under = prefix.rstrip("/") + "/" if prefix else ""  # "" (clear): every key
+        for key in [k for k in self._pending if k == prefix or k.startswith(under)]:
             del self._pending[key]
             self._rewritten.add(key)
 
