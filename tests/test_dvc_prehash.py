@@ -9,6 +9,7 @@ import hashlib
 import json
 import os
 import subprocess
+import sys
 from pathlib import Path
 
 import numpy as np
@@ -31,7 +32,7 @@ def files_of(folder: Path) -> list[Path]:
 
 def dvc_project(root: Path) -> Path:
     root.mkdir(parents=True)
-    subprocess.run(["dvc", "init", "-q", "--no-scm"], cwd=root, env=DVC_ENV, check=True)
+    subprocess.run([sys.executable, "-m", "dvc", "init", "-q", "--no-scm"], cwd=root, env=DVC_ENV, check=True)
     return root
 
 
