@@ -420,3 +420,19 @@ def test_run_state_done_only_when_the_summary_is_newer_than_every_iteration(tmp_
     os.utime(folder / "data/iters/0002/eval.json", (later, later))  # an iteration redone after the summary
     assert cmp.run_state(folder)[0] == "partial"
     assert cmp.run_state(tmp_path / "nowhere") == ("new", 0, 0)
+
+
+def test_a_folder_made_before_an_execution_knob_existed_takes_a_longer_budget(tmp_path):
+    """A run folder whose params.yaml predates ``launch.hash_while_writing`` (older code) may be given more
+    iterations by a re-planned comparison; a key that changes what is computed still refuses it."""
+    v = cmp.Variant("flow_grpo", "flow_grpo", {"update.lr": 3e-4}, (0,))
+    spec = cmp.RunSpec(v, 0, tmp_path / "flow_grpo" / "seed0")
+    old = cmp.run_params(tiny_params(), v, seed=0, iterations=12)
+    del old["launch"]["hash_while_writing"]
+    spec.folder.mkdir(parents=True)
+    (spec.folder / "params.yaml").write_text(yaml.safe_dump(old, sort_keys=False))
+    params = cmp.check_run(spec, tiny_params(), 24)
+    assert params["train"]["iterations"] == 24
+    other = cmp.RunSpec(cmp.Variant("flow_grpo", "flow_grpo", {"update.lr": 1e-3}, (0,)), 0, spec.folder)
+    with pytest.raises(PipelineError, match="update.lr is 0.0003 there but this comparison sets 0.001"):
+        cmp.check_run(other, tiny_params(), 24)

@@ -104,6 +104,35 @@ def test_headline_iterations_and_seconds_to_flow_grpos_best(tmp_path):
     assert head.loc["flow_grpo", "iteration"] == 4.0 and tp["seeds_reaching"] == 2
 
 
+def longer_reference(out, tree_iterations: int) -> None:
+    """flow_grpo given a budget of 8 (5 s per iteration, best 0.6 at 8) and a cheaper arm (2.5 s per
+    iteration) with a budget of 4, trained to ``tree_iterations``."""
+    base = noisy(0.3, 0)
+    for s in (0, 1):
+        flow = {0: base, **{i: noisy(0.35 + 0.03 * i, s + i) for i in range(2, 9, 2)}}
+        fake_run(out, "flow_grpo", "flow_grpo", s, flow, 8, scale=5 / 3)
+        tree = {0: base, **{i: noisy(0.3 + 0.02 * i, 20 + s + i) for i in range(2, tree_iterations + 1, 2)}}
+        fake_run(out, "tree-tp", "tp", s, tree, 4, planned=tree_iterations, scale=0.5)
+
+
+def test_a_reference_with_a_longer_budget_is_matched_at_its_own_budget(tmp_path):
+    """Flow-GRPO given 8 iterations against a tree whose comparison budget is 4: the equal-wall pass buys
+    the tree flow_grpo's 8 iterations of seconds (16), and the pair reads flow_grpo at 8, not at 4."""
+    longer_reference(tmp_path / "plan", 4)
+    record, _ = cmp.equal_wall_plan(tmp_path / "plan", "flow_grpo", "tree-tp")
+    assert (record["budget"], record["target_budget"], record["iterations"]) == (8, 4, 16)
+    longer_reference(tmp_path / "cmp", 16)
+    tables = collect(tmp_path / "cmp", n_boot=50)
+    pairs = tables["pairs"].set_index(["a", "b", "kind"])
+    wall = pairs.loc[("flow_grpo", "tree-tp", "equal_wall")]
+    assert (wall["iteration_a"], wall["iteration_b"]) == ("8", "16")
+    assert wall["seconds_a"] == pytest.approx(wall["seconds_b"])  # 8 x 5 s against 16 x 2.5 s
+    same = pairs.loc[("tree-tp", "flow_grpo", "iteration")]
+    assert (same["iteration_a"], same["iteration_b"]) == ("4", "4")  # the same iteration: the smaller budget
+    head = tables["headline"].set_index("variant")  # flow_grpo's best over its own budget: 0.59 at 8
+    assert head.loc["tree-tp", "target_iteration"] == 8 and head.loc["tree-tp", "target"] > 0.55
+
+
 def test_more_seeds_join_an_archive_and_pool_with_its_runs(tmp_path):
     first, later, dest = tmp_path / "cmp", tmp_path / "more", tmp_path / "docs" / "cmp"
     make_comparison(first)

@@ -91,7 +91,8 @@ def headline_table(curves: pd.DataFrame, runs: dict) -> pd.DataFrame:
     if BASELINE_MODE not in main:
         return pd.DataFrame(columns=COLUMNS)
     budget = min(int(r["budget"]) for v in main for r in runs[v].values())
-    flow = _curve(curves, BASELINE_MODE, budget).groupby("iteration")["eval_reward"].mean()
+    flow_budget = min(int(r["budget"]) for r in runs[BASELINE_MODE].values())  # its best over its own budget
+    flow = _curve(curves, BASELINE_MODE, flow_budget).groupby("iteration")["eval_reward"].mean()
     trained = flow[flow.index > 0]
     if trained.empty or trained.max() <= flow.get(0, -np.inf):  # no target: it never rose above the base model
         return pd.DataFrame(columns=COLUMNS)
@@ -99,7 +100,7 @@ def headline_table(curves: pd.DataFrame, runs: dict) -> pd.DataFrame:
     order = [BASELINE_MODE, *sorted(set(main) - {BASELINE_MODE})]
     # seconds from the seeds every mode has: runs trained side by side; seeds added later ran under other load
     time_seeds = sorted(set.intersection(*(set(runs[v]) for v in order)))
-    rows = [headline_row(curves, v, _horizon(runs[v], budget) if v != BASELINE_MODE else budget, target,
+    rows = [headline_row(curves, v, _horizon(runs[v], budget) if v != BASELINE_MODE else flow_budget, target,
                          target_iteration, time_seeds) for v in order]
     return pd.DataFrame(rows, columns=COLUMNS)
 

@@ -361,9 +361,11 @@ def section(out: Path, fig_dir: Path, md_dir: Path, n_boot: int = N_BOOT) -> lis
                       + f", snapshot taken {snapshot.get('time', '?')}.", ""]
     lines += machine_lines(runs)
     for w in equal_wall_records(out):
-        lines += [f"Equal wall clock: {w['reference']} took {w['reference_s_per_iter']} s per iteration, {w['target']} "
-                  f"{w['target_s_per_iter']} s (ratio {w['ratio']}), so {w['target']} ran {w['iterations']} iterations "
-                  f"instead of {w['budget']}." + (f" {w['note']}" if w.get("note") else ""), ""]
+        own = w.get("target_budget", w["budget"])  # older records: both sides had one budget
+        longer = f" over its budget of {w['budget']} iterations" if own != w["budget"] else ""
+        lines += [f"Equal wall clock: {w['reference']} took {w['reference_s_per_iter']} s per iteration{longer}, "
+                  f"{w['target']} {w['target_s_per_iter']} s (ratio {w['ratio']}), so {w['target']} ran "
+                  f"{w['iterations']} iterations instead of {own}." + (f" {w['note']}" if w.get("note") else ""), ""]
     load = load_record(out)
     if load:
         lines += [f"Model loading: {load['load_seconds']} s per load (median of {load['loads_timed']} timed loads of "

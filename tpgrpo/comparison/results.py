@@ -196,7 +196,10 @@ def _sides(pair: Pair, runs: dict, curves: pd.DataFrame) -> tuple[list, list, li
             return f"{pair.b} was not given extra iterations (run the equal-wall pass)"
         if pair.kind == "equal_wall_net" and curves.get("net_seconds", pd.Series(dtype=float)).isna().all():
             return "no model-load measurement (tpgrpo compare load-cost)"
-    budget = min(int(runs[v][s]["budget"]) for v in (pair.a, pair.b) for s in seeds)
+    # at equal wall clock A is read at its own budget (a reference given a longer budget than B's is read
+    # there); at the same iteration, both within the smaller budget
+    budget = min(int(runs[v][s]["budget"]) for v in {pair.a, pair.b} - ({pair.b} if pair.kind in WALL_KINDS
+                                                                         else set()) for s in seeds)
     names = (pair.a,) if pair.kind in WALL_KINDS else (pair.a, pair.b)
     common = set.intersection(*(set(_evaluated(curves, v, s, budget)["iteration"]) for v in names for s in seeds))
     if not common:
@@ -212,8 +215,9 @@ def _sides(pair: Pair, runs: dict, curves: pd.DataFrame) -> tuple[list, list, li
     # the budget (what the equal-wall pass planned with), not B's recorded seconds of its extension: those
     # depend on what else shared the machine while it ran
     column = "net_seconds" if pair.kind == "equal_wall_net" else "train_seconds"
+    b_budget = min(int(runs[pair.b][s]["budget"]) for s in seeds)
     target = it * _seconds_per_iteration(curves, pair.a, seeds, budget, column) / _seconds_per_iteration(
-        curves, pair.b, seeds, budget, column)
+        curves, pair.b, seeds, b_budget, column)
     a, b = side(pair.a), []
     for s in seeds:
         run = runs[pair.b][s]

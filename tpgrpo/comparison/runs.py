@@ -53,7 +53,7 @@ MUTABLE_KEYS = {"train.iterations"}
 # tests/test_sealing.py: the same bytes): an existing folder keeps its own value, or its lack of the key (it
 # may predate the key, and so may the code it was made with).
 NEUTRAL_KEYS = {"launch.stage_server", "launch.resident_model", "train.block_size", "retention.keep_trajectories",
-                "retention.keep_adapter_every"}
+                "retention.keep_adapter_every", "launch.hash_while_writing"}
 
 
 def flatten(raw: dict, prefix: str = "") -> dict[str, Any]:
@@ -366,11 +366,13 @@ def equal_wall_plan(out: Path, reference: str = "tp", target: str = BASELINE_MOD
                 raise PipelineError(f"equal wall clock: {r['folder']} has {done} of {r['budget']} iterations "
                                     "(finish the comparison first)")
         seconds[name] = [s for r in group for s in train_seconds(r["folder"], budget)]
-    budget = sides[target][0]["budget"]
+    # the reference's own budget is what is matched (it may have been given a longer one than the target's)
+    budget, target_budget = sides[reference][0]["budget"], sides[target][0]["budget"]
     every = int(sides[target][0]["params"]["eval"]["every"])
-    iterations = equal_wall_iterations(seconds[reference], seconds[target], budget, every)
+    iterations = max(target_budget, equal_wall_iterations(seconds[reference], seconds[target], budget, every))
     mean = lambda xs: sum(xs) / len(xs)  # noqa: E731
-    record = {"reference": reference, "target": target, "budget": budget, "iterations": iterations,
+    record = {"reference": reference, "target": target, "budget": budget, "target_budget": target_budget,
+              "iterations": iterations,
               "reference_s_per_iter": round(mean(seconds[reference]), 2),
               "target_s_per_iter": round(mean(seconds[target]), 2),
               "ratio": round(mean(seconds[reference]) / mean(seconds[target]), 3)}
