@@ -1,7 +1,7 @@
 """Held-out reward of one arm against another, from any two comparison roots or archives: the controls of issue 45
 (an arm that changes one thing, trained in a root of its own, against the archived arm it changes).
 
-    python bench/studies/arm_pairs.py A_ROOT/ARM B_ROOT/ARM [--at IA:IB ...] [--seeds 0,1,2]
+    python bench/studies/arm_pairs.py A_ROOT/ARM B_ROOT/ARM [--at IA:IB ...] [--seeds 0,1,2] [--level 0.975]
 
 Each ``ROOT/ARM`` is a folder of ``seedK`` run folders (a ``tpgrpo compare run`` root's arm, or an archive's
 under ``docs/replication/runs``). Prints, per evaluated iteration of each, the mean held-out reward over the
@@ -50,8 +50,9 @@ def curve(tables: dict[int, dict[int, object]]) -> list[str]:
     return lines
 
 
-def pair(a: dict, b: dict, ia: int, ib: int) -> str:
-    """A at ``ia`` - B at ``ib`` over the seeds both have, paired by (prompt, sample, seed) image."""
+def pair(a: dict, b: dict, ia: int, ib: int, level: float = 0.95) -> str:
+    """A at ``ia`` - B at ``ib`` over the seeds both have, paired by (prompt, sample, seed) image; the interval
+    at ``level`` (0.975 for one of two looks at the same hypothesis, Bonferroni)."""
     from tpgrpo.comparison.stats import PAIR_KEYS, seed_prompt_t_interval
 
     diffs, prompts = [], None
@@ -65,9 +66,9 @@ def pair(a: dict, b: dict, ia: int, ib: int) -> str:
         diffs.append((ta["eval_reward"] - tb["eval_reward"]).to_numpy())
         prompts = ta["prompt_id"].to_numpy()
     d = np.stack(diffs)
-    mean, lo, hi = seed_prompt_t_interval(d, prompts)
+    mean, lo, hi = seed_prompt_t_interval(d, prompts, level=level)
     above = int((d.mean(axis=1) > 0).sum())
-    return (f"  A@{ia} - B@{ib}: {mean:+.4f} [{lo:+.4f}, {hi:+.4f}] over {d.shape[0]} seeds x {d.shape[1]} images; "
+    return (f"  A@{ia} - B@{ib}: {mean:+.4f} [{lo:+.4f}, {hi:+.4f}] ({level:.1%}) over {d.shape[0]} seeds x {d.shape[1]} images; "
             f"A above B in {above} of {d.shape[0]} seeds")
 
 
@@ -77,6 +78,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("b", type=Path)
     parser.add_argument("--at", action="append", default=[], help="IA:IB, iterations of A and B to pair")
     parser.add_argument("--seeds", default="", help="seeds to use (default: those both arms have)")
+    parser.add_argument("--level", type=float, default=0.95, help="the intervals' level (default 0.95)")
     args = parser.parse_args(argv)
     seeds = ([int(s) for s in args.seeds.split(",")] if args.seeds
              else sorted(set(seed_list(args.a)) & set(seed_list(args.b))))
@@ -89,7 +91,7 @@ def main(argv: list[str] | None = None) -> None:
     print("\n".join(curve(b)))
     for spec in args.at:
         ia, _, ib = spec.partition(":")
-        print(pair(a, b, int(ia), int(ib)))
+        print(pair(a, b, int(ia), int(ib), args.level))
 
 
 if __name__ == "__main__":
