@@ -196,11 +196,10 @@ def _sides(pair: Pair, runs: dict, curves: pd.DataFrame) -> tuple[list, list, li
             return f"{pair.b} was not given extra iterations (run the equal-wall pass)"
         if pair.kind == "equal_wall_net" and curves.get("net_seconds", pd.Series(dtype=float)).isna().all():
             return "no model-load measurement (tpgrpo compare load-cost)"
-    # at equal wall clock A is read at its own budget (a reference given a longer budget than B's is read
-    # there); at the same iteration, both within the smaller budget
-    budget = min(int(runs[v][s]["budget"]) for v in {pair.a, pair.b} - ({pair.b} if pair.kind in WALL_KINDS
-                                                                         else set()) for s in seeds)
+    # at equal wall clock A is read at its own budget (a reference may have a longer one than B's); at the
+    # same iteration, both within the smaller budget
     names = (pair.a,) if pair.kind in WALL_KINDS else (pair.a, pair.b)
+    budget = min(int(runs[v][s]["budget"]) for v in names for s in seeds)
     common = set.intersection(*(set(_evaluated(curves, v, s, budget)["iteration"]) for v in names for s in seeds))
     if not common:
         return "no evaluated iteration in every run yet"

@@ -372,8 +372,7 @@ def equal_wall_plan(out: Path, reference: str = "tp", target: str = BASELINE_MOD
     iterations = max(target_budget, equal_wall_iterations(seconds[reference], seconds[target], budget, every))
     mean = lambda xs: sum(xs) / len(xs)  # noqa: E731
     record = {"reference": reference, "target": target, "budget": budget, "target_budget": target_budget,
-              "iterations": iterations,
-              "reference_s_per_iter": round(mean(seconds[reference]), 2),
+              "iterations": iterations, "reference_s_per_iter": round(mean(seconds[reference]), 2),
               "target_s_per_iter": round(mean(seconds[target]), 2),
               "ratio": round(mean(seconds[reference]) / mean(seconds[target]), 3)}
     specs = []
