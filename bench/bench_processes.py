@@ -3,7 +3,7 @@
     python bench/bench_processes.py [--prompts 16] [--batch 32] [--repeats 2] [--workdir /tmp/tpgrpo-bench-processes]
 
 Runs the real stage commands (those dvc.yaml holds: `tpgrpo stage`, which starts `accelerate launch ... -m
-tpgrpo stage` itself for 2 processes) in a copy of the project (shipped base model, default params with
+tpgrpo stage` itself for 2 processes) in a copy of the project (shipped base model, default params as chains,
 ``rollout.prompts_per_iter`` = --prompts and ``rollout.batch_size`` = --batch, so the rollout has several
 chunks to share). The same cores in both settings: 1 process x ``--cores`` threads against ``--cores``
 processes x 1 thread (OMP_NUM_THREADS). Reports images/s (rollout) and transitions/s (update) from the
@@ -36,6 +36,7 @@ def make_project(folder: Path, prompts: int, batch: int) -> Path:
         shutil.copytree(REPO / "data" / name, folder / "data" / name)
     raw = yaml.safe_load((REPO / "params.yaml").read_text())
     raw["rollout"].update(prompts_per_iter=prompts, batch_size=batch)
+    raw["tree"]["enabled"] = False  # chains, as docs/performance.md's figures (the default is a tree since issue 45)
     (folder / "params.yaml").write_text(yaml.safe_dump(raw, sort_keys=False))
     return folder
 

@@ -14,7 +14,7 @@ there are 2 GPUs), then the SD3.5-M cost at full size.
    (as soon as it has loaded its model: the run dies after the first update) and must leave no trajectories;
    the resumed iteration 2 then loads the EMA and optimizer state of iteration 1 on the device. Then a 2-step
    ``tpgrpo pretrain --device``. Each must exit 0 and write its artifacts. ``--smoke`` also shrinks the
-   iterations (2 prompts x 4 samples, T = 4).
+   iterations (2 prompts, T = 4; 4 samples each where params.yaml samples chains).
 2. Cost: ``bench/bench_sd3.py --full`` (SD3.5-M config, random weights, 512 px, bf16, T = 10, window 9;
    ``--smoke``: 1 block at 64 px) for seconds per trajectory and peak memory of rollout, probe and update.
 

@@ -4,7 +4,7 @@ Usage: ``python bench/probe_cost.py [--model data/base] [--threads 1] [--seeds 1
 [--out result.json]``, or the offline study over trained runs' stored exact probes (issue 34;
 ``bench/probe_study.py``): ``python bench/probe_cost.py --runs RUN [RUN ...] --modes grid:3,heun:2,subset:0.25
 --out bench/results/probe_study.json [--markdown table.md]``.
-In a temporary project with the repo's params.yaml (defaults: 8 prompts x 8 samples, T = 10, window 9) one
+In a temporary project with the repo's params.yaml (chains: 8 prompts x 8 samples, T = 10, window 9) one
 first-iteration rollout per train seed keeps the x0 estimates (its states are the same as without them); then the probe
 stage runs on it in every mode (exact, ode:1, ode:2, x0). (``credit.mode: flow_grpo`` runs no probe at all.)
 Per mode it prints the probe's wall seconds (stage stopwatch: model load included, imports warm) and
@@ -24,6 +24,7 @@ import time
 from pathlib import Path
 
 import numpy as np
+import yaml
 
 REPO = Path(__file__).resolve().parents[1]
 MODES = ("exact", "ode:1", "ode:2", "x0")
@@ -34,7 +35,9 @@ def _project(folder: Path, model: Path) -> Path:
     (folder / "data").mkdir(parents=True)
     shutil.copytree(REPO / "data" / "prompts", folder / "data" / "prompts")
     shutil.copytree(model, folder / "data" / "base")
-    shutil.copy(REPO / "params.yaml", folder / "params.yaml")
+    raw = yaml.safe_load((REPO / "params.yaml").read_text())
+    raw["tree"]["enabled"] = False  # a chain: the probe's cost (the default is a tree since issue 45)
+    (folder / "params.yaml").write_text(yaml.safe_dump(raw, sort_keys=False))
     return folder
 
 

@@ -11,7 +11,7 @@
    transformer in this machine's share of memory; ``StableDiffusion3Pipeline`` accepts
    ``text_encoder_3=None`` and its part of the conditioning is then zeros of the real shape (256 x 4096),
    so the transformer's sequence (77 + 256 text tokens) and cost are those of the full model.
-2. Iteration: a fresh project (params.yaml with ``model.kind: sd3``, ``dtype: bf16``, 2 prompts x 2
+2. Iteration: a fresh project (params.yaml with ``model.kind: sd3``, ``dtype: bf16``, chains: 2 prompts x 2
    samples, T = 3, window 2, 64 px, eval on 2 prompts, the ``jpeg_compressibility`` reward: no reward
    model) and the stage commands dvc.yaml runs, ``tpgrpo stage NAME --iter 1``, each in its own process.
    A wrapper process around the CLI times the import of the CLI, the model loads (``load_policy``: the
@@ -56,7 +56,8 @@ PARAMS = {"model": {"kind": "sd3", "dtype": "bf16", "resolution": 64, "device": 
           "probe": {"batch_size": 4}, "update": {"lora_rank": 32, "lora_alpha": 64, "micro_batch": 2,
                                                   "optimizer_steps_per_iter": 1, "epochs": 1},
           "eval": {"every": 1, "num_steps": 3, "num_prompts": 2, "samples_per_prompt": 1},
-          "train": {"iterations": 1}}
+          "train": {"iterations": 1},
+          "tree": {"enabled": False}}  # a chain: the window and probe pass (the default is a tree since issue 45)
 
 
 def clip_tokenizer():

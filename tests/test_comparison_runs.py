@@ -15,6 +15,7 @@ from conftest import REPO, make_tiny_project
 
 from tpgrpo.comparison import runs as cmp
 from tpgrpo.comparison.results import paired_difference
+from tpgrpo.comparison.variants import main_variants
 from tpgrpo.errors import PipelineError
 
 
@@ -59,6 +60,32 @@ def test_a_folder_made_before_a_bookkeeping_key_keeps_its_params_and_a_done_run_
     (code / "tpgrpo" / "cli.py").write_text("# refreshed\n")
     cmp.prepare_run(spec, base, params, code, budget=2, refresh_code=True)
     assert (spec.folder / "tpgrpo/cli.py").read_text() != "# refreshed\n"  # a finished run keeps its code
+
+
+def test_a_chain_folder_made_under_another_default_tree_shape_continues_and_keeps_it(tmp_path, tiny_model_dir):
+    """The default became a tree (issue 45 item 7): a main arm pins chains, and a chain folder made when the
+    (inert) default shape was another keeps its own; a tree folder's shape still counts."""
+    base = make_tiny_project(tmp_path / "base", tiny_model_dir)
+    params = yaml.safe_load((base / "params.yaml").read_text())
+    params["tree"].update({"enabled": True, "split_steps": "0,1", "children": "3,1"})  # as the new default
+    code = cmp.snapshot_code(tmp_path / "out", REPO)
+    [chain] = main_variants(["tp"], [0])
+    spec = cmp.RunSpec(chain, 0, tmp_path / "out" / "tp" / "seed0")
+    cmp.prepare_run(spec, base, params, code, budget=2)
+    old = yaml.safe_load((spec.folder / "params.yaml").read_text())
+    assert old["tree"]["enabled"] is False
+    old["tree"].update({"split_steps": "0,3,6", "children": 1})  # as the old default wrote it
+    (spec.folder / "params.yaml").write_text(yaml.safe_dump(old, sort_keys=False))
+    cmp.prepare_run(spec, base, params, code, budget=3)  # no "a different comparison" error
+    kept = yaml.safe_load((spec.folder / "params.yaml").read_text())
+    assert kept["tree"] == old["tree"] and kept["train"]["iterations"] == 3
+    tree = cmp.RunSpec(cmp.Variant("tree-tp", "tp", {"tree.enabled": True}), 0, tmp_path / "out" / "tree" / "seed0")
+    cmp.prepare_run(tree, base, params, code, budget=2)
+    made = yaml.safe_load((tree.folder / "params.yaml").read_text())
+    made["tree"]["children"] = 1  # a tree's shape is what it computes
+    (tree.folder / "params.yaml").write_text(yaml.safe_dump(made, sort_keys=False))
+    with pytest.raises(PipelineError, match="tree.children is 1 there"):
+        cmp.check_run(tree, params, 2)
 
 
 # ---- end to end -----------------------------------------------------------------------------------------------

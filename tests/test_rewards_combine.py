@@ -111,6 +111,7 @@ def test_dvc_yaml_lists_configured_reward_folders(raw):
     mixed["task"]["reward"] = {"geneval_soft": 1.0, "pickscore": 0.1}
     mixed["reward_models"]["pickscore_path"] = "models/PickScore_v1"
     mixed["reward_models"]["geneval_detector_path"] = "models/owlv2"  # not used by any spec: not a dep
+    mixed["tree"]["enabled"] = False  # a chain's probe scores completions (a tree's reads its store only)
     stages = render(config_from_dict(mixed))["stages"]
     for name, kind in (("rollout-0001", "rollout"), ("probe-0001", "probe"), ("eval-0001", "eval"),
                        ("baseline", "eval")):

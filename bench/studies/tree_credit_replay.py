@@ -24,7 +24,8 @@ MODES = ("flow_grpo", "incremental", "tp", "tp_unconstrained")
 
 
 def make_probe_table(folder: Path) -> Path:
-    """A tree rollout and probe of iteration 1 with this checkout's params (tree defaults) in ``folder``."""
+    """A tree rollout and probe of iteration 1 with this checkout's params and tree_cost's tree arm (split steps
+    0,3,6, m 1: its own shape, not the params' default tree) in ``folder``."""
     import importlib
 
     sys.path.insert(0, str(REPO / "bench"))

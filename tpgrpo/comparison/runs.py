@@ -39,7 +39,7 @@ from tpgrpo.comparison.variants import BASELINE_MODE, RunSpec, Variant
 from tpgrpo.config import ConfigError, config_from_dict
 from tpgrpo.errors import PipelineError
 from tpgrpo.pipeline.status import dvc_up_to_date
-from tpgrpo.stage_params import COMPARE, DONE, outputs_read_by
+from tpgrpo.stage_params import COMPARE, DONE, TREE_SHAPE, outputs_read_by
 
 CODE_DIRS = ("stages", "tpgrpo")
 # What makes an iteration finished (the logs tpgrpo.pipeline.status reads: not probe.json, which flow_grpo runs
@@ -81,8 +81,10 @@ def apply_overrides(base: dict, settings: dict[str, Any], what: str) -> dict:
 
 def run_params(base: dict, variant: Variant, seed: int, iterations: int) -> dict:
     """The run's params.yaml mapping: ``base`` with the overrides, credit.mode, train.seed and
-    train.iterations set; validated (a bad override is a one-line ConfigError naming the variant)."""
-    settings = {**variant.overrides, "credit.mode": variant.mode, "train.seed": seed, "train.iterations": iterations}
+    train.iterations set; validated (a bad override is a one-line ConfigError naming the variant). An arm
+    that does not switch the tree on samples chains, whatever the base's default shape (a tree since issue 45)."""
+    settings = {"tree.enabled": False, **variant.overrides, "credit.mode": variant.mode, "train.seed": seed,
+                "train.iterations": iterations}
     raw = apply_overrides(base, settings, f"variant {variant.name}")
     try:
         config_from_dict(raw)
@@ -158,9 +160,13 @@ def _existing_params(folder: Path) -> dict:
 
 
 def _keep_neutral(params: dict, old: dict) -> dict:
-    """``params`` with an existing folder's own values (or lack) of :data:`NEUTRAL_KEYS`; as is if new."""
+    """``params`` with an existing folder's own values (or lack) of :data:`NEUTRAL_KEYS`, and of the tree's
+    shape where both sample chains (inert there: a folder made before the tree became the default keeps the
+    old default's shape); as is if new."""
     out = json.loads(json.dumps(params))
-    for section, _, key in (k.partition(".") for k in NEUTRAL_KEYS if old):
+    chains = all(p.get("tree", {}).get("enabled") is False for p in (params, old))
+    for section, _, key in (k.partition(".") for k in NEUTRAL_KEYS | (set(TREE_SHAPE) if chains else set())
+                            if old):
         if key in old.get(section, {}):
             out[section][key] = old[section][key]
         else:
