@@ -82,7 +82,7 @@ def apply_overrides(base: dict, settings: dict[str, Any], what: str) -> dict:
 def run_params(base: dict, variant: Variant, seed: int, iterations: int) -> dict:
     """The run's params.yaml mapping: ``base`` with the overrides, credit.mode, train.seed and
     train.iterations set; validated (a bad override is a one-line ConfigError naming the variant). An arm
-    that does not switch the tree on samples chains, whatever the base's default shape (a tree since issue 45)."""
+    that does not switch the tree on samples chains, whatever the base's default rollout."""
     settings = {"tree.enabled": False, **variant.overrides, "credit.mode": variant.mode, "train.seed": seed,
                 "train.iterations": iterations}
     raw = apply_overrides(base, settings, f"variant {variant.name}")
@@ -161,12 +161,11 @@ def _existing_params(folder: Path) -> dict:
 
 def _keep_neutral(params: dict, old: dict) -> dict:
     """``params`` with an existing folder's own values (or lack) of :data:`NEUTRAL_KEYS`, and of the tree's
-    shape where both sample chains (inert there: a folder made before the tree became the default keeps the
-    old default's shape); as is if new."""
+    shape where both sample chains (inert there: it may be another default's); as is if new."""
     out = json.loads(json.dumps(params))
     chains = all(p.get("tree", {}).get("enabled") is False for p in (params, old))
-    for section, _, key in (k.partition(".") for k in NEUTRAL_KEYS | (set(TREE_SHAPE) if chains else set())
-                            if old):
+    kept = NEUTRAL_KEYS | (set(TREE_SHAPE) if chains else set())
+    for section, _, key in (k.partition(".") for k in kept if old):
         if key in old.get(section, {}):
             out[section][key] = old[section][key]
         else:
