@@ -77,7 +77,8 @@ def run(cfg: Config, iteration: int, root: Path) -> dict:
         check_finite("old log-probs", merged["log_probs"], f"rollout of iteration {iteration}")
         arrays = _store_arrays(merged, spec, seeds, prompt_index, sample)
         attrs = store_attrs(cfg, iteration, spec, metas, G, **{VELOCITIES_KEPT_ATTR: keep_v})
-        write_zarr(paths.trajectories, arrays, attrs, hash_for_dvc=cfg.launch.hash_while_writing)
+        write_zarr(paths.trajectories, arrays, attrs, hash_for_dvc=cfg.launch.hash_while_writing,
+                   cache_for_dvc=cfg.launch.cache_while_writing)
     metrics.update(_metrics(arrays, spec, len(seeds), backend.cfg_doubles_batch), processes=dist.world,
                    chunks=len(chunks))
     write_log(paths.rollout_metrics, metrics)

@@ -186,6 +186,14 @@ def test_dvc_repro_records_the_true_md5s_of_a_store_it_did_not_hash(tiny_project
     assert recorded == {str(f.relative_to(store)): md5_of(f) for f in files_of(store)}
     held = state_md5s(tiny_project, files_of(store))
     assert all(held[f] == md5_of(f) for f in files_of(store) if f.name != "zarr.json")
+    # launch.cache_while_writing (on by default): the rollout put each chunk file's object into the cache
+    # itself, before it wrote its timing log; DVC's commit, after the stage, found them and copied none (a copy
+    # would be a newer file).
+    assert raw["launch"]["cache_while_writing"] is True
+    metrics_written = (tiny_project / "data/iters/0001/rollout.timing.json").stat().st_mtime_ns  # untracked
+    objects = [tiny_project / ".dvc/cache/files/md5" / m[:2] / m[2:] for m in
+               (md5_of(f) for f in files_of(store) if f.name != "zarr.json")]
+    assert objects and all(o.stat().st_mtime_ns <= metrics_written for o in objects)
 
 
 @pytest.mark.parametrize("value", ["yes", 1])

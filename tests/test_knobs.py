@@ -24,7 +24,7 @@ from tpgrpo.stage_params import EXECUTION_KNOBS, MODEL_PARAMS, STAGE_PARAMS
 # Values each knob takes in the "other" config: any value the loader accepts (a CUDA device string is a
 # string; nothing here runs on it).
 OTHER = {"model.device": "cuda:1", "reward_models.device": "cuda:1", "update.gradient_checkpointing": True,
-         "launch.hash_while_writing": False}
+         "launch.hash_while_writing": False, "launch.cache_while_writing": False}
 KEPT_INPUTS = {"rollout.batch_size": ("rollout", "eval", "eval_prompts", "baseline"), "probe.batch_size": ("probe",),
                "reward_models.batch_size": ("rollout", "probe", "eval", "baseline"), "update.micro_batch": ("update",)}
 # update.micro_batch 8 -> 3 on the tiny model, 1 thread, lr 1e-2: the adapter moved by 2.8e-7 (weights up to
@@ -186,7 +186,7 @@ def test_dvc_sees_no_change_when_every_knob_changes_after_a_run(tiny_project):
 
     assert changed() == set()
     set_params(root, {"model.device": "cpu:0", "reward_models.device": "cpu:0", "update.gradient_checkpointing": True,
-                      "launch.hash_while_writing": False})
+                      "launch.hash_while_writing": False, "launch.cache_while_writing": False})
     assert changed() == set()
     set_params(root, {"update.micro_batch": 3})  # recorded since issue 46: the update is out of date
     assert changed() == {"update-0001"}

@@ -192,9 +192,11 @@ def edit_code(seq: Seq) -> Plan:
 
 # Execution knobs (tpgrpo.stage_params.EXECUTION_KNOBS), with values this CPU machine can run. A knob is not
 # recorded: changing it must re-run nothing (not even the code stage, unless it renders dvc.yaml from it).
-# Toggling launch.hash_while_writing, later rollouts hand DVC their md5s or leave DVC to hash.
+# Toggling launch.hash_while_writing, later rollouts hand DVC their md5s or leave DVC to hash; toggling
+# launch.cache_while_writing, they put the store's objects into DVC's cache themselves or leave DVC to copy.
 KNOBS = {"model.device": ["cpu", "cpu:0"], "reward_models.device": ["cpu", "cpu:0"],
-         "update.gradient_checkpointing": [False, True], "launch.hash_while_writing": [True, False]}
+         "update.gradient_checkpointing": [False, True], "launch.hash_while_writing": [True, False],
+         "launch.cache_while_writing": [True, False]}
 
 
 def edit_knob(seq: Seq) -> Plan:

@@ -298,6 +298,9 @@ class LaunchConfig:
     hash_while_writing: bool = param(True, "the rollout takes the md5 of each trajectory-store file while writing "
                                      "it and hands it to DVC's state database, so `dvc repro` does not read the "
                                      "store again to hash it (tpgrpo.io.dvc_prehash); false = DVC hashes it")
+    cache_while_writing: bool = param(True, "with hash_while_writing, the rollout also writes each trajectory-store "
+                                      "file into DVC's cache under its md5, so `dvc repro` does not copy the store "
+                                      "there (tpgrpo.io.dvc_prehash); false = DVC copies it")
 
 
 @dataclass(frozen=True)

@@ -30,6 +30,8 @@ EXECUTION_KNOBS = {
     "update.gradient_checkpointing": "memory",
     # Who hashes the trajectory store for DVC: the rollout while writing it, or DVC after; the same bytes.
     "launch.hash_while_writing": "hashing",
+    # Who copies the trajectory store into DVC's cache: the rollout while writing it, or DVC after; the same bytes.
+    "launch.cache_while_writing": "caching",
 }
 
 

@@ -53,7 +53,7 @@ MUTABLE_KEYS = {"train.iterations"}
 # tests/test_sealing.py: the same bytes): an existing folder keeps its own value, or its lack of the key (it
 # may predate the key, and so may the code it was made with).
 NEUTRAL_KEYS = {"launch.stage_server", "launch.resident_model", "train.block_size", "retention.keep_trajectories",
-                "retention.keep_adapter_every", "launch.hash_while_writing"}
+                "retention.keep_adapter_every", "launch.hash_while_writing", "launch.cache_while_writing"}
 
 
 def flatten(raw: dict, prefix: str = "") -> dict[str, Any]:

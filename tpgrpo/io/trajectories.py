@@ -33,21 +33,24 @@ def _chunk_codecs() -> list:
     return [ZstdCodec(level=0, checksum=True), Crc32cCodec()]
 
 
-def write_zarr(path: Path, arrays: dict, attrs: dict, hash_for_dvc: bool = False) -> int:
+def write_zarr(path: Path, arrays: dict, attrs: dict, hash_for_dvc: bool = False, cache_for_dvc: bool = False) -> int:
     """Write the trajectory store atomically after checking it against its schema; each array gets its
     dimension names and meaning as attributes, each chunk a checksum (``_chunk_codecs``). ``hash_for_dvc``
     (``launch.hash_while_writing``): take each file's md5 while writing it and hand it to DVC's state
-    database (``tpgrpo.io.dvc_prehash``), so that ``dvc repro`` does not read the store again to hash it.
-    Returns the number of md5s handed to DVC (0 without ``hash_for_dvc`` or outside a DVC project)."""
+    database (``tpgrpo.io.dvc_prehash``), so that ``dvc repro`` does not read the store again to hash it;
+    with ``cache_for_dvc`` (``launch.cache_while_writing``) also write each file into DVC's cache, so that
+    ``dvc repro`` does not copy it there. Returns the number of md5s handed to DVC (0 without
+    ``hash_for_dvc`` or outside a DVC project)."""
     import zarr
 
-    from tpgrpo.io.dvc_prehash import HashingStore, hand_md5s_to_dvc
+    from tpgrpo.io.dvc_prehash import HashingStore, dvc_cache_placer, hand_md5s_to_dvc
 
     check_trajectories(arrays, attrs, f"{path} (being written)")
     arrays = conform_arrays(arrays)
     docs = {spec.name: spec for spec in TRAJECTORY_ARRAYS}
+    placer = dvc_cache_placer(path) if hash_for_dvc and cache_for_dvc else None
     with atomic_path(path) as tmp:
-        store = HashingStore(tmp) if hash_for_dvc else str(tmp)
+        store = HashingStore(tmp, placer) if hash_for_dvc else str(tmp)
         group = zarr.open_group(store, mode="w")
         for name, data in arrays.items():
             chunks = (min(64, data.shape[0]),) + data.shape[1:]
@@ -61,7 +64,7 @@ def write_zarr(path: Path, arrays: dict, attrs: dict, hash_for_dvc: bool = False
                                      chunk_key_encoding=CHUNK_KEYS, config={"write_empty_chunks": True})
             arr.attrs.update({"dims": list(docs[name].dims), "meaning": docs[name].meaning})
         group.attrs.update(attrs)
-    return hand_md5s_to_dvc(path, store.md5s()) if hash_for_dvc else 0
+    return hand_md5s_to_dvc(path, store.md5s(), placer) if hash_for_dvc else 0
 
 
 class CheckedArray:

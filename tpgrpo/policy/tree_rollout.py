@@ -101,7 +101,8 @@ def run(cfg: Config, iteration: int, root: Path) -> dict:
             return metrics
         arrays, attrs = _store(cfg, merged, metas, spec, shape, seeds, iteration)
         check_finite("old log-probs", arrays["log_probs"], f"rollout of iteration {iteration}")
-        write_zarr(paths.trajectories, arrays, attrs, hash_for_dvc=cfg.launch.hash_while_writing)
+        write_zarr(paths.trajectories, arrays, attrs, hash_for_dvc=cfg.launch.hash_while_writing,
+                   cache_for_dvc=cfg.launch.cache_while_writing)
     leaves = P * R * per_root[1]
     sde = arrays["tree_sde"]
     last = arrays["tree_depth"] == shape.depth - 1  # one last-depth edge per leaf: its final reward is the leaf's
