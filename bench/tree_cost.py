@@ -30,12 +30,13 @@ STAGES = ("rollout", "probe", "credit", "update")
 SWEEP = [("0,3,6", 1, 1), ("0,4", 1, 2), ("0,2,4", 1, 1), ("0", 7, 1), ("0,5", 2, 1), ("2,5", 1, 2), ("0,3,6", 1, 2)]
 
 
-def counts(num_steps: int, window: int, group: int, split: str, m: int, roots: int) -> dict:
-    """Per-prompt and per-sample counts (transformer rows without CFG's doubling) for the chain and a tree."""
+def counts(num_steps: int, window: int, group: int, split: str, m: int | str, roots: int) -> dict:
+    """Per-prompt and per-sample counts (transformer rows without CFG's doubling) for the chain and a tree;
+    ``m``: one child count for every split, or one per split (``"3,1"``)."""
     sys.path.insert(0, str(REPO))
-    from tpgrpo.algo.tree_shape import TreeShape, parse_split_steps
+    from tpgrpo.algo.tree_shape import TreeShape, parse_children, parse_split_steps
 
-    shape = TreeShape(parse_split_steps(split), m, roots)
+    shape = TreeShape(parse_split_steps(split), parse_children(int(m) if str(m).isdigit() else m), roots)
     leaves = roots * shape.leaves_per_root()
     probe_exact = sum(num_steps - k for k in range(window))  # chain tp: ODE completions of z_0..z_{K-1}
     return {
@@ -87,10 +88,11 @@ def run_arm(overrides: dict) -> dict:
             "logs": {n: {k: v for k, v in logs[n].items() if k in keep} for n in logs}}
 
 
-def arm_overrides(shape: str, mode: str, split: str = "0,3,6", m: int = 1, roots: int = 1) -> dict:
+def arm_overrides(shape: str, mode: str, split: str = "0,3,6", m: int | str = 1, roots: int = 1) -> dict:
     """The params overrides of one arm: ``shape`` chain | tree (the params' ``tree.enabled``), the tree's
     split steps, m and R, and the credit mode."""
-    return {"tree": {"enabled": shape == "tree", "split_steps": split, "children": m, "roots": roots},
+    children = int(m) if str(m).isdigit() else str(m)  # params.yaml holds an int or a "3,1" string
+    return {"tree": {"enabled": shape == "tree", "split_steps": split, "children": children, "roots": roots},
             "credit": {"mode": mode}}
 
 
@@ -107,7 +109,7 @@ def spawn(args: list[str]) -> subprocess.Popen:
                             text=True)
 
 
-def side_by_side(split: str, m: int, roots: int) -> None:
+def side_by_side(split: str, m: str, roots: int) -> None:
     load_before = os.getloadavg()
     procs = {"chain flow_grpo": spawn(["--shape", "chain", "--mode", "flow_grpo"]),
              f"tree tp ({split}; m={m}; R={roots})": spawn(["--shape", "tree", "--mode", "tp", "--split", split,
@@ -128,7 +130,7 @@ def main() -> None:
     ap.add_argument("--shape", default="tree")
     ap.add_argument("--mode", default="tp")
     ap.add_argument("--split", default="0,3,6")
-    ap.add_argument("--m", type=int, default=1)
+    ap.add_argument("--m", default="1", help='SDE children per split: "3" for every split, "3,1" per split')
     ap.add_argument("--roots", type=int, default=1)
     a = ap.parse_args()
     if a.what == "counts":
