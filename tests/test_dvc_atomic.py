@@ -65,7 +65,7 @@ stages:
     cmd: python -c "open('b.txt', 'w').write(open('a.txt').read().upper())"
     deps: [a.txt]
     outs: [b.txt]
-"""
+""".replace("cmd: python ", f"cmd: {sys.executable} ")  # a fresh machine may have no `python`
 
 
 def _env() -> dict[str, str]:

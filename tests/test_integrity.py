@@ -68,7 +68,7 @@ DVC_YAML = """stages:
     outs:
     - out
     - b.bin
-"""
+""".replace("cmd: python ", f"cmd: {sys.executable} ")  # a fresh machine may have no `python`
 
 
 def test_the_project_and_the_code_never_link_the_dvc_cache():
