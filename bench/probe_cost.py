@@ -36,7 +36,7 @@ def _project(folder: Path, model: Path) -> Path:
     shutil.copytree(REPO / "data" / "prompts", folder / "data" / "prompts")
     shutil.copytree(model, folder / "data" / "base")
     raw = yaml.safe_load((REPO / "params.yaml").read_text())
-    raw["tree"]["enabled"] = False  # a chain: the probe's cost (the default is a tree since issue 45)
+    raw["tree"]["enabled"] = False  # a chain: the probe's cost (pinned: issue 45 may switch the default)
     (folder / "params.yaml").write_text(yaml.safe_dump(raw, sort_keys=False))
     return folder
 

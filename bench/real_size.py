@@ -57,7 +57,7 @@ PARAMS = {"model": {"kind": "sd3", "dtype": "bf16", "resolution": 64, "device": 
                                                   "optimizer_steps_per_iter": 1, "epochs": 1},
           "eval": {"every": 1, "num_steps": 3, "num_prompts": 2, "samples_per_prompt": 1},
           "train": {"iterations": 1},
-          "tree": {"enabled": False}}  # a chain: the window and probe pass (the default is a tree since issue 45)
+          "tree": {"enabled": False}}  # a chain: the window and probe pass (pinned: issue 45 may switch the default)
 
 
 def clip_tokenizer():

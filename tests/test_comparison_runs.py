@@ -63,8 +63,8 @@ def test_a_folder_made_before_a_bookkeeping_key_keeps_its_params_and_a_done_run_
 
 
 def test_a_chain_folder_made_under_another_default_tree_shape_continues_and_keeps_it(tmp_path, tiny_model_dir):
-    """The default became a tree (issue 45 item 7): a main arm pins chains, and a chain folder made when the
-    (inert) default shape was another keeps its own; a tree folder's shape still counts."""
+    """For a default that becomes a tree (issue 45 item 7): a main arm pins chains, and a chain folder made when
+    the (inert) default shape was another keeps its own; a tree folder's shape still counts."""
     base = make_tiny_project(tmp_path / "base", tiny_model_dir)
     params = yaml.safe_load((base / "params.yaml").read_text())
     params["tree"].update({"enabled": True, "split_steps": "0,1", "children": "3,1"})  # as the new default

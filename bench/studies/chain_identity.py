@@ -47,7 +47,7 @@ def make_project(code: Path, root: Path, update: dict | None = None) -> Path:
     raw["update"].update(update or {})
     if "min_transitions_per_step" in raw["update"]:
         raw["update"]["min_transitions_per_step"] = 1
-    if "tree" in raw:  # a chain: the default is a tree since issue 45 (checkouts before issue 35 have no tree)
+    if "tree" in raw:  # a chain, pinned (issue 45; a checkout before issue 35 has no tree)
         raw["tree"]["enabled"] = False
     (root / "params.yaml").write_text(yaml.safe_dump(raw, sort_keys=False))
     return root

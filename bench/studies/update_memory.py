@@ -43,7 +43,7 @@ def make_project(root: Path, prompts: int, group_size: int, micro_batch: int, pr
     overrides = {"task": {"reward": "jpeg_compressibility"}, "credit": {"mode": "flow_grpo"},
                  "rollout": {"prompts_per_iter": prompts, "group_size": group_size},
                  "update": {"micro_batch": micro_batch}, "launch": {"num_processes": processes},
-                 "tree": {"enabled": False}}  # a chain's update memory (the default is a tree since issue 45)
+                 "tree": {"enabled": False}}  # a chain's update memory (pinned: issue 45 may switch the default)
     for section, values in overrides.items():
         raw[section].update(values)
     (root / "params.yaml").write_text(yaml.safe_dump(raw, sort_keys=False))
