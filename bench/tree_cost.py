@@ -30,13 +30,18 @@ STAGES = ("rollout", "probe", "credit", "update")
 SWEEP = [("0,3,6", 1, 1), ("0,4", 1, 2), ("0,2,4", 1, 1), ("0", 7, 1), ("0,5", 2, 1), ("2,5", 1, 2), ("0,3,6", 1, 2)]
 
 
+def children_value(m: int | str) -> int | str:
+    """``tree.children`` as params.yaml holds it: an int (``3``, every split) or a string (``"3,1"``, per split)."""
+    return int(m) if str(m).isdigit() else str(m)
+
+
 def counts(num_steps: int, window: int, group: int, split: str, m: int | str, roots: int) -> dict:
     """Per-prompt and per-sample counts (transformer rows without CFG's doubling) for the chain and a tree;
     ``m``: one child count for every split, or one per split (``"3,1"``)."""
     sys.path.insert(0, str(REPO))
     from tpgrpo.algo.tree_shape import TreeShape, parse_children, parse_split_steps
 
-    shape = TreeShape(parse_split_steps(split), parse_children(int(m) if str(m).isdigit() else m), roots)
+    shape = TreeShape(parse_split_steps(split), parse_children(children_value(m)), roots)
     leaves = roots * shape.leaves_per_root()
     probe_exact = sum(num_steps - k for k in range(window))  # chain tp: ODE completions of z_0..z_{K-1}
     return {
@@ -91,8 +96,7 @@ def run_arm(overrides: dict) -> dict:
 def arm_overrides(shape: str, mode: str, split: str = "0,3,6", m: int | str = 1, roots: int = 1) -> dict:
     """The params overrides of one arm: ``shape`` chain | tree (the params' ``tree.enabled``), the tree's
     split steps, m and R, and the credit mode."""
-    children = int(m) if str(m).isdigit() else str(m)  # params.yaml holds an int or a "3,1" string
-    return {"tree": {"enabled": shape == "tree", "split_steps": split, "children": children, "roots": roots},
+    return {"tree": {"enabled": shape == "tree", "split_steps": split, "children": children_value(m), "roots": roots},
             "credit": {"mode": mode}}
 
 
