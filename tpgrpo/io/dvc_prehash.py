@@ -56,6 +56,13 @@ def _file_md5(path: str) -> str:
     return md5.hexdigest()
 
 
+def _remove_protected(path: str) -> None:
+    """Delete a file this process wrote into the cache, read-only (0o444) or not; nothing if it is gone."""
+    if os.path.lexists(path):
+        os.chmod(path, 0o644)
+        os.unlink(path)
+
+
 class CachePlacer:
     """Writes buffers into DVC's local cache (``odb``: DVC's ``LocalHashFileDB``, ``repo.cache.local``) under
     their md5, protected as DVC protects its objects. Called from the hashing thread only, one buffer at a
@@ -79,9 +86,7 @@ class CachePlacer:
             os.replace(tmp, path)
         except OSError as exc:
             self.error = f"{type(exc).__name__}: {exc}"
-            if os.path.lexists(tmp):
-                os.chmod(tmp, 0o644)
-                os.unlink(tmp)
+            _remove_protected(tmp)
             return
         self.placed.append((path, digest))
 
@@ -100,9 +105,7 @@ class CachePlacer:
     def discard(self) -> None:
         """Remove every object this placer put into the cache."""
         for path, _ in self.placed:
-            if os.path.lexists(path):
-                os.chmod(path, 0o644)
-                os.unlink(path)
+            _remove_protected(path)
         self.placed = []
 
 
