@@ -50,21 +50,31 @@ def curve(tables: dict[int, dict[int, object]]) -> list[str]:
     return lines
 
 
+def paired_row(ta, tb, column: str = "eval_reward"):
+    """``(A - B of column per image, prompt id per image)`` of two eval tables, images in (prompt_id, sample,
+    seed) order; None when the tables hold other images."""
+    from tpgrpo.comparison.stats import PAIR_KEYS
+
+    ta, tb = (t.sort_values(list(PAIR_KEYS)).reset_index(drop=True) for t in (ta, tb))
+    if not ta[list(PAIR_KEYS)].equals(tb[list(PAIR_KEYS)]):
+        return None
+    return (ta[column] - tb[column]).to_numpy(), ta["prompt_id"].to_numpy()
+
+
 def pair(a: dict, b: dict, ia: int, ib: int, level: float = 0.95) -> str:
     """A at ``ia`` - B at ``ib`` over the seeds both have, paired by (prompt, sample, seed) image; the interval
     at ``level`` (0.975 for one of two looks at the same hypothesis, Bonferroni)."""
-    from tpgrpo.comparison.stats import PAIR_KEYS, seed_prompt_t_interval
+    from tpgrpo.comparison.stats import seed_prompt_t_interval
 
     diffs, prompts = [], None
     for seed in sorted(set(a) & set(b)):
         if ia not in a[seed] or ib not in b[seed]:
             return f"  A@{ia} - B@{ib}: not evaluated in seed {seed}"
-        ta = a[seed][ia].sort_values(list(PAIR_KEYS)).reset_index(drop=True)
-        tb = b[seed][ib].sort_values(list(PAIR_KEYS)).reset_index(drop=True)
-        if not ta[list(PAIR_KEYS)].equals(tb[list(PAIR_KEYS)]):
+        paired = paired_row(a[seed][ia], b[seed][ib])
+        if paired is None:
             return f"  A@{ia} - B@{ib}: seed {seed}'s tables hold other images"
-        diffs.append((ta["eval_reward"] - tb["eval_reward"]).to_numpy())
-        prompts = ta["prompt_id"].to_numpy()
+        diff, prompts = paired
+        diffs.append(diff)
     d = np.stack(diffs)
     mean, lo, hi = seed_prompt_t_interval(d, prompts, level=level)
     above = int((d.mean(axis=1) > 0).sum())

@@ -26,21 +26,25 @@ from pathlib import Path
 import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
+sys.path.insert(0, str(Path(__file__).resolve().parent))  # arm_pairs
 
 
 def paired_cube(a_arm: Path, b_arm: Path, ia: int, ib: int, seeds: list[int], column: str = "eval_reward") -> np.ndarray:
     """(S, P, K) paired differences of ``column``, A at ``ia`` - B at ``ib``, prompts and images in one order for
     every seed."""
-    from tpgrpo.comparison.stats import PAIR_KEYS, read_eval_table
+    from arm_pairs import paired_row
+
+    from tpgrpo.comparison.stats import read_eval_table
 
     rows = []
     for seed in seeds:
         ta, tb = (read_eval_table(arm / f"seed{seed}" / "data" / "iters" / f"{it:04d}" / "eval.parquet")
-                  .sort_values(list(PAIR_KEYS)).reset_index(drop=True) for arm, it in ((a_arm, ia), (b_arm, ib)))
-        if not ta[list(PAIR_KEYS)].equals(tb[list(PAIR_KEYS)]):
+                  for arm, it in ((a_arm, ia), (b_arm, ib)))
+        paired = paired_row(ta, tb, column)
+        if paired is None:
             raise SystemExit(f"seed {seed}: the two tables hold other images")
-        k = int(ta.groupby("prompt_id").size().iloc[0])
-        rows.append((ta[column] - tb[column]).to_numpy().reshape(-1, k))
+        diff, prompts = paired
+        rows.append(diff.reshape(len(set(prompts)), -1))  # images sorted by prompt: K a row
     return np.stack(rows)
 
 
