@@ -29,7 +29,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # arm_pairs
 
 
-def paired_cube(a_arm: Path, b_arm: Path, ia: int, ib: int, seeds: list[int], column: str = "eval_reward") -> np.ndarray:
+def paired_cube(a_arm: Path, b_arm: Path, ia: int, ib: int, seeds: list[int],
+                column: str = "eval_reward") -> np.ndarray:
     """(S, P, K) paired differences of ``column``, A at ``ia`` - B at ``ib``, prompts and images in one order for
     every seed."""
     from arm_pairs import paired_row
