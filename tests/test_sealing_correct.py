@@ -271,6 +271,32 @@ def test_a_run_refused_for_a_retained_block_leaves_the_pipeline_files_as_they_we
     assert _ran(_tpgrpo(root, "run").stdout) == []
 
 
+@pytest.mark.slow
+def test_a_run_refused_for_a_code_edit_leaves_the_code_manifests_as_they_were(run_copy):
+    """A code edit reaches the block `tpgrpo retain` thinned: the run refuses in one line, and the code
+    manifests it refreshed to find that out are put back, bytes and times (the harness's seed 1700 sequence 1:
+    the refused run had rewritten data/code/*.json). Once the edit is undone nothing is out of date."""
+    root = run_copy
+    _edit_params(root, "keep_trajectories: 0", "keep_trajectories: 1")
+    _edit_params(root, "keep_adapter_every: 0", "keep_adapter_every: 2")
+    assert "dropped" in _tpgrpo(root, "retain").stdout
+    assert set(_ran(_tpgrpo(root, "run").stdout)) <= {"code"}
+    manifests = sorted((root / "data/code").glob("*.json"))
+    files = [*manifests, root / "dvc.yaml", BLOCK.dvcfile(root)]
+    before = [(p.read_bytes(), p.stat().st_mtime_ns) for p in files]
+    code = root / "tpgrpo/algo/credit.py"
+    source = code.read_text()
+    code.write_text(source + "\n# an edit\n")
+    refused = _tpgrpo(root, "run", ok=False)
+    lines = refused.stderr.strip().splitlines()
+    assert refused.returncode == 2 and len(lines) == 1, refused.stderr
+    assert "code changed" in lines[0] and "iters-0001-0002" in lines[0] and "retain" in lines[0]
+    assert [(p.read_bytes(), p.stat().st_mtime_ns) for p in files] == before
+    code.write_text(source)  # the user undoes the edit
+    assert _dvc_status(root) == {}
+    assert _ran(_tpgrpo(root, "run").stdout) == []
+
+
 # --- retain and DVC's lock: a hand-sealed project (fast) ---
 
 def _hand_sealed(root: Path) -> Path:

@@ -121,12 +121,14 @@ def _run_held(params: Path, root: Path, cfg, raw: dict, env: dict) -> None:
     from tpgrpo.pipeline.dvclock import clear_stale_lock
     from tpgrpo.errors import PipelineError
     from tpgrpo.pipeline import long_run
-    from tpgrpo.pipeline.code_manifest import refresh_manifests
+    from tpgrpo.pipeline.code_manifest import manifests_refreshed
     from tpgrpo.pipeline.repro import repro_checked
 
     try:
-        refresh_manifests(root, cfg)  # a code edit (or a code path's switch) shows in the manifests before the blocks are checked against them
-        pending = long_run.prepare(root, cfg, raw, typer.echo)  # structural changes at once, the rest as repros reach them
+        # a code edit (or a code path's switch) shows in the manifests: the blocks are checked against them,
+        # and a refused run puts them back (a refused run changes nothing)
+        with manifests_refreshed(root, cfg):
+            pending = long_run.prepare(root, cfg, raw, typer.echo)  # structural changes at once, the rest later
     except (ConfigError, PipelineError) as exc:
         _fail(str(exc))
     _render_dvc_yaml(params)

@@ -24,6 +24,8 @@ from __future__ import annotations
 
 import hashlib
 import json
+from collections.abc import Iterator
+from contextlib import contextmanager
 from functools import lru_cache
 from pathlib import Path
 
@@ -184,18 +186,46 @@ def write_manifests(root: Path, cfg=None) -> list[Path]:
     return written
 
 
-def refresh_manifests(root: Path, cfg=None) -> None:
+def refresh_manifests(root: Path, cfg=None) -> dict[Path, tuple[bytes, int] | None]:
     """Rewrite the manifests of a project that has them where they differ (a library upgraded since the code
-    stage wrote them): DVC then sees the code stage's outputs changed and re-runs it and what they feed."""
+    stage wrote them): DVC then sees the code stage's outputs changed and re-runs it and what they feed.
+    Returns what each rewritten manifest was: ``(bytes, mtime_ns)``, or None where it did not exist."""
     if not (root / CODE_DIR).is_dir():
-        return
+        return {}
     from tpgrpo.io.artifacts import atomic_path
 
+    replaced = {}
     for kind in KIND_STAGES:
         path, text = root / manifest_path(kind), manifest_text(root, kind, cfg)
         if not path.is_file() or path.read_text() != text:
+            replaced[path] = (path.read_bytes(), path.stat().st_mtime_ns) if path.is_file() else None
             with atomic_path(path) as tmp:
                 tmp.write_text(text)
+    return replaced
+
+
+@contextmanager
+def manifests_refreshed(root: Path, cfg=None) -> Iterator[None]:
+    """:func:`refresh_manifests` for the body, undone if the body raises: ``tpgrpo run`` checks the sealed
+    blocks against the refreshed manifests (a code edit shows only there), and a run refused on them (the
+    edit would unseal a block ``tpgrpo retain`` thinned) must leave the project's files as they were. The old
+    bytes and modification times go back (DVC's state database then still knows their md5s)."""
+    import os
+
+    from tpgrpo.io.artifacts import atomic_path
+
+    replaced = refresh_manifests(root, cfg)
+    try:
+        yield
+    except BaseException:
+        for path, old in replaced.items():
+            if old is None:
+                path.unlink(missing_ok=True)
+                continue
+            with atomic_path(path) as tmp:
+                tmp.write_bytes(old[0])
+            os.utime(path, ns=(old[1], old[1]))
+        raise
 
 
 def check_code(root: Path, kind: str, cfg=None) -> None:
