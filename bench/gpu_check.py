@@ -1,5 +1,5 @@
 """GPU check: two CLI iterations of the embedded model on a GPU (EMA, a kill and a resume, 2 processes where
-there are 2 GPUs), then the SD3.5-M cost at full size.
+there are 2 GPUs), the base weights held for GPU stages, then the SD3.5-M cost at full size.
 
     python bench/gpu_check.py                        # a machine with CUDA GPUs; under 8 minutes (not yet run)
     python bench/gpu_check.py --device cpu --smoke   # the plumbing only, at tiny size, on a CPU
@@ -15,7 +15,11 @@ there are 2 GPUs), then the SD3.5-M cost at full size.
    the resumed iteration 2 then loads the EMA and optimizer state of iteration 1 on the device. Then a 2-step
    ``tpgrpo pretrain --device``. Each must exit 0 and write its artifacts. ``--smoke`` also shrinks the
    iterations (2 prompts, T = 4; 4 samples each where params.yaml samples chains).
-2. Cost: ``bench/bench_sd3.py --full`` (SD3.5-M config, random weights, 512 px, bf16, T = 10, window 9;
+2. Held weights (``launch.resident_model`` on the device): ``bench/resident_load.py --device --verify`` on the
+   embedded model (a stage forked from a process that holds the weights on the CPU moves its copy to the
+   device and gets the weights a load from disk gets), then one smoke iteration of ``tpgrpo run`` with the
+   model held, whose rollout and update must fork from the server.
+3. Cost: ``bench/bench_sd3.py --full`` (SD3.5-M config, random weights, 512 px, bf16, T = 10, window 9;
    ``--smoke``: 1 block at 64 px) for seconds per trajectory and peak memory of rollout, probe and update.
 
 Prints one summary table and ``gpu_check: ok`` (exit 0), or what failed (exit 1). Without CUDA, ``--device
@@ -208,6 +212,38 @@ def pipeline_check(device: str, smoke: bool, tmp: Path, processes: int = 1) -> l
     return rows + [row]
 
 
+def resident_check(device: str, tmp: Path) -> list[dict]:
+    """Step 3: the base weights held on the CPU for GPU stages (``launch.resident_model``). A forked load
+    moves the held copy to ``device`` and must get the weights a load from disk gets (bench/resident_load.py
+    --verify, its medians in the note); then one smoke iteration of ``tpgrpo run`` with the model held, whose
+    rollout and update must have forked from the server that held it (its log, .dvc/tmp/stage_server.log)."""
+    row = run_step("held weights: forked load", [sys.executable, str(REPO / "bench" / "resident_load.py"),
+                                                 str(REPO / "data" / "base"), "--device", device, "--repeats", "3",
+                                                 "--verify"], BUDGET_S["stage"])
+    medians = [line for line in row.get("stdout", "").splitlines() if line.startswith("per stage")]
+    if row["ok"] and "equal" not in row.get("stdout", ""):
+        row.update(ok=False, error="no weights check in its output")
+    row["note"] = medians[0] if medians else ""
+    root = tmp / "resident"
+    params = make_project(root, device, True)
+    raw = yaml.safe_load(params.read_text())
+    raw["train"]["iterations"], raw["launch"]["resident_model"], raw["eval"]["every"] = 1, True, 0
+    params.write_text(yaml.safe_dump(raw, sort_keys=False))
+    for code in ("stages", "tpgrpo"):  # the project's code (its code stage hashes it)
+        shutil.copytree(REPO / code, root / code, ignore=shutil.ignore_patterns("__pycache__"))
+    run = run_step("held weights: tpgrpo run", [sys.executable, "-m", "tpgrpo", "run", "--params", str(params)],
+                   BUDGET_S["pretrain"] * 2)
+    log = root / ".dvc" / "tmp" / "stage_server.log"
+    text = log.read_text() if log.is_file() else ""
+    lines = [line for line in text.splitlines() if line.startswith("forked ")]
+    forked = [name for name in ("rollout", "update") if any(f"stage {name} " in line and "--iter 1" in line
+                                                            for line in lines)]
+    if run["ok"] and ("model held: none" in text or forked != ["rollout", "update"] or "refused" in text):
+        run.update(ok=False, error=f"the server's log ({log}) shows no held model, a refusal or unforked stages")
+    run["note"] = f"forked from the holder: {', '.join(forked) or 'none'}"
+    return [row, run]
+
+
 def bench_check(device: str, smoke: bool, tmp: Path) -> tuple[dict, dict | None]:
     """Step 2: bench_sd3.py at full size (or its smoke size); its figures or None."""
     out = tmp / "bench.json"
@@ -253,6 +289,7 @@ def main() -> int:
     with tempfile.TemporaryDirectory(prefix="gpu_check-") as tmp:
         processes = args.processes or default_processes(args.device)
         rows = pipeline_check(args.device, args.smoke, Path(tmp), processes)
+        rows += resident_check(args.device, Path(tmp))
         bench_row, figures = bench_check(args.device, args.smoke, Path(tmp))
     rows.append(bench_row)
     print(summary(rows, figures, args.device))

@@ -6,6 +6,7 @@ from __future__ import annotations
 import sys
 from pathlib import Path
 
+import pytest
 import yaml
 
 REPO = Path(__file__).resolve().parents[1]
@@ -45,3 +46,15 @@ def test_kill_step_kills_at_the_marker_and_refuses_a_command_that_ended(tmp_path
     assert row["ok"] and row["note"] == "killed after its model load" and 1 <= row["seconds"] < 30
     row = gpu_check.kill_step("quick", [sys.executable, "-c", "pass"], tmp_path / "never", 30.0)
     assert not row["ok"] and "before the kill" in row["error"]
+
+
+@pytest.mark.slow
+def test_the_held_weights_step_passes_on_the_cpu_and_reads_the_servers_log(tmp_path):
+    """Step 2 on the CPU (what the GPU check runs on cuda): the forked load gets the weights a load from disk
+    gets, and the smoke `tpgrpo run` forks its rollout and update from the server that held the model."""
+    gpu_check._DEADLINE[0] = float("inf")
+    forked, run = gpu_check.resident_check("cpu", tmp_path)
+    assert forked["ok"] and forked["note"].startswith("per stage, median of 3"), forked
+    assert run["ok"] and run["note"] == "forked from the holder: rollout, update", run
+    log = (tmp_path / "resident" / ".dvc" / "tmp" / "stage_server.log").read_text()
+    assert "model held: tiny " in log

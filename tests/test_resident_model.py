@@ -50,6 +50,33 @@ def test_a_forked_stage_takes_the_held_backend_once(held):
     assert resident.held_key() is not None  # the child's take does not empty the holder's
 
 
+def test_a_stage_forked_for_another_device_moves_its_own_copy_there(held):
+    """A backend held on the CPU serves a GPU stage: the forked stage moves its copy (here to the ``meta``
+    device, which a CPU machine has: every parameter moves, the object is the held one), and the holder's
+    copy stays on the CPU."""
+    folder, backend = held
+
+    def check():
+        import torch
+
+        moved = load_backend("tiny", folder, "meta", "fp32", resolution=0)
+        params = [*moved.transformer.parameters(), *moved.text_encoder.parameters()]
+        ok = moved is backend and moved.device == torch.device("meta") and all(p.is_meta for p in params)
+        return 0 if ok else 1
+
+    assert in_child(check) == 0
+    assert all(p.device.type == "cpu" for p in backend.transformer.parameters())
+
+
+def test_only_a_cpu_held_backend_moves_and_only_when_all_else_is_the_same():
+    held = resident.model_key("sd3", "/m", "cpu", "bf16", 512)
+    assert resident.movable(held, resident.model_key("sd3", "/m", "cuda", "bf16", 512))
+    assert not resident.movable(held, resident.model_key("sd3", "/m", "cuda", "fp32", 512))  # another dtype
+    assert not resident.movable(held, resident.model_key("sd3", "/m", "cuda", "bf16", 1024))
+    assert not resident.movable(held, resident.model_key("sd3", "/m", "cpu", "bf16", 512))  # the same: no move
+    assert not resident.movable(resident.model_key("sd3", "/m", "cuda", "bf16", 512), held)
+
+
 def test_the_holder_itself_never_takes_it(held):
     folder, backend = held
     assert load_backend("tiny", folder, "cpu", "fp32", resolution=0) is not backend
@@ -130,3 +157,23 @@ def test_a_stage_forked_at_two_threads_runs_with_the_held_model(tiny_model_dir):
     done = subprocess.run([sys.executable, "-c", FORKED_AT_TWO_THREADS, str(tiny_model_dir)], capture_output=True,
                           text=True, env=dict(os.environ, OMP_NUM_THREADS="2"), timeout=300)
     assert done.returncode == 0, done.stderr[-2000:]
+
+
+@pytest.mark.parametrize("kind", ["sd3", "flux"])
+def test_a_pipeline_backend_moves_every_module_and_tensor_it_keeps(kind, request):
+    """What a GPU stage forked from the holder does to its copy (``to_device``), on the ``meta`` device a CPU
+    machine has: the transformer, the VAE, the text encoders once loaded, and FLUX's position ids."""
+    import torch
+    from tiny_pipelines import RESOLUTION
+
+    from tpgrpo.models.latent import TEXT_MODULES
+
+    backend = load_backend(kind, request.getfixturevalue(f"{kind}_model_dir"), resolution=RESOLUTION)
+    backend.encode_prompts(["a red circle"])  # loads the text encoders: they must move too
+    assert backend.to_device("meta") is backend and backend.device == torch.device("meta")
+    encoders = [getattr(backend._encoder, name) for name in TEXT_MODULES if getattr(backend._encoder, name, None)]
+    assert encoders
+    modules = [backend.transformer, backend.vae, *encoders]
+    assert all(p.is_meta for m in modules for p in m.parameters())
+    if kind == "flux":
+        assert backend._img_ids.is_meta

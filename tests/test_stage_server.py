@@ -278,6 +278,56 @@ def test_the_server_is_wanted_only_when_the_model_and_the_reward_models_run_on_t
     assert wanted(cfg)
     assert not wanted(dataclasses.replace(cfg, model=dataclasses.replace(cfg.model, device="cuda")))
     assert not wanted(dataclasses.replace(cfg, reward_models=dataclasses.replace(cfg.reward_models, device="cuda")))
+    held = dataclasses.replace(cfg, launch=dataclasses.replace(cfg.launch, resident_model=True))
+    assert wanted(dataclasses.replace(held, model=dataclasses.replace(cfg.model, device="cuda")))  # opted in
+    assert not wanted(dataclasses.replace(held, launch=dataclasses.replace(held.launch, stage_server=False),
+                                          model=dataclasses.replace(cfg.model, device="cuda")))
+
+
+def test_once_cuda_is_initialised_the_server_refuses_and_stops_serving(tmp_path, monkeypatch):
+    """A process forked after CUDA was initialised cannot use the GPU: the server then answers with a refusal
+    (the caller runs the stage itself) and stops forking, as after a code change."""
+    import json
+    import socket
+
+    from tpgrpo.pipeline import stage_server
+    from tpgrpo.pipeline.stage_client import fingerprint
+
+    class Unchanged:
+        def changed(self) -> str:
+            return ""
+
+    monkeypatch.setattr(stage_server, "cuda_initialised", lambda: True)
+    path = str(tmp_path / "s.sock")
+    listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    listener.bind(path)
+    listener.listen(1)
+    client = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    client.connect(path)
+    own = fingerprint(dict(os.environ))
+    request = {"argv": ["tpgrpo", "stage", "credit"], "fingerprint": own}
+    r, w = os.pipe()
+    try:
+        socket.send_fds(client, [json.dumps(request).encode()], [r, w, r])
+        before = sorted(os.listdir("/proc/self/fd"))
+        children: dict = {}
+        assert stage_server._accept(listener, own, Unchanged(), {}, children) is False  # stops serving
+        assert children == {} and sorted(os.listdir("/proc/self/fd")) == before  # nothing forked or leaked
+        answer = json.loads(client.recv(1 << 16))
+        assert "CUDA" in answer["refused"]
+    finally:
+        for fd in (r, w):
+            os.close(fd)
+        client.close()
+        listener.close()
+
+
+def test_cuda_initialised_reads_torch_without_initialising_it():
+    import torch
+
+    from tpgrpo.pipeline.stage_server import cuda_initialised
+
+    assert cuda_initialised() is False and not torch.cuda.is_initialized()
 
 
 @pytest.mark.parametrize("message", [b"not json", b"[1, 2]", b"\xff\xfe"])

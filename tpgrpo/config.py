@@ -290,11 +290,14 @@ class LaunchConfig:
                              "process count (accelerate only)", "path")
     timeout_s: float = param(1800.0, "time a process waits at a barrier or all-reduce before the stage fails "
                              "(a dead peer)", "seconds", "> 0")
-    stage_server: bool = param(True, "on the CPU with one process per stage (Linux), stages fork from a server "
+    stage_server: bool = param(True, "on the CPU (on a GPU too with launch.resident_model) with one process per "
+                               "stage (Linux), stages fork from a server "
                                "that imported torch/diffusers/transformers/peft once "
                                "(tpgrpo.pipeline.stage_server); false = each imports its own")
-    resident_model: bool = param(False, "the stage server loads the base model once for the stages to fork with "
-                                 "(tpgrpo.models.resident); false = each stage loads it")
+    resident_model: bool = param(False, "the stage server loads the base model once, on the CPU, for the stages "
+                                 "to fork with (tpgrpo.models.resident); with model.device cuda it also starts "
+                                 "the server for GPU stages, each of which moves its forked copy to the GPU (not "
+                                 "yet run on a GPU); false = each stage loads it")
     hash_while_writing: bool = param(True, "the rollout takes the md5 of each trajectory-store file while writing "
                                      "it and hands it to DVC's state database, so `dvc repro` does not read the "
                                      "store again to hash it (tpgrpo.io.dvc_prehash); false = DVC hashes it")

@@ -103,6 +103,12 @@ class FlowBackend(abc.ABC):
     def encode_prompts(self, prompts: list[str]) -> PromptEmbeddings:
         """Encode ``prompts`` (N strings) and the empty prompt once, without gradient."""
 
+    def to_device(self, device) -> "FlowBackend":
+        """Move this backend's modules (and any tensor it keeps) to ``device``, in place; returns it. Why: the
+        stage server holds the base weights on the CPU, and a GPU stage forked from it moves its own copy
+        (:func:`tpgrpo.models.resident.take`) instead of reading the folder again."""
+        raise NotImplementedError(f"{type(self).__name__} cannot move to another device")
+
     @abc.abstractmethod
     def velocity(self, x: torch.Tensor, sigma: torch.Tensor, embeds: PromptEmbeddings,
                  guidance_scale: float) -> torch.Tensor:

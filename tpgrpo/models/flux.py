@@ -97,6 +97,11 @@ class FluxBackend(LatentBackend):
         _, h, w = self.latent_shape
         self._img_ids = latent_image_ids(h, w, self.device, self.dtype)
 
+    def to_device(self, device) -> "FluxBackend":
+        super().to_device(device)
+        self._img_ids = self._img_ids.to(self.device)
+        return self
+
     def _encode(self, pipe, prompts: list[str]) -> tuple[torch.Tensor, torch.Tensor]:
         embeds, pooled, _ = pipe.encode_prompt(prompt=prompts, prompt_2=None, device=self.device,
                                                num_images_per_prompt=1,

@@ -107,6 +107,14 @@ class LatentBackend(FlowBackend):
         if self._encoder is not None:
             self._prepare_encoder(self._encoder)
 
+    def to_device(self, device) -> "LatentBackend":
+        self.device = torch.device(device)
+        self.transformer = move_module(self.transformer, self.device, self.dtype)
+        self.vae = move_module(self.vae, self.device, torch.float32)
+        if self._encoder is not None:  # a lazy loader puts them on self.device when it runs
+            self._prepare_encoder(self._encoder)
+        return self
+
     # -- text encoders ------------------------------------------------------------------------
     def _prepare_encoder(self, pipe) -> None:
         for name in TEXT_MODULES:

@@ -14,8 +14,10 @@ when the server loaded it (:func:`folder_stamps`); otherwise it loads from disk,
 taken at most once per process (a second load in the same stage reads the folder). The holder itself never
 takes it: only a process forked from the holder does.
 
-Not covered: GPUs. The stage server is CPU-only (no fork after CUDA is initialised), so on a GPU node every
-stage still loads its weights; a resident worker there would have to run stages in-process (docs/long-runs.md).
+On a GPU (``model.device`` cuda, opted in with ``launch.resident_model``): the server still holds the weights on
+the CPU, and never initialises CUDA (a process forked after that cannot use it; the server checks before each
+fork). A GPU stage forked from it moves its own copy to the GPU (:func:`take`, :func:`movable`): a host-to-device
+copy instead of reading the folder. Not yet run on a GPU (docs/long-runs.md).
 """
 
 from __future__ import annotations
@@ -61,10 +63,13 @@ def release() -> None:
 
 def take(kind: str, path, device: str, dtype, resolution) -> object | None:
     """The held backend when this process was forked from its holder and asks for exactly what it holds,
-    with the folder unchanged since; else None (load from disk). Handed out once per process."""
+    with the folder unchanged since; else None (load from disk). Handed out once per process. A backend held
+    on the CPU also serves a request for another device (a GPU stage): this process moves its own copy there
+    (:meth:`tpgrpo.models.base.FlowBackend.to_device`), the server's pages stay as they were."""
     if not _held or _held["holder"] == os.getpid():
         return None
-    if _held["key"] != model_key(kind, path, device, dtype, resolution):
+    asked = model_key(kind, path, device, dtype, resolution)
+    if not (asked == _held["key"] or movable(_held["key"], asked)):
         return None
     try:
         if folder_stamps(path) != _held["stamps"]:
@@ -72,9 +77,15 @@ def take(kind: str, path, device: str, dtype, resolution) -> object | None:
             return None
     except OSError:
         return None
-    backend = _held["backend"]
+    backend, same = _held["backend"], asked == _held["key"]
     _held.clear()
-    return backend
+    return backend if same else backend.to_device(device)
+
+
+def movable(held: tuple, asked: tuple) -> bool:
+    """Whether a backend held as ``held`` (a :func:`model_key`) serves ``asked`` by moving: held on the CPU,
+    asked on another device, everything else the same."""
+    return held[2] == "cpu" and asked[2] != "cpu" and held[:2] + held[3:] == asked[:2] + asked[3:]
 
 
 def held_key() -> tuple | None:

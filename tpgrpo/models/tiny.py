@@ -85,6 +85,12 @@ class TinyBackend(FlowBackend):
         self.latent_shape = (3, config.image_size, config.image_size)
         self.lora_target_modules = list(LORA_TARGETS)
 
+    def to_device(self, device) -> "TinyBackend":
+        self.device = torch.device(device)
+        self.transformer = move_module(self.transformer, self.device, self.dtype)
+        self.text_encoder = move_module(self.text_encoder, self.device, self.dtype)
+        return self
+
     # -- text ---------------------------------------------------------------------------------
     def encode_text(self, prompts: list[str]) -> tuple[torch.Tensor, torch.Tensor]:
         """``(hidden (N, L, D), pooled (N, D))`` of ``prompts``, WITH gradient (pretraining)."""

@@ -138,7 +138,8 @@ def _hold(model: dict | None) -> str:
 
 def resident_spec(cfg, root: Path) -> dict | None:
     """What the server loads for the stages (``launch.resident_model``): the ``model`` params' folder,
-    kind, dtype and resolution, on the CPU (the only device the server runs stages for); None when off."""
+    kind, dtype and resolution, on the CPU whatever ``model.device`` says (the server never initialises CUDA:
+    a GPU stage moves its forked copy, :func:`tpgrpo.models.resident.take`); None when off."""
     from tpgrpo.stage_common import resolve
 
     if not cfg.launch.resident_model:
@@ -179,8 +180,12 @@ def _accept(listener: socket.socket, own: dict, code: CodeState, set_by_imports:
         conn.close()
         return True
     changed = code.changed()
-    reason = (f"code changed since the server started ({changed}): its imports are stale" if changed
-              else _refusal(request, own, fds))
+    if changed:
+        reason = f"code changed since the server started ({changed}): its imports are stale"
+    elif cuda_initialised():  # for good: stop serving, as after a code change
+        changed, reason = "CUDA", "CUDA was initialised in the server: a stage forked now could not use the GPU"
+    else:
+        reason = _refusal(request, own, fds)
     if reason:
         print(f"refused {request.get('argv')}: {reason}", flush=True)
         _send(conn, {"refused": reason})
@@ -321,13 +326,22 @@ def _end_children(children: dict[int, socket.socket | None]) -> None:
 
 def wanted(cfg) -> bool:
     """Whether ``tpgrpo run`` starts the server: ``launch.stage_server``, one process per stage (no
-    accelerate), the CPU for the model and the reward models (a GPU stage's start-up is small next to its
-    work, and the server never touches CUDA, untested there), Linux (fork after importing torch is not safe
-    on macOS)."""
+    accelerate), Linux (fork after importing torch is not safe on macOS), and the CPU for the model and the
+    reward models, unless ``launch.resident_model`` asks for the held weights on a GPU too (opt-in: a GPU
+    stage's start-up is small next to its work, its load is not; the server never initialises CUDA and
+    checks that before each fork, :func:`cuda_initialised`)."""
     from tpgrpo.pipeline.launch import single
 
-    return (cfg.launch.stage_server and single(cfg.launch)
-            and cfg.model.device == "cpu" and cfg.reward_models.device == "cpu" and sys.platform.startswith("linux"))
+    on_cpu = cfg.model.device == "cpu" and cfg.reward_models.device == "cpu"
+    return (cfg.launch.stage_server and single(cfg.launch) and (on_cpu or cfg.launch.resident_model)
+            and sys.platform.startswith("linux"))
+
+
+def cuda_initialised() -> bool:
+    """Whether this process has initialised CUDA (through torch): a process forked after that cannot use the
+    GPU, so the server then stops forking and every stage runs in its caller."""
+    torch = sys.modules.get("torch")
+    return bool(torch is not None and torch.cuda.is_initialized())
 
 
 @contextlib.contextmanager
