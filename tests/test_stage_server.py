@@ -298,12 +298,7 @@ def test_once_cuda_is_initialised_the_server_refuses_and_stops_serving(tmp_path,
             return ""
 
     monkeypatch.setattr(stage_server, "cuda_initialised", lambda: True)
-    path = str(tmp_path / "s.sock")
-    listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-    listener.bind(path)
-    listener.listen(1)
-    client = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-    client.connect(path)
+    listener, client = _listener_and_client(tmp_path)
     own = fingerprint(dict(os.environ))
     request = {"argv": ["tpgrpo", "stage", "credit"], "fingerprint": own}
     r, w = os.pipe()
@@ -330,6 +325,19 @@ def test_cuda_initialised_reads_torch_without_initialising_it():
     assert cuda_initialised() is False and not torch.cuda.is_initialized()
 
 
+def _listener_and_client(tmp_path):
+    """A listening Unix socket, as the server's, and a client connected to it."""
+    import socket
+
+    path = str(tmp_path / "s.sock")
+    listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    listener.bind(path)
+    listener.listen(1)
+    client = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    client.connect(path)
+    return listener, client
+
+
 @pytest.mark.parametrize("message", [b"not json", b"[1, 2]", b"\xff\xfe"])
 def test_a_malformed_request_leaks_no_file_descriptor(tmp_path, message):
     """A request the server cannot read is answered by closing it, with the three descriptors it carried
@@ -338,12 +346,7 @@ def test_a_malformed_request_leaks_no_file_descriptor(tmp_path, message):
 
     from tpgrpo.pipeline.stage_server import _accept
 
-    path = str(tmp_path / "s.sock")
-    listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-    listener.bind(path)
-    listener.listen(1)
-    client = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-    client.connect(path)
+    listener, client = _listener_and_client(tmp_path)
     r, w = os.pipe()
     try:
         socket.send_fds(client, [message], [r, w, r])
