@@ -325,6 +325,18 @@ def test_cuda_initialised_reads_torch_without_initialising_it():
     assert cuda_initialised() is False and not torch.cuda.is_initialized()
 
 
+def test_an_open_gpu_device_file_counts_as_cuda_initialised(tmp_path, monkeypatch):
+    """The driver initialised under another library (torch does not know) shows as an open device file."""
+    from tpgrpo.pipeline import stage_server
+
+    monkeypatch.setattr(stage_server, "NVIDIA_DEVICES", str(tmp_path / "nvidia"))
+    (tmp_path / "nvidiactl").write_text("")
+    assert not stage_server.cuda_initialised()
+    with open(tmp_path / "nvidiactl"):
+        assert stage_server.cuda_initialised()
+    assert not stage_server.cuda_initialised()
+
+
 def _listener_and_client(tmp_path):
     """A listening Unix socket, as the server's, and a client connected to it."""
     import socket
@@ -367,13 +379,13 @@ def test_the_server_holds_the_model_at_any_thread_count_and_keeps_the_count(tiny
     import torch
 
     from tpgrpo.models import resident
-    from tpgrpo.pipeline.stage_server import _hold
+    from tpgrpo.models.resident import hold_for_stages
 
     model = {"kind": "tiny", "path": str(tiny_model_dir), "device": "cpu", "dtype": "fp32", "resolution": 0}
     before = torch.get_num_threads()
     try:
         torch.set_num_threads(2)
-        assert _hold(model).startswith("tiny ") and resident.held_key() is not None
+        assert hold_for_stages(model).startswith("tiny ") and resident.held_key() is not None
         assert torch.get_num_threads() == 2
     finally:
         torch.set_num_threads(before)

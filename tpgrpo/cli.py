@@ -116,6 +116,7 @@ def run_command(params: ParamsOpt = Path("params.yaml")) -> None:
 def _run_held(params: Path, root: Path, cfg, raw: dict, env: dict) -> None:
     """:func:`run_command`'s work, with the project's run lock held."""
     from tpgrpo.config import ConfigError
+    from tpgrpo.models import resident
     from tpgrpo.pipeline import stage_server
     from tpgrpo.pipeline.dvcfile import RENDER_UPTO_ENV
     from tpgrpo.pipeline.dvclock import clear_stale_lock
@@ -135,7 +136,7 @@ def _run_held(params: Path, root: Path, cfg, raw: dict, env: dict) -> None:
     note = clear_stale_lock(root)  # a killed, not yet reaped run's lock would block `dvc repro`
     if note:
         typer.echo(note)
-    with stage_server.running(root, stage_server.wanted(cfg), stage_server.resident_spec(cfg, root)) as server_env:
+    with stage_server.running(root, stage_server.wanted(cfg), resident.spec(cfg, root)) as server_env:
         for upto in long_run.repro_ends(root, cfg, pending):  # block by block: dvc.lock stays about one block long
             try:
                 long_run.before_repro(root, cfg, raw, upto, typer.echo)

@@ -91,3 +91,40 @@ def movable(held: tuple, asked: tuple) -> bool:
 def held_key() -> tuple | None:
     """What this process holds (or inherited and has not taken yet), for logs and tests."""
     return _held.get("key")
+
+
+def hold_for_stages(model: dict | None) -> str:
+    """What the stage server does with :func:`spec`'s ``model``: load it for the stages it forks (:func:`hold`),
+    and say what it holds, for its log. A failure is logged, not raised: the stages then load it themselves
+    (and report a bad folder as they always did)."""
+    if not model:
+        return "none"
+    import torch
+
+    from tpgrpo.models import load_backend
+
+    # Loaded on one thread: a torch op on more starts OpenMP's thread pool in this process, and a stage forked
+    # after that hangs in its first parallel op (libgomp's pool does not survive fork: a 2-thread `make run`
+    # stopped in its first model stage). With one thread no pool is started, and each forked stage starts its
+    # own at the run's thread count (tests/test_resident_model.py).
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        hold(load_backend, **model)
+    except Exception as exc:  # noqa: BLE001 - the stage's own load gives the user the error
+        return f"none ({type(exc).__name__}: {exc})"
+    finally:
+        torch.set_num_threads(threads)
+    return f"{model['kind']} {model['path']} ({model['dtype']})"
+
+
+def spec(cfg, root: Path) -> dict | None:
+    """What the stage server loads for the stages (``launch.resident_model``): the ``model`` params' folder,
+    kind, dtype and resolution, on the CPU whatever ``model.device`` says (the server never initialises CUDA:
+    a GPU stage moves its forked copy, :func:`take`); None when off."""
+    from tpgrpo.stage_common import resolve
+
+    if not cfg.launch.resident_model:
+        return None
+    return {"kind": cfg.model.kind, "path": str(resolve(root, cfg.model.path)), "device": "cpu",
+            "dtype": cfg.model.dtype, "resolution": cfg.model.resolution}

@@ -76,7 +76,7 @@ def preload(names=PRELOAD) -> list[str]:
 
 def serve(path: str, parent: int, names=PRELOAD, model: dict | None = None) -> None:
     """Listen on ``path`` (bound before the imports, so early callers wait instead of falling back), import
-    ``names``, load ``model`` (:func:`resident_spec`; None = none), then fork one child per request until
+    ``names``, load ``model`` (:func:`tpgrpo.models.resident.spec`; None = none), then fork one child per request until
     ``parent`` exits, SIGTERM comes, or the code changed (then it stops listening and waits for its running
     children)."""
     listener = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
@@ -87,7 +87,9 @@ def serve(path: str, parent: int, names=PRELOAD, model: dict | None = None) -> N
     # noted before the imports: an edit made while they run counts as a change
     code = CodeState([folder for name in ("tpgrpo", "stages") for folder in fingerprint({})[name]])
     failed = preload(names)
-    held = _hold(model)
+    from tpgrpo.models import resident
+
+    held = resident.hold_for_stages(model)
     # what the imports set (OMP_WAIT_POLICY, torch's cache folders): a fresh stage process would set it too
     set_by_imports = {k: v for k, v in os.environ.items() if start_env.get(k) != v}
     print(f"stage server {os.getpid()}: ready; threads {len(os.listdir('/proc/self/task'))}; not imported: "
@@ -110,42 +112,6 @@ def serve(path: str, parent: int, names=PRELOAD, model: dict | None = None) -> N
             _stop_listening(listener, path)
         with contextlib.suppress(OSError):
             os.rmdir(os.path.dirname(path))  # running()'s folder, if the parent could not remove it
-
-
-def _hold(model: dict | None) -> str:
-    """Load the run's base model for the stages to fork with (:mod:`tpgrpo.models.resident`); a failure is
-    logged and the stages load it themselves (and report a bad folder as they always did)."""
-    if not model:
-        return "none"
-    import torch
-
-    from tpgrpo.models import load_backend, resident
-
-    # Loaded on one thread: a torch op on more starts OpenMP's thread pool in this process, and a stage forked
-    # after that hangs in its first parallel op (libgomp's pool does not survive fork: a 2-thread `make run`
-    # stopped in its first model stage). With one thread no pool is started, and each forked stage starts its
-    # own at the run's thread count (tests/test_resident_model.py).
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    try:
-        resident.hold(load_backend, **model)
-    except Exception as exc:  # noqa: BLE001 - the stage's own load gives the user the error
-        return f"none ({type(exc).__name__}: {exc})"
-    finally:
-        torch.set_num_threads(threads)
-    return f"{model['kind']} {model['path']} ({model['dtype']})"
-
-
-def resident_spec(cfg, root: Path) -> dict | None:
-    """What the server loads for the stages (``launch.resident_model``): the ``model`` params' folder,
-    kind, dtype and resolution, on the CPU whatever ``model.device`` says (the server never initialises CUDA:
-    a GPU stage moves its forked copy, :func:`tpgrpo.models.resident.take`); None when off."""
-    from tpgrpo.stage_common import resolve
-
-    if not cfg.launch.resident_model:
-        return None
-    return {"kind": cfg.model.kind, "path": str(resolve(root, cfg.model.path)), "device": "cpu",
-            "dtype": cfg.model.dtype, "resolution": cfg.model.resolution}
 
 
 def _stop_listening(listener: socket.socket, path: str) -> None:
@@ -337,18 +303,29 @@ def wanted(cfg) -> bool:
             and sys.platform.startswith("linux"))
 
 
+NVIDIA_DEVICES = "/dev/nvidia"  # what a process holds open once it initialised the CUDA driver (nvidiactl, nvidia0)
+
+
 def cuda_initialised() -> bool:
-    """Whether this process has initialised CUDA (through torch): a process forked after that cannot use the
-    GPU, so the server then stops forking and every stage runs in its caller."""
+    """Whether this process has initialised CUDA: torch's own lazy init, or the driver under any library (one
+    ``torch.cuda.is_available()`` at some import runs cudaGetDeviceCount, which torch does not count), seen as
+    an open ``/dev/nvidia*`` file. A process forked after that cannot use the GPU, so the server then stops
+    forking and every stage runs in its caller (a false alarm only costs the held weights)."""
     torch = sys.modules.get("torch")
-    return bool(torch is not None and torch.cuda.is_initialized())
+    if torch is not None and torch.cuda.is_initialized():
+        return True
+    for fd in os.listdir("/proc/self/fd"):
+        with contextlib.suppress(OSError):  # the listing's own descriptor is gone by now
+            if os.readlink(f"/proc/self/fd/{fd}").startswith(NVIDIA_DEVICES):
+                return True
+    return False
 
 
 @contextlib.contextmanager
 def running(root: Path, enabled: bool = True, model: dict | None = None) -> Iterator[dict[str, str]]:
     """Start the server for a ``dvc repro`` in ``root``; yields the environment entries that point the
     stage commands at it (none when not ``enabled``). ``model``: what it loads for the stages
-    (:func:`resident_spec`). Its log is ``.dvc/tmp/stage_server.log``."""
+    (:func:`tpgrpo.models.resident.spec`). Its log is ``.dvc/tmp/stage_server.log``."""
     if not enabled:
         yield {}
         return
