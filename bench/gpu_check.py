@@ -239,7 +239,9 @@ def resident_check(device: str, tmp: Path) -> list[dict]:
     forked = [name for name in ("rollout", "update") if any(f"stage {name} " in line and "--iter 1" in line
                                                             for line in lines)]
     if run["ok"] and ("model held: none" in text or forked != ["rollout", "update"] or "refused" in text):
-        run.update(ok=False, error=f"the server's log ({log}) shows no held model, a refusal or unforked stages")
+        why = [line for line in text.splitlines() if line.startswith("refused") or "model held: none" in line]
+        run.update(ok=False, error=f"the server's log shows no held model, a refusal or unforked stages: "
+                                   f"{why[0] if why else 'forked ' + (', '.join(forked) or 'none')}")
     run["note"] = f"forked from the holder: {', '.join(forked) or 'none'}"
     return [row, run]
 
