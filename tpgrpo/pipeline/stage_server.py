@@ -93,7 +93,7 @@ def serve(path: str, parent: int, names=PRELOAD, model: dict | None = None) -> N
     # what the imports set (OMP_WAIT_POLICY, torch's cache folders): a fresh stage process would set it too
     set_by_imports = {k: v for k, v in os.environ.items() if start_env.get(k) != v}
     print(f"stage server {os.getpid()}: ready; threads {len(os.listdir('/proc/self/task'))}; not imported: "
-          f"{failed or 'none'}; model held: {held}", flush=True)
+          f"{failed or 'none'}; model held: {held}; CUDA initialised: {cuda_initialised()}", flush=True)
     own = fingerprint(start_env)
     children: dict[int, socket.socket | None] = {}
     try:
