@@ -122,8 +122,8 @@ def test_a_held_backend_samples_what_a_fresh_load_samples(held):
     assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
 
 
-# A fresh interpreter at 2 torch threads: the server's hold_for_stages, then a forked stage that runs 2-thread ops and
-# takes the held model. Exit 0 when the child finished, 1 when it hung (killed after the deadline).
+# A fresh interpreter at 2 torch threads: the server's hold_for_stages, then a forked stage that runs 2-thread ops
+# and takes the held model. Exit 0 when the child finished, 1 when it hung (killed after the deadline).
 FORKED_AT_TWO_THREADS = """
 import os, sys, time
 import torch
@@ -131,7 +131,8 @@ torch.set_num_threads(2)
 from tpgrpo.models import load_backend
 from tpgrpo.models.resident import hold_for_stages
 path = sys.argv[1]
-assert hold_for_stages({"kind": "tiny", "path": path, "device": "cpu", "dtype": "fp32", "resolution": 0}).startswith("tiny")
+model = {"kind": "tiny", "path": path, "device": "cpu", "dtype": "fp32", "resolution": 0}
+assert hold_for_stages(model).startswith("tiny")
 pid = os.fork()
 if pid == 0:
     x = torch.randn(512, 512)

@@ -76,7 +76,8 @@ def test_served_stages_write_the_bytes_of_stage_processes_of_their_own(served, t
         stage(root, env, *args)
         stage(plain, base_env(), *args)
     ready = next(line for line in log_lines(root) if "ready" in line)
-    assert ready.endswith(f"model held: tiny {root / 'data' / 'base'} (fp32); CUDA initialised: False")  # the stages forked with it
+    # the stages forked with it, from a server that never initialised CUDA
+    assert ready.endswith(f"model held: tiny {root / 'data' / 'base'} (fp32); CUDA initialised: False")
     forked = [line for line in log_lines(root) if line.startswith("forked")]
     assert [line.split(": ", 1)[1] for line in forked][:4] == [
         "stage rollout --iter 1", "stage probe --iter 1", "stage credit --iter 1", "stage update --iter 1"]
