@@ -132,7 +132,7 @@ from tpgrpo.models import load_backend
 from tpgrpo.models.resident import hold_for_stages
 path = sys.argv[1]
 model = {"kind": "tiny", "path": path, "device": "cpu", "dtype": "fp32", "resolution": 0}
-assert hold_for_stages(model).startswith("tiny")
+assert hold_for_stages(load_backend, model).startswith("tiny")
 pid = os.fork()
 if pid == 0:
     x = torch.randn(512, 512)

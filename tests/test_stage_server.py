@@ -379,14 +379,14 @@ def test_the_server_holds_the_model_at_any_thread_count_and_keeps_the_count(tiny
     run's thread count back for the stages it forks (tests/test_resident_model.py forks one at 2 threads)."""
     import torch
 
-    from tpgrpo.models import resident
+    from tpgrpo.models import load_backend, resident
     from tpgrpo.models.resident import hold_for_stages
 
     model = {"kind": "tiny", "path": str(tiny_model_dir), "device": "cpu", "dtype": "fp32", "resolution": 0}
     before = torch.get_num_threads()
     try:
         torch.set_num_threads(2)
-        assert hold_for_stages(model).startswith("tiny ") and resident.held_key() is not None
+        assert hold_for_stages(load_backend, model).startswith("tiny ") and resident.held_key() is not None
         assert torch.get_num_threads() == 2
     finally:
         torch.set_num_threads(before)

@@ -93,15 +93,14 @@ def held_key() -> tuple | None:
     return _held.get("key")
 
 
-def hold_for_stages(model: dict | None) -> str:
-    """What the stage server does with :func:`spec`'s ``model``: load it for the stages it forks (:func:`hold`),
-    and say what it holds, for its log. A failure is logged, not raised: the stages then load it themselves
-    (and report a bad folder as they always did)."""
+def hold_for_stages(load, model: dict | None) -> str:
+    """What the stage server does with :func:`spec`'s ``model``: load it for the stages it forks (:func:`hold`;
+    ``load`` is :func:`tpgrpo.models.load_backend`, passed in as there), and say what it holds, for its log. A
+    failure is logged, not raised: the stages then load it themselves (and report a bad folder as they always
+    did)."""
     if not model:
         return "none"
     import torch
-
-    from tpgrpo.models import load_backend
 
     # Loaded on one thread: a torch op on more starts OpenMP's thread pool in this process, and a stage forked
     # after that hangs in its first parallel op (libgomp's pool does not survive fork: a 2-thread `make run`
@@ -110,7 +109,7 @@ def hold_for_stages(model: dict | None) -> str:
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
     try:
-        hold(load_backend, **model)
+        hold(load, **model)
     except Exception as exc:  # noqa: BLE001 - the stage's own load gives the user the error
         return f"none ({type(exc).__name__}: {exc})"
     finally:

@@ -87,9 +87,9 @@ def serve(path: str, parent: int, names=PRELOAD, model: dict | None = None) -> N
     # noted before the imports: an edit made while they run counts as a change
     code = CodeState([folder for name in ("tpgrpo", "stages") for folder in fingerprint({})[name]])
     failed = preload(names)
-    from tpgrpo.models import resident
+    from tpgrpo.models import load_backend, resident
 
-    held = resident.hold_for_stages(model)
+    held = resident.hold_for_stages(load_backend, model)
     # what the imports set (OMP_WAIT_POLICY, torch's cache folders): a fresh stage process would set it too
     set_by_imports = {k: v for k, v in os.environ.items() if start_env.get(k) != v}
     print(f"stage server {os.getpid()}: ready; threads {len(os.listdir('/proc/self/task'))}; not imported: "
