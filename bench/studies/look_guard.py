@@ -13,7 +13,6 @@ the seeds. Prints both arms' seconds, the ratio, and the iteration to read, with
 from __future__ import annotations
 
 import argparse
-import json
 import sys
 from pathlib import Path
 
@@ -62,9 +61,10 @@ def main() -> None:
     parser.add_argument("--target", default="tree-tp")
     parser.add_argument("--tolerance", type=float, default=0.10)
     args = parser.parse_args()
-    records = json.loads((args.root / "equal_wall.json").read_text())
-    records = [records] if isinstance(records, dict) else records
-    record = next((r for r in records if r.get("reference") == args.reference and r["target"] == args.target), None)
+    from tpgrpo.comparison.runs import equal_wall_records
+
+    record = next((r for r in equal_wall_records(args.root)
+                   if r.get("reference") == args.reference and r["target"] == args.target), None)
     if record is None:
         raise SystemExit(f"{args.root}/equal_wall.json has no pass {args.reference} -> {args.target}")
     reference = mean_seconds_through(args.root / args.reference, record["budget"])
