@@ -6,12 +6,15 @@ fresh processes, 1 torch thread): ``tpgrpo --help``; ``tpgrpo stage credit``; ``
 credit.mode flow_grpo (no probe: R_fin from the rollout); the rollout stage; and, in a fresh process, importing
 the libraries and loading the policy (``tpgrpo.policy.loading.load_policy``); then the same stage commands through the stage
 server ``tpgrpo run`` starts (``launch.stage_server``). "start-up" = command wall - the stage's
-``wall_seconds`` (which already counts model loading inside the stage).
+``wall_seconds`` (which already counts model loading inside the stage). ``--parts`` splits the served credit
+stage's start-up in a finished project, as DVC runs it (issue 47): the client process alone, the forked child's work outside the stage's stopwatch
+(timed in a process with the server's imports, and profiled), and by difference the fork, socket and reaping.
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import shutil
 import subprocess
@@ -53,13 +56,68 @@ def _print_best(label: str, cmd: list[str], metrics: str | None, root: Path, fol
     print(f"{label:<34}{best[0]:>8.2f}{best[1]:>9.2f}{best[0] - best[1]:>12.2f}", flush=True)
 
 
+PARTS = r"""
+import cProfile, io, json, pstats, sys, time
+from pathlib import Path
+t0 = time.perf_counter()
+from tpgrpo.pipeline.stage_server import preload
+preload()
+from tpgrpo.io.stage_logs import log_seconds
+from tpgrpo.pipeline.stage_runner import run_stage_command
+argv, log, repeat = json.loads(sys.argv[1]), Path(sys.argv[2]), int(sys.argv[3])
+outside = []
+for _ in range(repeat):
+    start = time.perf_counter()
+    try:
+        run_stage_command(argv)
+    except SystemExit as exc:
+        if exc.code:
+            raise
+    outside.append(time.perf_counter() - start - log_seconds(log))
+profile = cProfile.Profile()
+profile.runcall(lambda: run_stage_command(argv))
+text = io.StringIO()
+pstats.Stats(profile, stream=text).sort_stats("cumulative").print_stats(25)
+print(json.dumps({"outside": min(outside), "profile": text.getvalue()}))
+"""
+CLIENT = "import tpgrpo.pipeline.stage_client"
+
+
+def print_parts(case: list[str], log: Path, root: Path, env: dict, repeat: int) -> None:
+    """Split a served stage's start-up: the client's interpreter and import, the forked child's work around
+    the stage's stopwatch (run in-process after the server's imports, and its profile), and the rest (fork,
+    socket, the server's reaping)."""
+    client = min(_timed([sys.executable, "-c", CLIENT], root, env)[0] for _ in range(repeat))
+    child = json.loads(_timed([sys.executable, "-c", PARTS, json.dumps(case), str(log), str(repeat)], root,
+                              env)[1].splitlines()[-1])
+    print(f"  client: interpreter start, import and exit {client:.3f} s; the child's work outside the stage's "
+          f"stopwatch {child['outside']:.3f} s (best of {repeat}); the rest of the served start-up is the fork, "
+          "the socket and the server's reaping")
+    print("  profile of the child's whole command (cumulative):")
+    print("\n".join("    " + line for line in child["profile"].splitlines()[:40]))
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--model", type=Path, default=REPO / "data" / "base")
     parser.add_argument("--repeat", type=int, default=3)
     parser.add_argument("--first", type=int, default=1, help="number of the first iteration (0 before issue 11)")
+    parser.add_argument("--parts", type=Path, metavar="PROJECT", help="only split the start-up of the credit stage "
+                        "of PROJECT's last iteration (a finished `tpgrpo run`: its DVC project and code manifests), "
+                        "as DVC runs it; it rewrites that stage's outputs with the same bytes")
     args = parser.parse_args()
     env = dict(os.environ, OMP_NUM_THREADS="1", DVC_NO_ANALYTICS="1", DVC_STUDIO_OFFLINE="true", PYTHONPATH=str(REPO))
+    if args.parts:
+        last = max(int(p.name) for p in args.parts.glob("data/iters/[0-9]*") if (p / "credit.json").is_file())
+        env.update(PYTHONPATH=str(args.parts.resolve()), DVC_STAGE=f"credit-{last:04d}")  # as `dvc repro` runs it
+        case, log = ["stage", "credit", "--iter", str(last)], args.parts / "data" / "iters" / f"{last:04d}" / "credit.json"
+        os.environ.update(env)  # the server imports with the callers' environment
+        print(f"{'command':<34}{'wall s':>8}{'stage s':>9}{'start-up s':>12}   (best of {args.repeat}, 1 thread)")
+        with running(args.parts) as server_env:
+            _print_best("stage credit (stage server)", [*TPGRPO, *case], "credit", args.parts, args.parts / "data" /
+                        "iters" / f"{last:04d}", {**env, **server_env}, args.repeat)
+        print_parts(case, log, args.parts, env, args.repeat)
+        return
     with tempfile.TemporaryDirectory(prefix="stage-startup-") as tmp:
         root = Path(tmp)
         shutil.copytree(REPO / "data" / "prompts", root / "data" / "prompts")
