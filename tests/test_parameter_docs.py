@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import copy
 import dataclasses
+import re
 from pathlib import Path
 
 import pytest
@@ -15,6 +16,7 @@ from tpgrpo.config_docs import main, render_markdown, render_params
 
 ROOT = Path(__file__).resolve().parents[1]
 PARAMS = (ROOT / "params.yaml").read_text()
+LR_LINE = re.search(r"^  lr: \S+", PARAMS, re.M).group(0)  # the value as written (no comment)
 # A value just outside each checkable range.
 OUTSIDE = {"> 0": 0, ">= 0": -1, "[0, 1]": 1.5}
 
@@ -49,7 +51,7 @@ def test_documented_bounds_are_enforced(key):
 
 
 def test_regenerating_keeps_values_as_written_and_replaces_comments(tmp_path):
-    edited = PARAMS.replace("  lr: 1.0e-3", "  lr: 2.5e-3  # a hand-written comment\n    # and another line")
+    edited = PARAMS.replace(LR_LINE, "  lr: 2.5e-3  # a hand-written comment\n    # and another line")
     assert edited != PARAMS
     params, docs = tmp_path / "params.yaml", tmp_path / "parameters.md"
     params.write_text(edited)
@@ -67,7 +69,7 @@ def test_regenerating_keeps_values_as_written_and_replaces_comments(tmp_path):
 
 def test_a_key_missing_from_the_config_or_the_file_is_named():
     with pytest.raises(ValueError, match="disagree on keys: update.lr"):
-        render_params(PARAMS.replace("  lr: 1.0e-3", "  #lr: 1.0e-3"))
+        render_params(PARAMS.replace(LR_LINE, "  #" + LR_LINE[2:]))
     with pytest.raises(ValueError, match="disagree on keys: update.lrr"):
-        render_params(PARAMS.replace("  lr: 1.0e-3", "  lr: 1.0e-3\n  lrr: 1"))
+        render_params(PARAMS.replace(LR_LINE, LR_LINE + "\n  lrr: 1"))
     assert dataclasses.is_dataclass(config_from_dict(yaml.safe_load(PARAMS)))

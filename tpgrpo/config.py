@@ -206,7 +206,7 @@ class UpdateConfig:
     lora_alpha: int = param(32, "LoRA alpha (the adapter's scale is alpha / r)", bounds="> 0",
                             note="A scale of 2 as the paper's 64 / 32")
     lr: float = param(3e-4, "AdamW learning rate", bounds="> 0",
-                      note="Paper: 3e-4 over thousands of steps; a CPU run has a few dozen")
+                      note="Paper: 3e-4, as every public LoRA GRPO config; at 1e-3 trees unlearned (docs/tree.md)")
     weight_decay: float = param(1e-4, "AdamW weight decay", bounds=">= 0", note="Paper: 1e-4")
     clip_range: float = param(1e-4, "PPO ratio clip eps", bounds="> 0",
                               note="Paper: 1e-4 sde / 1e-5 cps, too tight to move a policy in a few steps")
