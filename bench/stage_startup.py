@@ -75,7 +75,11 @@ for _ in range(repeat):
             raise
     outside.append(time.perf_counter() - start - log_seconds(log))
 profile = cProfile.Profile()
-profile.runcall(lambda: run_stage_command(argv))
+try:
+    profile.runcall(run_stage_command, argv)
+except SystemExit as exc:  # typer exits at the end of a command
+    if exc.code:
+        raise
 text = io.StringIO()
 pstats.Stats(profile, stream=text).sort_stats("cumulative").print_stats(25)
 print(json.dumps({"outside": min(outside), "profile": text.getvalue()}))

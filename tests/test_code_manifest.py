@@ -251,3 +251,31 @@ def test_the_code_stage_lists_every_param_the_rendering_reads():
             except ConfigError:
                 continue  # out of bounds: no config to render
             assert render(cfg) == rendered, name
+
+
+def test_warmed_library_caches_serve_a_forked_stage_and_still_see_an_upgrade(monkeypatch):
+    """Issue 47: the stage server fills the distribution caches once, so that a forked stage's code check reads
+    no distribution's metadata for them (it did, 0.2-0.3 s a stage). Once warmed, ``library_versions`` gives
+    the same answer with the metadata scan broken, and a version change still shows (versions stay uncached:
+    the check after a stage must see an upgrade made while it ran)."""
+    import importlib.metadata
+
+    import tpgrpo.pipeline.code_manifest as cm
+
+    modules = ["torch", "pyarrow", "zarr", "cv2"]
+    cm._providers.cache_clear()
+    cm._requirements.cache_clear()
+    cm.warm_library_caches()
+    want = cm.library_versions(modules)
+    assert cm._providers.cache_info().currsize == 1 and cm._requirements.cache_info().currsize > 20
+
+    def scanned(*_args, **_kwargs):
+        raise AssertionError("read the distributions' metadata again")
+
+    monkeypatch.setattr(importlib.metadata, "packages_distributions", scanned)
+    monkeypatch.setattr(importlib.metadata, "requires", scanned)
+    assert cm.library_versions(modules) == want and {"torch", "pyarrow", "zarr", "opencv-python"} <= set(want)
+    real = cm.installed_version
+    monkeypatch.setattr(cm, "installed_version", lambda dist: "99.0" if dist == "zarr" else real(dist))
+    assert cm.library_versions(modules)["zarr"] == "99.0"
+
