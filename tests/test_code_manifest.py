@@ -253,29 +253,36 @@ def test_the_code_stage_lists_every_param_the_rendering_reads():
             assert render(cfg) == rendered, name
 
 
-def test_warmed_library_caches_serve_a_forked_stage_and_still_see_an_upgrade(monkeypatch):
-    """Issue 47: the stage server fills the distribution caches once, so that a forked stage's code check reads
-    no distribution's metadata for them (it did, 0.2-0.3 s a stage). Once warmed, ``library_versions`` gives
-    the same answer with the metadata scan broken, and a version change still shows (versions stay uncached:
-    the check after a stage must see an upgrade made while it ran)."""
+def test_warmed_caches_serve_a_forked_stage_and_still_see_an_upgrade_or_an_edit(tmp_path, monkeypatch):
+    """Issue 47: the stage server fills the caches every stage's code check reads once, so that a forked stage
+    reads no distribution's metadata and parses none of its code for them (it did: 0.2-0.4 s a stage). Once
+    warmed, the libraries and each kind's code come back the same with the metadata scan and the parser
+    broken; a version change still shows (versions stay uncached: the check after a stage must see an upgrade
+    made while it ran), and so does an edited file (the scan is cached per file stamp)."""
     import importlib.metadata
 
     import tpgrpo.pipeline.code_manifest as cm
 
+    from tpgrpo.pipeline import code_graph
+
+    _copy_code(tmp_path)
     modules = ["torch", "pyarrow", "zarr", "cv2"]
-    cm._providers.cache_clear()
-    cm._requirements.cache_clear()
-    cm.warm_library_caches()
-    want = cm.library_versions(modules)
-    assert cm._providers.cache_info().currsize == 1 and cm._requirements.cache_info().currsize > 20
+    want, code = cm.library_versions(modules), {kind: cm.kind_code(tmp_path, kind) for kind in KIND_STAGES}
+    for cache in (cm._providers, cm._requirements, code_graph._scan):
+        cache.cache_clear()
+    cm.warm_caches(tmp_path)  # alone: what follows may read nothing else
 
     def scanned(*_args, **_kwargs):
-        raise AssertionError("read the distributions' metadata again")
+        raise AssertionError("read the distributions' metadata or parsed a code file again")
 
-    monkeypatch.setattr(importlib.metadata, "packages_distributions", scanned)
-    monkeypatch.setattr(importlib.metadata, "requires", scanned)
+    for owner, name in ((importlib.metadata, "packages_distributions"), (importlib.metadata, "requires"),
+                        (code_graph, "_imported_names")):
+        monkeypatch.setattr(owner, name, scanned)
     assert cm.library_versions(modules) == want and {"torch", "pyarrow", "zarr", "opencv-python"} <= set(want)
+    assert {kind: cm.kind_code(tmp_path, kind) for kind in KIND_STAGES} == code
     real = cm.installed_version
     monkeypatch.setattr(cm, "installed_version", lambda dist: "99.0" if dist == "zarr" else real(dist))
     assert cm.library_versions(modules)["zarr"] == "99.0"
-
+    _append(tmp_path / "tpgrpo" / "algo" / "credit.py", "\n")
+    with pytest.raises(AssertionError, match="parsed a code file again"):
+        cm.kind_code(tmp_path, "credit")

@@ -22,10 +22,11 @@ Projects whose ``dvc.lock`` was written with code files as stage dependencies ke
 
 from __future__ import annotations
 
+
 import hashlib
 import json
 from collections.abc import Iterator
-from contextlib import contextmanager
+from contextlib import contextmanager, suppress
 from functools import lru_cache
 from pathlib import Path
 
@@ -100,14 +101,20 @@ def _providers() -> dict[str, tuple[str, ...]]:
     return {module: tuple(sorted({canonical(d) for d in dists})) for module, dists in packages_distributions().items()}
 
 
-def warm_library_caches() -> None:
-    """Fill this process's caches of the installed distributions' metadata that :func:`library_versions` reads
-    (``packages_distributions`` and each one's requirements: about 0.3-0.4 s). The stage server calls it once
-    before forking, so that no forked stage redoes it (it did, in every stage's code check: most of a served
-    stage's start-up). Safe there: the server stops serving once any installed distribution changes."""
+def warm_caches(code_root: Path) -> None:
+    """Fill this process's caches that every stage's code check reads: the installed distributions' metadata
+    (``packages_distributions`` and each one's requirements, about 0.3-0.4 s) and the import scan of each
+    stage kind's code under ``code_root`` (cached per file stamp). The stage server calls it once before
+    forking, so that no forked stage redoes them (each did: most of a served stage's start-up). Safe there:
+    the server stops serving once any installed distribution or code file changes, and the scan's cache is
+    keyed by each file's mtime and size. Installed versions stay uncached (the check after a stage must see an
+    upgrade made while it ran)."""
     for dists in _providers().values():
         for dist in dists:
             _requirements(dist)
+    with suppress(Exception):  # a warm-up only: any failure (not a project folder, a file mid-edit) leaves it cold
+        for kind in KIND_STAGES:
+            kind_code(code_root, kind)
 
 
 @lru_cache(maxsize=256)

@@ -43,7 +43,7 @@ import traceback
 from pathlib import Path
 from typing import Iterator
 
-from tpgrpo.pipeline.code_manifest import STAGE_KIND, warm_library_caches
+from tpgrpo.pipeline.code_manifest import STAGE_KIND, warm_caches
 from tpgrpo.pipeline.processes import CodeState, die_with_parent
 from tpgrpo.pipeline.stage_client import COMMANDS, ENV_VAR, MAX_MESSAGE, fingerprint
 
@@ -89,12 +89,13 @@ def serve(path: str, parent: int, names=PRELOAD, model: dict | None = None) -> N
     os.rename(path + ".tmp", path)  # the name appears only once connect() can succeed: running() waits for it
     start_env = dict(os.environ)
     # noted before the imports: an edit made while they run counts as a change
-    code = CodeState([folder for name in ("tpgrpo", "stages") for folder in fingerprint({})[name]])
+    where = fingerprint({})  # the folders the stages' code is imported from
+    code = CodeState([folder for name in ("tpgrpo", "stages") for folder in where[name]])
     failed = preload(names)
     from tpgrpo.models import load_backend, resident
 
     held = resident.hold_for_stages(load_backend, model)
-    warm_library_caches()  # each stage's code check reads them: once here, not once per forked stage
+    warm_caches(Path(where["tpgrpo"][0]).parent if where["tpgrpo"] else Path.cwd())  # once, not in each stage
     # what the imports set (OMP_WAIT_POLICY, torch's cache folders): a fresh stage process would set it too
     set_by_imports = {k: v for k, v in os.environ.items() if start_env.get(k) != v}
     print(f"stage server {os.getpid()}: ready; threads {len(os.listdir('/proc/self/task'))}; not imported: "
