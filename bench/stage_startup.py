@@ -60,8 +60,10 @@ PARTS = r"""
 import cProfile, io, json, pstats, sys, time
 from pathlib import Path
 t0 = time.perf_counter()
+from tpgrpo.pipeline.code_manifest import warm_caches
 from tpgrpo.pipeline.stage_server import preload
 preload()
+warm_caches(Path.cwd())  # as the server does before it forks
 from tpgrpo.io.stage_logs import log_seconds
 from tpgrpo.pipeline.stage_runner import run_stage_command
 argv, log, repeat = json.loads(sys.argv[1]), Path(sys.argv[2]), int(sys.argv[3])

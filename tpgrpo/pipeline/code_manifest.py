@@ -22,7 +22,6 @@ Projects whose ``dvc.lock`` was written with code files as stage dependencies ke
 
 from __future__ import annotations
 
-
 import hashlib
 import json
 from collections.abc import Iterator
