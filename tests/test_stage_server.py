@@ -96,6 +96,76 @@ def test_a_served_error_is_the_same_one_line_and_exit_code(served):
     assert log_lines(root)[-1].endswith("stage credit --iter 99")
 
 
+def test_the_server_keeps_no_descriptor_of_a_finished_stage(served):
+    """Each forked stage gets a pidfd that wakes the server when it exits; reaping it closes that pidfd and
+    the caller's socket, so a long run's server holds as many descriptors after a stage as before it."""
+    root, env = served
+    stage(root, env, "credit", "--iter", "99", check=False)  # one stage first: lazy descriptors open once
+    server = int(next(line for line in log_lines(root) if "ready" in line).split()[2].rstrip(":"))
+    before = len(os.listdir(f"/proc/{server}/fd"))
+    for _ in range(3):
+        stage(root, env, "credit", "--iter", "99", check=False)
+    assert len(os.listdir(f"/proc/{server}/fd")) == before
+
+
+def test_a_childs_exit_wakes_the_servers_select_and_its_reaping_closes_the_pidfd():
+    """The server waits on a pidfd per child (instead of finding exits at its 50 ms tick): readable once
+    the child has exited; _reap then collects the child and closes its pidfd."""
+    import select
+
+    from tpgrpo.pipeline.stage_server import _reap, _watch_new_children
+
+    pid = os.fork()
+    if pid == 0:
+        os._exit(3)
+    children, exits = {pid: None}, {}
+    _watch_new_children(children, exits)
+    assert set(exits) == {pid}
+    fd = exits[pid]
+    assert _pidfds() == [fd]
+    ready, _, _ = select.select([fd], [], [], 30)
+    assert ready == [fd]
+    _reap(children, exits)
+    assert children == {} and exits == {}
+    assert _pidfds() == []
+
+
+def test_a_served_stage_returns_at_its_exit_not_at_the_servers_tick(tmp_path, tiny_model_dir):
+    """With the parent check's tick at 120 s, a served stage still returns within seconds: its exit wakes
+    the server (a server that found exits only at its tick would keep the caller 120 s)."""
+    from tpgrpo.pipeline.stage_server import _wait_for_socket
+
+    root = make_project(tmp_path / "project", tiny_model_dir)
+    path = str(tmp_path / "s.sock")
+    code = ("import sys; sys.path.remove(''); from tpgrpo.pipeline.stage_server import serve; "
+            f"serve({path!r}, {os.getpid()}, names=(), tick=120)")
+    server = subprocess.Popen([sys.executable, "-c", code], cwd=root, env=base_env(), stdin=subprocess.DEVNULL,
+                              stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    try:
+        _wait_for_socket(server, path)  # else the first caller finds no socket and runs the stage itself
+        env = dict(base_env(), **{ENV_VAR: path})
+        for _ in range(2):
+            done = subprocess.run([TPGRPO, "stage", "credit", "--iter", "99"], cwd=root, env=env,
+                                  capture_output=True, text=True, timeout=60)
+            assert done.returncode == 2 and done.stderr.startswith("error: --iter 99:")
+    finally:
+        server.terminate()
+        log = server.communicate(timeout=30)[0]
+    assert log.count("forked") == 2, log  # served, not run by the caller itself
+
+
+def _pidfds() -> list[int]:
+    """This process's open pidfds."""
+    found = []
+    for name in os.listdir("/proc/self/fd"):
+        try:
+            if os.readlink(f"/proc/self/fd/{name}") == "anon_inode:[pidfd]":
+                found.append(int(name))
+        except OSError:  # the listing's own descriptor, closed by now
+            pass
+    return found
+
+
 def test_a_caller_with_another_thread_count_runs_the_stage_itself(served):
     root, env = served
     done = stage(root, dict(env, OMP_NUM_THREADS="2"), "credit", "--iter", "99", check=False)
