@@ -13,6 +13,9 @@ that call on lock files made of real entries:
   the lock holds one entry per sealed block plus the open block's stages (measured at the open block's
   last iteration N, its largest point).
 
+Each rewrite is also timed, alternately, as ``tpgrpo run``'s DVC now writes it (``tpgrpo.pipeline.lock_blocks``:
+the stage's own block emitted, the rest of the file kept): the "one stage's block s" of each row.
+
 Entries: a real finished iteration's (``--from`` a project whose iteration 1 finished, or one trained here as
 bench/dvc_scale.py does), renumbered for iteration i; a sealed block's entry is built from its stages'
 entries with the fields ``dvc commit`` writes (its stages' outside deps once, their params merged, every
@@ -75,21 +78,33 @@ def lock_at(src: dict, n: int, block_size: int, own_files: bool = False) -> dict
     return {"schema": "2.0", "stages": stages}
 
 
-def time_rewrite(lock: dict, repeats: int) -> tuple[float, int]:
-    """(best seconds of DVC's load-update-dump of dvc.lock, file bytes)."""
-    from dvc.utils.serialize import dump_yaml, modify_yaml
+def time_rewrite(lock: dict, repeats: int) -> tuple[float, float, int]:
+    """(best seconds of DVC's load-update-dump of dvc.lock, best seconds of the same stage's write through
+    ``tpgrpo.pipeline.lock_blocks`` (read, cut, emit one block, write), file bytes), the two alternated, both
+    written atomically as ``tpgrpo run``'s DVC writes them."""
+    from dvc.utils.serialize import dump_yaml, modify_yaml, parse_yaml
+    from dvc.utils.serialize._yaml import _dump
 
+    from tpgrpo.pipeline import dvc_atomic, lock_blocks
+
+    dvc_atomic.install()  # DVC's own writes fsync and rename too, as in `tpgrpo run`
     with tempfile.TemporaryDirectory() as tmp:
         path = os.path.join(tmp, "dvc.lock")
         dump_yaml(path, lock)
         name = [k for k in lock["stages"] if k != "summary"][-1]
-        best = float("inf")
+        best, best_blocks = float("inf"), float("inf")
         for _ in range(repeats):
             start = time.perf_counter()
-            with modify_yaml(path) as data:  # what Lockfile.dump_stages does for one stage
+            with modify_yaml(path) as data:  # what DVC's Lockfile.dump_stages does for one stage
                 data["stages"].update({name: lock["stages"][name]})
             best = min(best, time.perf_counter() - start)
-        return best, os.path.getsize(path)
+            start = time.perf_counter()
+            with open(path, encoding="utf-8") as fd:  # what lock_blocks' dump_stages does instead
+                new = lock_blocks.updated_text(fd.read(), {name: lock["stages"][name]}, _dump,
+                                               lambda doc: parse_yaml(doc, path))
+            dvc_atomic.atomic_write_text(path, lambda fd: fd.write(new[0]))
+            best_blocks = min(best_blocks, time.perf_counter() - start)
+        return best, best_blocks, os.path.getsize(path)
 
 
 def run_total(src: dict, n: int, block_size: int, fit: tuple[float, float], own_files: bool = False) -> float:
@@ -139,10 +154,10 @@ def main() -> None:
             # every block sealed), and at a block's last iteration (its largest root lock) in the rows below
             at = n + 1 if layout == "own files" else n
             lock = lock_at(src, at, bs, own_files=layout.startswith("own files"))
-            seconds, size = time_rewrite(lock, args.repeats if size_hint(lock) < 2e6 else 1)
+            seconds, blocks_s, size = time_rewrite(lock, args.repeats if size_hint(lock) < 2e6 else 1)
             points.append((len(yaml.safe_dump(lock["stages"])), seconds))  # the bytes run_total counts
             rows.append({"layout": layout, "iterations": n, "entries": len(lock["stages"]), "lock KB": size / 1e3,
-                         "one rewrite s": seconds})
+                         "one rewrite s": seconds, "one stage's block s": blocks_s})
             print(json.dumps(rows[-1]), flush=True)
     fit = least_squares(points)
     print(f"fit: rewrite s = {fit[0]:.4f} + {fit[1] * 1e6:.3f} s per MB of YAML (the totals below are estimates)")
@@ -184,7 +199,7 @@ def compare_layouts(old: Path, new: Path, sizes: list[int], repeats: int) -> Non
         for n in sizes:
             for side, src in srcs.items():
                 lock = lock_at(src, n, 0)
-                seconds, size = time_rewrite(lock, 1)
+                seconds, _, size = time_rewrite(lock, 1)
                 key = (side, n)
                 best[key] = (min(seconds, best.get(key, (float("inf"), 0))[0]), size)
     for (side, n), (seconds, _) in best.items():

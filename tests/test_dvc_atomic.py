@@ -45,6 +45,10 @@ DRIVER = textwrap.dedent(r"""
         real_dump(data, text, *args, **kwargs)
         die_inside(stream, text.getvalue()) or stream.write(text.getvalue())
     _yaml._dump = dump
+    if mode == "atomic":  # a stage's lock write goes through lock_blocks: its whole text is written here
+        from tpgrpo.pipeline import lock_blocks
+        real_write = lock_blocks.write_stream
+        lock_blocks.write_stream = lambda stream, text: die_inside(stream, text) or real_write(stream, text)
 
     real_json_dump = json.dump
     def json_dump(obj, fp, *args, **kwargs):

@@ -110,6 +110,8 @@ def install() -> None:
 
     from dvc import rwlock
 
+    from tpgrpo.pipeline import lock_blocks
+
     common = importlib.import_module("dvc.utils.serialize._common")
     original = getattr(common, "_dump_data")
     if getattr(original, "__module__", "") == __name__:
@@ -121,6 +123,7 @@ def install() -> None:
         setattr(module, "_dump_data", atomic)
     getattr(rwlock, "_edit_rwlock")
     rwlock._edit_rwlock = _edit_rwlock
+    lock_blocks.install(atomic_write_text)  # a stage's lock write rewrites its own block only
 
 
 COMMAND = (sys.executable, "-m", "tpgrpo.pipeline.dvc_atomic")  # how tpgrpo runs a DVC command that writes
