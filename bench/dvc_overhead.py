@@ -7,7 +7,8 @@ dependency).
 For each commit: a fresh project of its files with default params, ``train.iterations`` N, the baseline on
 8 held-out prompts and no eval (``bench/before_after.py``'s project), DVC initialised, the stage server
 started as ``tpgrpo run`` starts it, then ``dvc repro`` in a process that wraps DVC's functions with wall
-timers (no profiler: its overhead would swamp the YAML parser's many small calls):
+timers (no profiler: its overhead would swamp the YAML parser's many small calls), with DVC patched as
+``tpgrpo run``'s DVC is where the commit has ``tpgrpo.pipeline.dvc_atomic``:
 
 - ``stage commands``: the stage processes (``cmd_run``), including each stage's client start, fork and
   whatever the stage does outside its own stopwatch;
@@ -50,6 +51,11 @@ def wrap(obj, name, label):
             tot[label] += time.perf_counter() - t
             cnt[label] += 1
     setattr(obj, name, g)
+try:  # DVC as `tpgrpo run` runs it (atomic writes; since session 20 a stage's lock block only), where the commit has it
+    from tpgrpo.pipeline import dvc_atomic
+    dvc_atomic.install()
+except ImportError:
+    pass
 import dvc.dependency.param as pm, dvc.dvcfile as df, dvc.stage as st, dvc.stage.cache as sc, dvc.stage.run as sr
 for obj, name, label in ((sr, "cmd_run", "stage commands"), (df.Lockfile, "dump_stages", "lock dump"),
                          (st.Stage, "save", "stage.save"), (st.Stage, "commit", "stage.commit"),
