@@ -54,6 +54,8 @@ def main() -> None:
     parser.add_argument("--cache", type=Path, default=Path(tempfile.gettempdir()) / "tpgrpo_up_to_date",
                         help="folder of cached reference digests and the tiny model")
     parser.add_argument("--json", type=Path, default=None, help="write the results here too")
+    parser.add_argument("--keep-failed", action="store_true", help="leave a failed sequence's project on disk "
+                        "(its path is printed) to look into")
     args = parser.parse_args()
     actions = args.actions.split(",")
     unknown = [a for a in actions if a not in ua.ACTIONS]
@@ -80,6 +82,10 @@ def main() -> None:
         print(ur.describe(result), flush=True)
         print(f"[so far: {sum(r.held for r in results)} of {len(results)} held, "
               f"{sum(len(r.steps) for r in results)} actions, {time.time() - started:.0f} s]", flush=True)
+        if args.keep_failed and not result.held:
+            kept = Path(tempfile.mkdtemp(prefix="up_to_date_failed_")) / root.name
+            shutil.move(root, kept)
+            print(f"  kept the failed project: {kept}", flush=True)
         shutil.rmtree(root, ignore_errors=True)
     wall = time.time() - started
     held = sum(r.held for r in results)

@@ -15,7 +15,7 @@ from test_dvc_atomic import PIPELINE, _atomic_dvc, _env
 from tpgrpo.pipeline.lock_blocks import HEADER, split_blocks, updated_text
 
 WORDS = ["tpgrpo", "stage", "rollout", "--iter", "data/iters/0001/trajectories.zarr", "x" * 70, "é", "a: b", "#",
-         "'quoted'", '"double"', "-", "yes", "null", "0123", "2.0", "1e-05", "~", "[1, 2]", "{a: 1}", "*", "&x"]
+         "'quoted'", '"double"', "yes", "null", "0123", "2.0", "1e-05", "~", "[1, 2]", "{a: 1}", "*", "&x"]
 
 
 def _scalar(rng: random.Random):
@@ -82,12 +82,16 @@ def parse(text: str):
     return parse_yaml(text, "dvc.lock")
 
 
-def block_write(path: Path, entries: dict[str, dict]) -> None:
+def block_write(path: Path, entries: dict[str, dict]) -> bool:
+    """What lock_blocks' dump_stages does; False when it left the file to DVC's own write."""
     from dvc.utils.serialize._yaml import _dump
 
     new = updated_text(path.read_text(encoding="utf-8"), entries, _dump, parse)
-    assert new is not None, "a file DVC wrote is of the shape split_blocks reads"
+    if new is None:  # text that may hold an anchor: DVC's own write, as dump_stages falls back
+        dvc_write(path, entries)
+        return False
     path.write_text(new[0], encoding="utf-8")
+    return True
 
 
 @pytest.mark.parametrize("seed", range(12))
@@ -96,13 +100,15 @@ def test_random_sequences_of_stage_writes_give_dvcs_own_bytes(tmp_path: Path, se
     ours, theirs = tmp_path / "ours.lock", tmp_path / "theirs.lock"
     dvc_write(theirs, {rng.choice(NAMES): random_entry(rng)})  # the first write of a lock is DVC's own
     ours.write_bytes(theirs.read_bytes())
+    cut = 0
     for step in range(10):
         entries = {rng.choice(NAMES): random_entry(rng) for _ in range(rng.choice([1, 1, 1, 2]))}
         if rng.random() < 0.2 and split_blocks(theirs.read_text(), parse):  # write a known stage again, unchanged
             entries = {}
         dvc_write(theirs, entries)
-        block_write(ours, entries)
+        cut += block_write(ours, entries)
         assert ours.read_bytes() == theirs.read_bytes(), f"seed {seed} step {step}: {sorted(entries)}"
+    assert cut >= 5, f"only {cut} of 10 writes cut the file: the test would not test lock_blocks"
 
 
 @pytest.mark.parametrize("seed", range(4))
@@ -145,6 +151,7 @@ def test_an_unchanged_entry_is_no_change_and_a_changed_one_is():
     "schema: '2.0'\nstages:\n  code:\n    cmd: a\n  code:\n    cmd: b\n",
     "schema: '2.0'\nstages:\n  'yes':\n    cmd: a\n  yes:\n    cmd: b\n",  # one name, quoted two ways
     "schema: '2.0'\nstages:\n  1:\n    cmd: a\n",  # not a string
+    "schema: '2.0'\nstages:\n  code:\n    p: &id001\n      x: 1\n  b:\n    p: *id001\n",  # an anchor, an alias
     "schema: '2.0'\nstages:\n    cmd: a\n",
     "schema: '2.0'\nstages:\n  code:\n    cmd: a",  # no final newline
     "schema: '2.0'\nstages:\n  code:\n\n    cmd: a\n",  # a blank line
@@ -155,6 +162,35 @@ def test_only_a_header_and_stage_blocks_are_cut(text: str):
     assert (blocks is not None) == (text == "schema: '2.0'\nstages:\n  code:\n    cmd: a\n")
     if blocks is not None:
         assert HEADER + "".join(blocks.values()) == text
+
+
+def test_a_lock_whose_stages_share_an_anchor_is_not_cut_and_tpgrpo_writes_none(tmp_path: Path):
+    """Found by the randomised harness (bench/up_to_date.py --seed 2020, an edit during a run): unsealing
+    restored a block's params value into each of its stages as one shared object, PyYAML wrote it as an anchor
+    in one stage's entry and aliases in the others, and rewriting the anchor's stage alone left aliases to
+    nothing: "dvc.lock: not readable as YAML". Such a file now goes to DVC's own write, and tpgrpo's own
+    writer spells shared objects out."""
+    import yaml
+    from dvc.utils.serialize._yaml import _dump
+
+    from tpgrpo.pipeline.blocks import read_lock, write_lock
+
+    shared = {"train_prompts": "data/prompts/a.jsonl", "reward": "geneval_soft"}
+    stages = {name: {"cmd": f"tpgrpo stage {name}", "params": {"params.yaml": {"task": shared}}}
+              for name in ("code", "rollout-0001")}
+    anchored = yaml.safe_dump({"schema": "2.0", "stages": stages}, sort_keys=False)  # the writer before
+    assert "&id001" in anchored and "*id001" in anchored
+    new_entry = {"cmd": "tpgrpo stage code", "params": {"params.yaml": {"task": dict(shared, reward="jpeg")}}}
+    assert updated_text(anchored, {"code": new_entry}, _dump, parse) is None
+    (tmp_path / "theirs.lock").write_text(anchored)
+    dvc_write(tmp_path / "theirs.lock", {"code": new_entry})  # what then writes it: DVC's own code
+    assert parse((tmp_path / "theirs.lock").read_text())["stages"]["rollout-0001"]["params"]["params.yaml"][
+        "task"] == shared
+    write_lock(tmp_path, {"schema": "2.0", "stages": stages})  # tpgrpo's writer: no anchor
+    text = (tmp_path / "dvc.lock").read_text()
+    assert "&" not in text and "*" not in text
+    block_write(tmp_path / "dvc.lock", {"code": new_entry})
+    assert read_lock(tmp_path)["stages"]["rollout-0001"]["params"]["params.yaml"]["task"] == shared
 
 
 def _project(root: Path) -> Path:

@@ -32,7 +32,12 @@ _NOT_PLAIN = re.compile(r"^(?:[-+]?[0-9._]*[0-9][0-9._]*(?:[eE][-+]?[0-9]+)?|[-+
 
 
 class _Dumper(getattr(yaml, "CSafeDumper", yaml.SafeDumper)):
-    """PyYAML's dumper, quoting every string YAML 1.2 could read as something else."""
+    """PyYAML's dumper, quoting every string YAML 1.2 could read as something else, and writing an object
+    shared by several entries (a block's params value restored into each of its stages) in full each time:
+    an anchor in one stage's entry and aliases in others tie entries DVC rewrites one by one."""
+
+    def ignore_aliases(self, data) -> bool:
+        return True
 
 
 def _represent_str(dumper, data: str):

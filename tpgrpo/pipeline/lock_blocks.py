@@ -6,7 +6,8 @@ entries, 1.2-1.6 s at a block's last stage (``bench/lock_growth.py``), five or s
 lock file DVC wrote is a fixed header and one block of text per stage, and a stage's write changes its own
 block only. Here the file's text is cut at its stage keys; each stage written gets its block emitted by DVC's
 own dumper at the same nesting (so ruamel wraps long lines at the same columns), and every other block keeps
-its bytes. Any file of another shape (hand-edited, a dataset section, a complex key) goes to DVC's own code.
+its bytes. Any file of another shape (hand-edited, a dataset section, a complex key, an anchor or alias) goes to
+DVC's own code.
 tests/test_lock_blocks.py compares the bytes with DVC's own write over random sequences of stage entries.
 """
 
@@ -14,9 +15,14 @@ from __future__ import annotations
 
 import io
 import os
+import re
 from typing import Callable
 
 HEADER = "schema: '2.0'\nstages:\n"
+# An anchor (``&id001``) where a value or item starts. A block holding an alias (``*id001``) may refer to an
+# anchor in another block (PyYAML writes them for objects shared between stages), so a file with an anchor is
+# not cut; without one no alias can be valid. False alarms (``x: &y`` inside a string) only cost DVC's write.
+ANCHOR = re.compile(r"(?:: |- |\? )&\S")
 KEY_INDENT = "  "  # a stage's key line: two spaces, then the key (block style, as DVC's dumper writes it)
 
 
@@ -25,7 +31,7 @@ def split_blocks(text: str, parse: Callable[[str], object]) -> dict[str, str] | 
     and stage blocks only; None for any other shape (then DVC's own code writes it). ``parse``: DVC's YAML
     parser, which reads the stage names off their key lines (one writer may quote a name another leaves
     plain: PyYAML's ``'yes':`` is ruamel's ``yes:``)."""
-    if not text.startswith(HEADER) or not text.endswith("\n"):
+    if not text.startswith(HEADER) or not text.endswith("\n") or ANCHOR.search(text):
         return None
     blocks: list[list[str]] = []
     for line in text[len(HEADER):].splitlines(keepends=True):
