@@ -110,22 +110,22 @@ def test_the_server_keeps_no_descriptor_of_a_finished_stage(served):
 
 def test_a_childs_exit_wakes_the_servers_select_and_its_reaping_closes_the_pidfd():
     """The server waits on a pidfd per child (instead of finding exits at its 50 ms tick): readable once
-    the child has exited; _reap then collects the child and closes its pidfd."""
+    the child has exited; reap then collects the child and closes its pidfd."""
     import select
 
-    from tpgrpo.pipeline.stage_server import _reap, _watch_new_children
+    from tpgrpo.pipeline.stage_children import reap, watch_exits
 
     pid = os.fork()
     if pid == 0:
         os._exit(3)
     children, exits = {pid: None}, {}
-    _watch_new_children(children, exits)
+    watch_exits(children, exits)
     assert set(exits) == {pid}
     fd = exits[pid]
     assert _pidfds() == [fd]
     ready, _, _ = select.select([fd], [], [], 30)
     assert ready == [fd]
-    _reap(children, exits)
+    reap(children, exits)
     assert children == {} and exits == {}
     assert _pidfds() == []
 

@@ -45,6 +45,7 @@ from typing import Iterator
 
 from tpgrpo.pipeline.code_manifest import STAGE_KIND, warm_caches
 from tpgrpo.pipeline.processes import CodeState, die_with_parent
+from tpgrpo.pipeline.stage_children import caller_gone, end_children, reap, send, watch_exits
 from tpgrpo.pipeline.stage_client import COMMANDS, ENV_VAR, MAX_MESSAGE, fingerprint
 
 # the stage runner first: it sets OMP_WAIT_POLICY, which the OpenMP runtime reads when torch loads it.
@@ -111,18 +112,16 @@ def serve(path: str, parent: int, names=PRELOAD, model: dict | None = None, tick
             ready, _, _ = select.select(waits, [], [], tick)
             for sock in ready:
                 if isinstance(sock, int):
-                    continue  # a pidfd: _reap below takes every exited child
+                    continue  # a pidfd: reap() below takes every exited child
                 if sock is not listener:  # a caller sends nothing after its request: readable means gone
-                    _caller_gone(callers[sock], children)
+                    caller_gone(callers[sock], children)
                 elif not _accept(listener, own, code, set_by_imports, children):
                     listener = _stop_listening(listener, path)  # callers now find no socket: they run it
                 else:
-                    _watch_new_children(children, exits)
-            _reap(children, exits)
+                    watch_exits(children, exits)
+            reap(children, exits)
     finally:
-        _end_children(children)  # the run is gone (or ends): its stages go with it, as their processes would
-        for fd in exits.values():
-            os.close(fd)
+        end_children(children, exits)  # the run is gone (or ends): its stages go with it, as their processes would
         if listener is not None:
             _stop_listening(listener, path)
         with contextlib.suppress(OSError):
@@ -133,15 +132,6 @@ def _stop_listening(listener: socket.socket, path: str) -> None:
     listener.close()
     with contextlib.suppress(FileNotFoundError):
         os.unlink(path)
-
-
-def _send(conn: socket.socket, payload: dict) -> bool:
-    """Reply to a caller; False when it has gone (it may leave at any time: that must not end the server)."""
-    try:
-        conn.send(json.dumps(payload).encode())
-        return True
-    except OSError:
-        return False
 
 
 def _accept(listener: socket.socket, own: dict, code: CodeState, set_by_imports: dict[str, str],
@@ -169,7 +159,7 @@ def _accept(listener: socket.socket, own: dict, code: CodeState, set_by_imports:
         reason = _refusal(request, own, fds)
     if reason:
         print(f"refused {request.get('argv')}: {reason}", flush=True)
-        _send(conn, {"refused": reason})
+        send(conn, {"refused": reason})
         for fd in fds:
             os.close(fd)
         conn.close()
@@ -200,8 +190,8 @@ def _accept(listener: socket.socket, own: dict, code: CodeState, set_by_imports:
         os.close(fd)
     print(f"forked {pid}: {' '.join(request['argv'][1:])}", flush=True)
     children[pid] = conn
-    if not _send(conn, {"pid": pid}):
-        _caller_gone(pid, children)  # it left before the reply: nobody would wait for or signal its stage
+    if not send(conn, {"pid": pid}):
+        caller_gone(pid, children)  # it left before the reply: nobody would wait for or signal its stage
     return True
 
 
@@ -267,55 +257,6 @@ def _fresh_global_generators() -> None:
     torch.seed()
     np.random.seed()
     random.seed()
-
-
-def _caller_gone(pid: int, children: dict[int, socket.socket | None]) -> None:
-    """The caller of child ``pid`` died without forwarding a signal (SIGKILL): end the stage as the
-    caller's own process would have ended, instead of letting it run on unseen."""
-    print(f"caller of {pid} gone: terminating it", flush=True)
-    with contextlib.suppress(ProcessLookupError):
-        os.kill(pid, signal.SIGTERM)
-    children[pid].close()
-    children[pid] = None
-
-
-def _watch_new_children(children: dict[int, socket.socket | None], exits: dict[int, int]) -> None:
-    """Open a pidfd for each child not yet watched, so that its exit wakes the server's select at once
-    instead of at the next tick (50 ms: about 25 ms a stage on average). Without pidfds (a kernel before
-    5.3) the tick still reaps it."""
-    for pid in children.keys() - exits.keys():
-        try:
-            exits[pid] = os.pidfd_open(pid)
-        except (AttributeError, OSError):  # not on this kernel, or already reaped: the tick covers it
-            return
-
-
-def _reap(children: dict[int, socket.socket | None], exits: dict[int, int] | None = None) -> None:
-    while children:
-        try:
-            pid, status = os.waitpid(-1, os.WNOHANG)
-        except ChildProcessError:
-            return
-        if pid == 0:
-            return
-        if exits and pid in exits:
-            os.close(exits.pop(pid))
-        conn = children.pop(pid, None)
-        if conn is not None:
-            _send(conn, {"exit": os.waitstatus_to_exitcode(status)})  # fails if the caller is gone: nothing to tell
-            conn.close()
-
-
-def _end_children(children: dict[int, socket.socket | None]) -> None:
-    """SIGKILL every running child and reap it (the server is ending: nothing may write on unseen)."""
-    for pid, conn in children.items():
-        with contextlib.suppress(ProcessLookupError):
-            os.kill(pid, signal.SIGKILL)
-        with contextlib.suppress(ChildProcessError):
-            os.waitpid(pid, 0)
-        if conn is not None:
-            conn.close()  # the caller reads EOF: "the stage server stopped before the stage finished"
-    children.clear()
 
 
 def wanted(cfg) -> bool:
