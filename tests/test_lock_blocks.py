@@ -141,6 +141,13 @@ def test_an_unchanged_entry_is_no_change_and_a_changed_one_is():
     assert changed and again.count("  code:\n") == 1 and "--x" in again
 
 
+def test_a_dumper_that_writes_another_shape_leaves_the_file_to_dvc():
+    from dvc.utils.serialize._yaml import _dump
+
+    text = updated_text(HEADER, {"code": {"cmd": "a"}}, _dump, parse)[0]
+    assert updated_text(text, {"code": {"cmd": "b"}}, lambda data, stream: stream.write("{}\n"), parse) is None
+
+
 @pytest.mark.parametrize("text", [
     "",  # empty
     "schema: '2.0'\nstages:\n  code:\n    cmd: a\n",  # ... well formed, then each damage below:

@@ -52,15 +52,14 @@ def split_blocks(text: str, parse: Callable[[str], object]) -> dict[str, str] | 
     return {name: "".join(lines) for name, lines in zip(names, blocks)}
 
 
-def emit_block(name: str, entry: dict, dump: Callable) -> str:
+def emit_block(name: str, entry: dict, dump: Callable) -> str | None:
     """One stage's block as ``dump`` (DVC's YAML dumper) writes it inside the whole file: emitted under a
-    ``stages`` key, so that every line has its final column (ruamel wraps long lines at column 80)."""
+    ``stages`` key, so that every line has its final column (ruamel wraps long lines at column 80). None when
+    the dumper wrote anything but that key first: then DVC's own code writes the file (no crash mid-repro)."""
     stream = io.StringIO()
     dump({"stages": {name: entry}}, stream)
     text = stream.getvalue()
-    if not text.startswith("stages:\n"):
-        raise ValueError(f"stage {name!r}: the dumper wrote {text[:40]!r}, not a block under 'stages:'")
-    return text[len("stages:\n"):]
+    return text[len("stages:\n"):] if text.startswith("stages:\n") else None
 
 
 def updated_text(text: str, entries: dict[str, dict], dump: Callable,
@@ -74,6 +73,8 @@ def updated_text(text: str, entries: dict[str, dict], dump: Callable,
     changed = False
     for name, entry in entries.items():
         block = emit_block(name, entry, dump)
+        if block is None:
+            return None
         changed |= blocks.get(name) != block
         blocks[name] = block
     return HEADER + "".join(blocks.values()), changed
