@@ -113,3 +113,37 @@ def test_task_data_is_reproducible_and_mixes_tasks():
     assert any('"' in p for p in p1) and any('"' not in p for p in p1)
     with pytest.raises(ValueError, match="nope"):
         task_data(("nope",))
+
+
+def test_resumed_pieces_give_the_weights_of_an_uninterrupted_run(tmp_path):
+    """Stop after every single step (a piece of ~0 minutes), resume each time: the same weights and log."""
+    from tpgrpo.models.pretrain_checkpoint import default_checkpoint_path
+
+    whole = _run(tmp_path / "whole", steps=10)
+    pieces, info = 0, {"complete": False}
+    while not info["complete"]:
+        info = _run(tmp_path / "pieces", steps=10, piece_minutes=1e-9)
+        pieces += 1
+        assert pieces <= 11
+    assert pieces >= 9  # it really stopped and resumed between steps
+    assert not default_checkpoint_path(tmp_path / "pieces").exists()  # deleted at the end
+    a, b = load_tiny(tmp_path / "whole"), load_tiny(tmp_path / "pieces")
+    for module_a, module_b in ((a.transformer, b.transformer), (a.text_encoder, b.text_encoder)):
+        for (name, pa), pb in zip(module_a.state_dict().items(), module_b.state_dict().values()):
+            assert torch.equal(pa, pb), name
+    assert (tmp_path / "whole" / "pretrain_log.csv").read_text() \
+        .split("\n")[1].split(",")[:2] == (tmp_path / "pieces" / "pretrain_log.csv").read_text() \
+        .split("\n")[1].split(",")[:2]
+    saved = json.loads((tmp_path / "pieces" / "pretrain.json").read_text())
+    assert saved["steps"] == whole["steps"] == 10 and saved["final_loss"] == whole["final_loss"]
+    assert saved["cpu"] and saved["threads"] >= 1
+
+
+def test_a_piece_writes_no_model_and_a_checkpoint_of_another_run_is_refused(tmp_path):
+    from tpgrpo.models.pretrain_checkpoint import default_checkpoint_path
+
+    info = _run(tmp_path / "m", steps=10, piece_minutes=1e-9)
+    assert not info["complete"] and not (tmp_path / "m").exists()
+    assert default_checkpoint_path(tmp_path / "m").exists()
+    with pytest.raises(ValueError, match=r"checkpoint of another run \(max_steps = 10"):
+        _run(tmp_path / "m", steps=20)

@@ -133,7 +133,8 @@ def pretrain(out_dir, *, seed: int = 0, minutes: float | None = None, steps: int
              tasks: Sequence[str] = ("compositional", "text"), log_every: int = 50,
              config=None, ema_decay: float = 0.995, dropout: float = 0.1,
              save_every_minutes: float | None = 10.0, data: DataFn | None = None,
-             num_threads: int | None = None, device: str = "cpu") -> dict:
+             num_threads: int | None = None, device: str = "cpu", checkpoint: Path | None = None,
+             piece_minutes: float | None = None) -> dict:
     """Train a tiny model from scratch and save it (EMA weights) atomically to ``out_dir``.
 
     Args:
@@ -149,14 +150,20 @@ def pretrain(out_dir, *, seed: int = 0, minutes: float | None = None, steps: int
         config: a ``TinyConfig`` (default: the measured ~3.5M-parameter model).
         ema_decay: EMA decay of the saved weights (0 saves the live weights).
         dropout: probability of replacing a prompt by "" (for classifier-free guidance).
-        save_every_minutes: also save every so many minutes (``complete: false`` in pretrain.json).
+        save_every_minutes: write the resumable checkpoint every so many minutes (None: only at a
+            piece's end). The model folder is written once, when the run completes.
         data: optional data source (see ``DataFn``) replacing the rendered task prompts.
         num_threads: ``torch.set_num_threads`` if given.
         device: torch device to train on (e.g. ``cuda``); the same seed gives the same draws everywhere.
+        checkpoint: the resumable checkpoint file (default ``data/.base.pretrain-ckpt.pt`` for
+            ``data/base``); when it exists the run resumes from it (same seed, budget and settings required).
+        piece_minutes: stop after this many minutes of this process, leaving the checkpoint to resume
+            from (``complete: false`` in the returned dict, nothing written to ``out_dir``).
     Returns: the ``pretrain.json`` dict (steps, minutes, seed, final_loss, config, ...).
     """
     import torch
 
+    from tpgrpo.models.pretrain_checkpoint import default_checkpoint_path, load_checkpoint, save_checkpoint
     from tpgrpo.models.tiny import TinyBackend, TinyConfig, build_tiny
 
     if minutes is None and steps is None:
@@ -173,18 +180,28 @@ def pretrain(out_dir, *, seed: int = 0, minutes: float | None = None, steps: int
     run = _Run(backend, Path(out_dir), seed, hparams, steps, minutes)
     draw = data or task_data(tasks, image_size=config.image_size)
     rng = np.random.default_rng(seed)
-    last_save = time.monotonic()
+    ckpt = Path(checkpoint) if checkpoint else default_checkpoint_path(Path(out_dir))
+    if ckpt.exists():
+        run.resume_from(load_checkpoint(run, rng, ckpt))
+        print(f"pretrain: resumed from {ckpt} at step {run.n_steps}", flush=True)
+    piece_start = last_save = time.monotonic()
     while run.progress() < 1.0:
         prompts, images = draw(rng, batch_size)
         run.step(prompts, images)
         if run.n_steps % log_every == 0:
             run.log()
-        if save_every_minutes and time.monotonic() - last_save > 60.0 * save_every_minutes:
-            run.save(complete=False)
-            last_save = time.monotonic()
+        now = time.monotonic()
+        if save_every_minutes and now - last_save > 60.0 * save_every_minutes:
+            save_checkpoint(run, rng, ckpt, run.elapsed())
+            last_save = now
+        if piece_minutes and now - piece_start > 60.0 * piece_minutes and run.progress() < 1.0:
+            save_checkpoint(run, rng, ckpt, run.elapsed())
+            print(f"pretrain: piece over at step {run.n_steps}; resume with the same command", flush=True)
+            return run.info(complete=False)
     if run.window:
         run.log()
     info = run.save(complete=True)
+    ckpt.unlink(missing_ok=True)
     print(f"pretrain: saved {out_dir} after {info['steps']} steps, {info['minutes']} min, "
           f"final loss {info['final_loss']}", flush=True)
     return info
@@ -206,10 +223,18 @@ class _Run:
         self.n_steps, self.window, self.log_rows, self.last_loss = 0, [], [], None
         self.t0 = time.monotonic()
 
+    def elapsed(self) -> float:
+        """Seconds of training so far, over every piece of a resumed run."""
+        return time.monotonic() - self.t0
+
+    def resume_from(self, elapsed_s: float) -> None:
+        """Count ``elapsed_s`` seconds of earlier pieces as spent (the state itself is loaded already)."""
+        self.t0 = time.monotonic() - elapsed_s
+
     def progress(self) -> float:
         """Fraction of the budget used: the larger of steps and wall-clock fractions."""
         p_steps = self.n_steps / self.max_steps if self.max_steps else 0.0
-        p_time = (time.monotonic() - self.t0) / (60.0 * self.minutes) if self.minutes else 0.0
+        p_time = self.elapsed() / (60.0 * self.minutes) if self.minutes else 0.0
         return max(p_steps, p_time)
 
     def step(self, prompts: list[str], images: np.ndarray) -> float:
@@ -244,16 +269,23 @@ class _Run:
         self.window = []
         print("pretrain " + " ".join(f"{k}={v}" for k, v in row.items()), flush=True)
 
-    def save(self, complete: bool) -> dict:
-        """Save the EMA weights (or the live ones) atomically; returns the ``pretrain.json`` dict."""
+    def info(self, complete: bool) -> dict:
+        """The ``pretrain.json`` dict: steps, minutes over every piece, the CPU, settings, sizes."""
+        import platform
+
         import torch
 
+        return {"kind": "tiny", "complete": complete, "seed": self.seed, "steps": self.n_steps,
+                "minutes": round(self.elapsed() / 60.0, 3), "final_loss": self.last_loss,
+                "config": asdict(self.backend.config), "hparams": self.hparams,
+                "parameters": self.backend.num_parameters(), "torch": torch.__version__,
+                "cpu": _cpu_model(), "threads": torch.get_num_threads(), "machine": platform.machine()}
+
+    def save(self, complete: bool) -> dict:
+        """Save the EMA weights (or the live ones) atomically; returns the ``pretrain.json`` dict."""
         for m in self.backend.modules():
             m.eval()
-        info = {"kind": "tiny", "complete": complete, "seed": self.seed, "steps": self.n_steps,
-                "minutes": round((time.monotonic() - self.t0) / 60.0, 3), "final_loss": self.last_loss,
-                "config": asdict(self.backend.config), "hparams": self.hparams,
-                "parameters": self.backend.num_parameters(), "torch": torch.__version__}
+        info = self.info(complete)
         if self.ema is not None:
             self.ema.swap()
         try:
@@ -271,8 +303,31 @@ def pretrain_command(
     steps: Annotated[Optional[int], typer.Option(help="optimizer steps; stops at whichever budget ends first")] = None,
     batch_size: Annotated[int, typer.Option(help="images per optimizer step")] = 64,
     device: Annotated[str, typer.Option(help="torch device to train on, e.g. cuda")] = "cpu",
+    tasks: Annotated[str, typer.Option(help="comma-separated tasks whose training prompts are rendered")]
+        = "compositional",
+    piece_minutes: Annotated[Optional[float], typer.Option(
+        help="stop after this many minutes, keeping a checkpoint; the same command resumes")] = None,
+    threads: Annotated[Optional[int], typer.Option(help="torch threads (default: torch's)")] = None,
 ) -> None:
-    """Pretrain the embedded tiny text-to-image model on rendered task images."""
+    """Pretrain the embedded tiny text-to-image model on rendered task images (resumable)."""
     if minutes is None and steps is None:
         raise typer.BadParameter("give --minutes or --steps")
-    pretrain(out_dir, seed=seed, minutes=minutes, steps=steps, batch_size=batch_size, device=device)
+    pretrain(out_dir, seed=seed, minutes=minutes, steps=steps, batch_size=batch_size, device=device,
+             tasks=tuple(t.strip() for t in tasks.split(",") if t.strip()), piece_minutes=piece_minutes,
+             num_threads=threads)
+
+
+def _cpu_model() -> str:
+    """The CPU's model name (``/proc/cpuinfo``), or the platform's processor string elsewhere."""
+    import platform
+
+    fields = {}
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            key, _, value = line.partition(":")
+            fields.setdefault(key.strip(), value.strip())
+    except OSError:
+        pass
+    if "model name" not in fields:
+        return platform.processor() or "unknown"
+    return f"{fields['model name']} (family {fields.get('cpu family', '?')} model {fields.get('model', '?')})"
