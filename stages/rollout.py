@@ -21,6 +21,7 @@ from tpgrpo.io.trajectories import write_zarr
 from tpgrpo.config import Config
 from tpgrpo.distributed import chunk_bar, current, row_chunks, run_chunks, warn_if_idle
 from tpgrpo.policy.loading import load_policy, prompt_embeddings, sampler_spec, select_prompts, store_attrs
+from tpgrpo.policy.slow_adapter import load_sampling_adapter
 from tpgrpo.stage_common import check_finite, stopwatch
 from tpgrpo.algo.seeds import sample_seed
 from tpgrpo.tasks.rewards import build_reward
@@ -40,6 +41,7 @@ def run(cfg: Config, iteration: int, root: Path) -> dict:
         metas = select_prompts(cfg, root, iteration)
         reward = build_reward(cfg.task.reward, cfg, root)  # checks reward-model folders before sampling
         backend = load_policy(cfg, root, iteration)
+        load_sampling_adapter(cfg, root, iteration, backend)  # nft: the old adapter samples
         spec = sampler_spec(cfg)
         G = cfg.rollout.group_size
         prompt_index = np.repeat(np.arange(len(metas)), G)
@@ -51,6 +53,7 @@ def run(cfg: Config, iteration: int, root: Path) -> dict:
         warn_if_idle(dist, len(chunks), "rollout.batch_size")
         keep_x0 = cfg.probe.completion == "x0"  # the probe then scores these instead of running the model
         keep_v = parse_completion(cfg.probe.completion).runs_transformer  # its completions' first steps
+        keep_final = cfg.update.objective != "grpo"  # nft / awm train on the clean samples
 
         def compute(c: int) -> dict:  # chunk c: fixed rows, the same shapes on any process count
             rows = np.arange(*chunks[c])
@@ -67,6 +70,8 @@ def run(cfg: Config, iteration: int, root: Path) -> dict:
                 out["x0_estimates"] = torch.cat([p.x0_estimates for p in parts]).cpu().numpy()
             if keep_v:
                 out["velocities"] = torch.cat([p.velocities for p in parts]).cpu().numpy()
+            if keep_final:
+                out["final_latents"] = torch.cat([p.final for p in parts]).cpu().numpy()
             return out
 
         with chunk_bar(dist, f"rollout {iteration}") as progress:
@@ -94,7 +99,7 @@ def _store_arrays(merged: dict, spec, seeds: list[int], prompt_index: np.ndarray
         "sample": sample.astype(np.int32), "final_reward": merged["final_reward"],
         "final_strict": merged["final_strict"],
     }
-    arrays.update({name: merged[name] for name in ("x0_estimates", "velocities") if name in merged})
+    arrays.update({name: merged[name] for name in ("x0_estimates", "velocities", "final_latents") if name in merged})
     return arrays
 
 

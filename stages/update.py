@@ -29,6 +29,9 @@ from tpgrpo.policy.checkpoint import load_training_state, save_policy
 from tpgrpo.policy.update import TransitionBatch, UpdateInputs, make_optimizer, train_iteration
 
 
+UNREAD = ("x0_estimates", "velocities", "states", "node_states")  # read lazily: the probe's, or per micro-batch
+
+
 def advantage_matrix(credit, n: int, k: int) -> torch.Tensor:
     """(N, K) advantages from the long credit table (rows (trajectory, step), as ``read_table`` checks)."""
     table = credit.sort_values(["trajectory", "step"], kind="stable")
@@ -43,13 +46,14 @@ def _tick(bar, done: int, total: int) -> None:
 
 
 def run(cfg: Config, iteration: int, root: Path) -> dict:
+    if cfg.update.objective != "grpo":  # DiffusionNFT / AWM on the clean samples (docs/objectives.md)
+        return _run_objective(cfg, iteration, root)
     paths = IterationPaths(root, iteration)
     metrics: dict = {"iteration": iteration}
     dist = current()
     with stopwatch(metrics):
         # x0_estimates, velocities: the probe's, never read here; a tree's edges read its node_states
-        arrays, attrs = read_trajectories(paths.trajectories,
-                                          lazy=("x0_estimates", "velocities", "states", "node_states"))
+        arrays, attrs = read_trajectories(paths.trajectories, lazy=UNREAD)
         shape = rollout_shape.of_store_attrs(attrs, str(paths.trajectories))
         states = store_states(arrays, len(attrs["prompts"]), shape).verify()  # checked a file at a time; read per micro-batch
         N, K1 = states.shape[:2]
@@ -80,5 +84,47 @@ def run(cfg: Config, iteration: int, root: Path) -> dict:
         if not dist.is_main:  # every process holds the same weights; the main process writes them
             return metrics
         save_policy(paths.policy, backend, optimizer, ema)
+    write_log(paths.update_metrics, {k: v for k, v in metrics.items() if np.isscalar(v) or isinstance(v, list)})
+    return metrics
+
+
+def _run_objective(cfg: Config, iteration: int, root: Path) -> dict:
+    """The update under ``update.objective`` nft / awm: the credit table's advantages on the store's clean
+    samples (``tpgrpo.algo.objective_units``), trained by ``tpgrpo.policy.objective_update``; the policy folder
+    gains ``slow/`` (NFT's old adapter / AWM's EMA)."""
+    from tpgrpo.policy.objective_update import ObjectiveInputs, train_objective, units_of_store
+    from tpgrpo.policy.slow_adapter import previous_slow
+
+    paths = IterationPaths(root, iteration)
+    metrics: dict = {"iteration": iteration}
+    dist = current()
+    with stopwatch(metrics):
+        arrays, attrs = read_trajectories(paths.trajectories, lazy=UNREAD)
+        shape = rollout_shape.of_store_attrs(attrs, str(paths.trajectories))
+        N, K = arrays["log_probs"].shape
+        metas = attrs["prompts"]
+        credit = read_table(
+            paths.credit, CREDIT, "credit.parquet: run the credit stage first", trajectories=N, steps=K,
+            expect={"sample": arrays["sample"], "prompt_id": [metas[p]["id"] for p in arrays["prompt_index"]]})
+        units, latents = units_of_store(arrays, attrs, shape, advantage_matrix(credit, N, K), cfg.update.split_levels,
+                                        str(paths.trajectories))
+        backend = load_policy(cfg, root, iteration, trainable=True)
+        optimizer = make_optimizer(backend, cfg.update)
+        ema = LoraEMA(backend) if cfg.update.ema else None
+        previous = paths.previous()
+        if previous is not None:
+            load_training_state(require(previous.policy, "previous policy"), optimizer, ema)
+        slow = previous_slow(root, iteration, backend)
+        embeds = prompt_embeddings(cfg, root, iteration, backend, [m["prompt"] for m in metas])
+        inputs = ObjectiveInputs(backend, embeds, units, latents, float(attrs["guidance_scale"]),
+                                 torch.tensor(attrs["schedule_sigmas"], dtype=torch.float32), cfg.update, dist)
+        seeds = [sample_seed(cfg.train.seed, iteration, "update", e) for e in range(cfg.update.epochs)]
+        with tqdm(desc=f"update {iteration}", unit="micro-batch", disable=not dist.is_main) as bar:
+            result = train_objective(inputs, optimizer, seeds, slow, ema=ema, iteration=iteration,
+                                     progress=lambda done, total: _tick(bar, done, total))
+        metrics.update(result.log)
+        if not dist.is_main:
+            return metrics
+        save_policy(paths.policy, backend, optimizer, ema, slow=result.slow)
     write_log(paths.update_metrics, {k: v for k, v in metrics.items() if np.isscalar(v) or isinstance(v, list)})
     return metrics

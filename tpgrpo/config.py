@@ -228,6 +228,36 @@ class UpdateConfig:
     gradient_checkpointing: bool = param(False, "recompute transformer blocks in backward: less memory, about "
                                          "30% slower", note=f"SD3.5 / FLUX at 512 px on one GPU. {KNOB}; the adapter "
                                          "byte-identical at equal thread counts (CPU)")
+    objective: str = param(
+        "grpo", "the update's objective: grpo (PPO-clip on the stored SDE transitions' log-probs), nft "
+        "(DiffusionNFT) or awm (Advantage Weighted Matching), both on forward noisings of the clean samples, with "
+        "the same credit tables (docs/objectives.md)", bounds=("grpo", "nft", "awm"),
+        note="nft and awm keep a slow adapter in policy/slow (NFT's old policy, which also samples; AWM's EMA)")
+    nft_beta: float = param(1.0, "nft: b, the implicit policies' step v+- = v_old +- b (v - v_old)", bounds="> 0",
+                            note="Paper: 1 (0.1 for OCR)")
+    nft_decay_rate: float = param(0.001, "nft: the old adapter becomes d old + (1 - d) current after each update, d = "
+                                  "min(this x optimizer steps so far, update.nft_decay_max)", "per step", ">= 0",
+                                  note="Paper: 0.001")
+    nft_decay_max: float = param(0.5, "nft: the cap of that decay d", bounds="[0, 1]", note="Paper: 0.5")
+    nft_kl: float = param(1e-4, "nft: weight of mean (v - v_base)^2, v_base the adapter-disabled model", bounds=">= 0",
+                          note="Paper: 1e-4")
+    nft_levels: int = param(9, "nft: noise levels per clean sample, a random subset of the schedule's step levels "
+                            "(fresh noise each)", "levels", "> 0", note="Paper: 9 of 10")
+    awm_p: float = param(0.25, "awm: p of the surrogate log-prob -(t/p) ell^p, ell the flow-matching error",
+                         bounds="> 0", note="Paper: 0.25")
+    awm_kl: float = param(1e-3, "awm: weight of mean (v - v_base)^2, v_base the adapter-disabled model", bounds=">= 0",
+                          note="Paper: 0.001 for GenEval")
+    awm_ema_weight: float = param(1.0, "awm: weight of mean (v - v_ema)^2, v_ema the slow EMA adapter", bounds=">= 0",
+                                  note="Paper: 1.0")
+    awm_ema_decay_rate: float = param(0.001, "awm: after each optimizer step the EMA becomes d ema + (1 - d) current, "
+                                      "d = min(this x optimizer steps so far, update.awm_ema_decay_max)", "per step",
+                                      ">= 0", note="Paper: 0.001")
+    awm_ema_decay_max: float = param(0.3, "awm: the cap of that decay d", bounds="[0, 1]", note="Paper: 0.3")
+    awm_levels: int = param(6, "awm: noise levels per clean sample, a random subset of the schedule's step levels "
+                            "without t = 1 and the two lowest", "levels", "> 0", note="Paper: 6 of 14")
+    split_levels: bool = param(False, "nft / awm on a tree: train each SDE edge's leaf only at noise levels at or "
+                               "below its split's (false: at every level)", note="TP's step credit localised to "
+                               "the steps it measured (docs/objectives.md)")
 
 
 @dataclass(frozen=True)

@@ -49,6 +49,11 @@ def inputs(section: str) -> list[str]:
 
 
 MODEL_PARAMS = inputs("model")  # also the key of cached prompt embeddings (tpgrpo.stage_common, eval_embeds)
+# The keys of the forward-process objectives (update.objective nft / awm, docs/objectives.md): read only while
+# the objective is not grpo, so a grpo project lists and hashes what it did before they existed.
+OBJECTIVE_KEYS = ("update.objective", *(k for k in section_keys("update")
+                                        if k.startswith(("update.nft_", "update.awm_")) or k == "update.split_levels"))
+GRPO_ONLY = ("update.clip_range", "update.kl_beta")  # the PPO clip and its KL: unread under nft / awm
 REWARD_PARAMS = [*inputs("reward_models"), "remote_reward"]  # read by every stage that scores images
 
 SUMMARY, DONE, COMPARE = "summary", "done", "compare"  # readers of an output beyond the stages after it
@@ -108,7 +113,8 @@ ITERATION_STAGES = (
         outputs=(Output("credit.parquet", "credit", read_by=(SUMMARY,)),
                  Output("credit.json", "credit_metrics", read_by=(SUMMARY, DONE)))),
     IterationStage(
-        "update", ("stages/update.py",), (*MODEL_PARAMS, *inputs("update"), "train.seed"),
+        "update", ("stages/update.py",),
+        (*MODEL_PARAMS, *(k for k in inputs("update") if k not in OBJECTIVE_KEYS), "train.seed"),
         external=("model",), inputs=("trajectories.zarr", "prompt_embeds.safetensors", "credit.parquet"),
         previous_policy=True,
         outputs=(Output("policy", "policy", droppable="adapter"),
@@ -154,6 +160,12 @@ CONDITIONAL_PARAMS = {  # stage: [(the keys, the bool key that switches them on)
     "probe": [(("tree.enabled",), "tree.enabled")],  # all a tree's probe lists (below)
     "credit": [(("tree.baseline",), "tree.enabled")],
 }
+# Under nft / awm the rollout keeps the clean samples (and under nft samples with the old adapter), the update
+# trains the objective: both list update.objective (the update its keys too) only then.
+CONDITIONAL_PARAMS["rollout"].append((("update.objective",), "update.objective"))
+CONDITIONAL_PARAMS["update"] = [(OBJECTIVE_KEYS, "update.objective")]
+# A switch that is no bool: on unless it holds this value (update.objective: on under nft and awm).
+OFF_VALUES = {"update.objective": "grpo"}
 # Keys of STAGE_PARAMS' lists that a stage does not read while a switch is on, each group with its switch. The
 # tree rollout samples roots x (children + 1)^splits leaves per prompt at its split steps: it reads neither the
 # chain's group size nor its SDE window (its store records its own group and window, which probe, credit and
@@ -172,6 +184,7 @@ UNREAD_PARAMS = {  # stage: [(the keys, the switch that drops them)]
     "rollout": [(CHAIN_ONLY, "tree.enabled")],
     "probe": [(tuple(STAGE_PARAMS["probe"]), "tree.enabled")],
     **{stage: [(CHAIN_WINDOW, "tree.enabled")] for stage in ("eval", "baseline", "summary")},
+    "update": [(GRPO_ONLY, "update.objective")],
 }
 
 
@@ -218,6 +231,8 @@ def _switched_on(cfg: Config | dict, key: str) -> bool:
     """``key`` (``"tree.enabled"``) of a :class:`Config` (or anything with its attributes), or of params.yaml
     parsed as a mapping (what :func:`tpgrpo.pipeline.status.stage_params` reads: a missing section is off)."""
     value = _value(cfg, key)
+    if key in OFF_VALUES:
+        return value is not None and value != OFF_VALUES[key]
     if not isinstance(cfg, dict):
         return bool(value)
     # DVC parses YAML 1.2, where `yes` and `on` are strings; the config loader (PyYAML, YAML 1.1) reads

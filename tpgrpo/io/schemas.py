@@ -232,6 +232,13 @@ TRAJECTORY_ARRAYS = (
               "edge's step", optional=True),
     ArraySpec("tree_child_node", ("trajectory",), "int32", "node (within the prompt) of the state after it",
               optional=True),
+    # update.objective nft / awm (docs/objectives.md): the clean samples the objective noises
+    ArraySpec("final_latents", ("trajectory", "channel", "height", "width"), "float32",
+              "a chain trajectory's final latent at sigma 0 (update.objective nft / awm only)", optional=True,
+              finite=True, bound=LATENT_BOUND),
+    ArraySpec("leaf_latents", ("leaf", "channel", "height", "width"), "float32",
+              "a tree's leaves at sigma 0, prompt-major, tree_leaf indexes them within the prompt (update.objective "
+              "nft / awm only)", optional=True, finite=True, bound=LATENT_BOUND),
 )
 # Attribute the rollout sets True when it stored ``velocities``: the probe then refuses a store that lacks
 # them (deleted) instead of recomputing, which it does for stores written before the array existed.

@@ -73,13 +73,20 @@ def load_training_state(folder, optimizer, ema: LoraEMA | None = None) -> int:
     return step
 
 
-def save_policy(folder, backend, optimizer, ema: LoraEMA | None, step: int | None = None) -> Path:
+def save_policy(folder, backend, optimizer, ema: LoraEMA | None, step: int | None = None,
+                slow: dict[str, torch.Tensor] | None = None) -> Path:
     """Write the whole policy folder atomically: the adapter (top level, see ``tpgrpo.policy.lora``),
-    ``ema/`` (the EMA weights as an adapter, when ``ema`` is given) and ``training_state.pt``."""
+    ``ema/`` (the EMA weights as an adapter, when ``ema`` is given), ``slow/`` (the slow adapter of
+    ``update.objective`` nft / awm, when ``slow`` is given: ``tpgrpo.policy.slow_adapter``) and
+    ``training_state.pt``."""
     folder = Path(folder)
     with atomic_path(folder) as tmp:
         save_adapter(backend, tmp)
         if ema is not None:
             ema.save_adapter(backend, tmp / EMA_FOLDER)
+        if slow is not None:
+            from tpgrpo.policy.slow_adapter import SLOW_FOLDER
+
+            save_adapter(backend, tmp / SLOW_FOLDER, state_dict={k: v.cpu() for k, v in slow.items()})
         save_training_state(tmp, optimizer, ema, step)
     return folder

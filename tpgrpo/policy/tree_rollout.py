@@ -30,6 +30,7 @@ from tpgrpo.io.artifacts import IterationPaths
 from tpgrpo.io.stage_logs import write_log
 from tpgrpo.io.trajectories import write_zarr
 from tpgrpo.policy.loading import load_policy, prompt_embeddings, sampler_spec, select_prompts, store_attrs
+from tpgrpo.policy.slow_adapter import load_sampling_adapter
 from tpgrpo.stage_common import check_finite, stopwatch
 from tpgrpo.tasks.rewards import build_reward
 
@@ -73,6 +74,7 @@ def run(cfg: Config, iteration: int, root: Path) -> dict:
         metas = select_prompts(cfg, root, iteration)
         reward = build_reward(cfg.task.reward, cfg, root)
         backend = load_policy(cfg, root, iteration)
+        load_sampling_adapter(cfg, root, iteration, backend)  # nft: the old adapter samples
         shape = tree_shape(cfg)  # its window: the first split step on (the params' window is the chain's)
         spec = sampler_spec(cfg, window=(shape.split_steps[0], 1))
         R, P = shape.roots, len(metas)
@@ -92,7 +94,10 @@ def run(cfg: Config, iteration: int, root: Path) -> dict:
             leaf_prompts = [metas[root_prompt[rows[int(r)]]] for r in tree.leaf_root]
             scored = reward(backend.decode(tree.leaves), leaf_prompts)
             check_finite(f"reward {reward.name}", scored.reward, "rollout leaves")
-            return edge_arrays(tree, scored.reward, scored.strict, R, per_root)  # prompt-local indices
+            out = edge_arrays(tree, scored.reward, scored.strict, R, per_root)  # prompt-local indices
+            if cfg.update.objective != "grpo":  # nft / awm train on the leaves (root-major: prompt-major)
+                out["leaf_latents"] = tree.leaves.cpu().numpy()
+            return out
 
         with chunk_bar(dist, f"rollout {iteration}") as progress:
             merged = run_chunks(dist, paths.trajectories, len(chunks), compute, f"rollout of iteration {iteration}",
@@ -124,7 +129,8 @@ def _store(cfg: Config, merged: dict, metas: list[dict], spec, shape: TreeShape,
     root_row = prompt_index * shape.roots + merged["tree_root"]
     arrays = {k: merged[k] for k in ("node_states", "log_probs", "sigmas", "final_reward", "final_strict",
                                      "tree_parent", "tree_depth", "tree_sde", "tree_root", "tree_leaf",
-                                     "tree_parent_leaf", "tree_parent_node", "tree_child_node")}
+                                     "tree_parent_leaf", "tree_parent_node", "tree_child_node", "leaf_latents")
+              if k in merged}
     arrays.update({"seeds": np.asarray(seeds, dtype=np.int64)[root_row], "prompt_index": prompt_index.astype(np.int32),
                    "sample": np.tile(np.arange(E_prompt), len(metas)).astype(np.int32)})
     children = shape.children if isinstance(shape.children, int) else list(shape.children)  # an int as before
