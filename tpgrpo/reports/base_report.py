@@ -1,7 +1,10 @@
 """How good the base model is, and how much signal TP-GRPO's step credit gets from it.
 
 ``tpgrpo report-base`` writes ``data/reports/base_report.{json,md}`` and ``base_grid.png``:
-- mean reward and strict accuracy on every held-out prompt, ODE sampling at 10 and 40 steps;
+- held-out strict accuracy and mean reward at eval's settings (``eval.*`` and the sampler's guidance: the
+  numbers the baseline stage reports), with strict accuracy per prompt kind;
+- mean reward and strict accuracy on every held-out prompt, ODE sampling at 10 and 40 steps, for every
+  task the base was pretrained on (``pretrain.json``; older bases without it: every task);
 - on base-model SDE trajectories (the rollout's sampler), the fraction of step increments ``d_k`` that
   are exactly zero under each reward, and the turning-point rate of the ``tp`` credit mode.
 """
@@ -19,14 +22,40 @@ from tpgrpo.config import Config
 TASK_REWARDS = {"compositional": ("geneval", "geneval_soft"), "text": ("ocr",)}
 
 
-def ode_table(backend, cfg: Config, prompts_dir: Path, steps=(10, 40)) -> list[dict]:
+def pretrained_tasks(model_dir: Path) -> tuple[str, ...]:
+    """The tasks a base was pretrained on (its ``pretrain.json``), or every task when it does not say."""
+    info = model_dir / "pretrain.json"
+    if info.exists():
+        tasks = json.loads(info.read_text()).get("hparams", {}).get("tasks")
+        if tasks:
+            return tuple(t for t in TASK_REWARDS if t in tasks)
+    return tuple(TASK_REWARDS)
+
+
+def eval_settings_row(backend, cfg: Config, prompts_dir: Path) -> dict:
+    """Held-out reward and strict accuracy exactly as the baseline eval stage samples and scores them."""
+    from tpgrpo.policy.generate import evaluate_prompts
+    from tpgrpo.stage_common import resolve
+    from tpgrpo.tasks.prompts import load_prompts
+
+    metas = load_prompts(resolve(prompts_dir.parent.parent, cfg.task.eval_prompts))[:cfg.eval.num_prompts]
+    out = evaluate_prompts(backend, metas, cfg.task.eval_reward, num_steps=cfg.eval.num_steps,
+                           seed=cfg.eval.seed, guidance_scale=cfg.sampling.guidance_scale,
+                           shift=cfg.sampling.shift, batch_size=cfg.rollout.batch_size,
+                           samples_per_prompt=cfg.eval.samples_per_prompt)
+    return {"prompts": len(metas), "samples_per_prompt": cfg.eval.samples_per_prompt, **out}
+
+
+def ode_table(backend, cfg: Config, prompts_dir: Path, steps=(10, 40),
+              tasks: tuple[str, ...] = tuple(TASK_REWARDS)) -> list[dict]:
     """One row per (task, reward, steps): mean reward and strict accuracy on all held-out prompts."""
     from tpgrpo.policy.generate import evaluation_seeds, sample_ode
     from tpgrpo.tasks.prompts import load_prompts
     from tpgrpo.tasks.rewards import get_reward
 
     rows = []
-    for task, rewards in TASK_REWARDS.items():
+    for task in tasks:
+        rewards = TASK_REWARDS[task]
         metas = load_prompts(prompts_dir / f"{task}_eval.jsonl")
         for num_steps in steps:
             images = sample_ode(backend, [m["prompt"] for m in metas], evaluation_seeds(cfg.eval.seed, metas),
@@ -40,7 +69,8 @@ def ode_table(backend, cfg: Config, prompts_dir: Path, steps=(10, 40)) -> list[d
     return rows
 
 
-def increment_table(backend, cfg: Config, prompts_dir: Path, prompts: int = 8) -> list[dict]:
+def increment_table(backend, cfg: Config, prompts_dir: Path, prompts: int = 8,
+                    tasks: tuple[str, ...] = tuple(TASK_REWARDS)) -> list[dict]:
     """Zero-increment fraction and turning-point rate on base-model SDE trajectories, per reward.
 
     ``prompts`` training prompts per task x ``rollout.group_size`` samples, sampled and probed exactly as
@@ -54,7 +84,8 @@ def increment_table(backend, cfg: Config, prompts_dir: Path, prompts: int = 8) -
     from tpgrpo.algo.trajectory import complete_window_states, rollout
 
     spec, G, rows = sampler_spec(cfg), cfg.rollout.group_size, []
-    for task, rewards in TASK_REWARDS.items():
+    for task in tasks:
+        rewards = TASK_REWARDS[task]
         metas = load_prompts(prompts_dir / f"{task}_train.jsonl")
         metas = [metas[i] for i in np.random.default_rng(0).choice(len(metas), prompts, replace=False)]
         index = torch.arange(len(metas)).repeat_interleave(G)
@@ -82,8 +113,15 @@ def increment_table(backend, cfg: Config, prompts_dir: Path, prompts: int = 8) -
     return rows
 
 
-def markdown(ode_rows: list[dict], inc_rows: list[dict], source: str) -> str:
-    lines = [f"Base model `{source}`, held-out prompts, ODE sampling, one seed per prompt:", "",
+def markdown(ode_rows: list[dict], inc_rows: list[dict], source: str, eval_row: dict | None = None) -> str:
+    lines = []
+    if eval_row is not None:
+        kinds = ", ".join(f"{k} {v['strict_accuracy']:.3f}" for k, v in eval_row["per_kind"].items())
+        lines += [f"At eval's settings ({eval_row['prompts']} held-out prompts x {eval_row['samples_per_prompt']} "
+                  f"seeds, {eval_row['num_steps']} ODE steps, guidance {eval_row['guidance_scale']}): "
+                  f"`{eval_row['reward_name']}` {eval_row['reward_mean']:.3f}, strict accuracy "
+                  f"**{eval_row['strict_accuracy']:.3f}** (by kind: {kinds}).", ""]
+    lines += [f"Base model `{source}`, held-out prompts, ODE sampling, one seed per prompt:", "",
              "| task | reward | steps | prompts | mean reward | strict accuracy |", "|---|---|---|---|---|---|"]
     lines += [f"| {r['task']} | {r['reward']} | {r['steps']} | {r['prompts']} | {r['mean_reward']:.3f} | "
               f"{r['strict_accuracy']:.3f} |" for r in ode_rows]
@@ -107,13 +145,16 @@ def write_base_report(cfg: Config, root: Path, out_dir: Path) -> dict:
     model_dir = resolve(root, cfg.model.path)
     backend = load_backend(cfg.model.kind, model_dir, cfg.model.device, cfg.model.dtype)
     prompts_dir = root / "data" / "prompts"
-    payload = {"model": cfg.model.path, "ode": ode_table(backend, cfg, prompts_dir),
-               "increments": increment_table(backend, cfg, prompts_dir)}
+    tasks = pretrained_tasks(model_dir)
+    payload = {"model": cfg.model.path, "tasks": list(tasks), "eval": eval_settings_row(backend, cfg, prompts_dir),
+               "ode": ode_table(backend, cfg, prompts_dir, tasks=tasks),
+               "increments": increment_table(backend, cfg, prompts_dir, tasks=tasks)}
     write_json(out_dir / "base_report.json", payload)
     with atomic_path(out_dir / "base_report.md") as tmp:
-        tmp.write_text(markdown(payload["ode"], payload["increments"], cfg.model.path))
-    grid_metas = (load_prompts(prompts_dir / "compositional_eval.jsonl")[:12]
-                  + load_prompts(prompts_dir / "text_eval.jsonl")[:4])
+        tmp.write_text(markdown(payload["ode"], payload["increments"], cfg.model.path, payload["eval"]))
+    grid_metas = load_prompts(prompts_dir / "compositional_eval.jsonl")[:12]
+    if "text" in tasks:
+        grid_metas += load_prompts(prompts_dir / "text_eval.jsonl")[:4]
     images = sample_ode(backend, [m["prompt"] for m in grid_metas for _ in range(4)],
                         list(range(len(grid_metas) * 4)), num_steps=40,
                         guidance_scale=cfg.sampling.guidance_scale, shift=cfg.sampling.shift)
