@@ -93,7 +93,7 @@ def test_under_dvc_a_stage_refuses_code_its_manifest_does_not_record(tmp_path, t
     write_manifests(root)
     monkeypatch.setenv("DVC_STAGE", "credit-0001")
     with open(root / "tpgrpo" / "algo" / "credit.py", "a") as f:
-        f.write("# edited after the code stage ran\n")
+        f.write("EDITED = 1  # edited after the code stage ran (a comment alone changes no manifest)\n")
     result = CliRunner().invoke(app, ["stage", "credit", "--iter", "1", "--params", str(root / "params.yaml")])
     assert result.exit_code == 2
     message = result.output.strip()
@@ -102,10 +102,10 @@ def test_under_dvc_a_stage_refuses_code_its_manifest_does_not_record(tmp_path, t
     assert not (root / "data" / "iters" / "0001" / "credit.parquet").exists()
 
     write_manifests(root)  # re-recorded: now a library upgrade is refused the same way
-    import tpgrpo.pipeline.code_manifest as cm
+    import tpgrpo.pipeline.libraries as libs
 
-    real = cm.installed_version
-    monkeypatch.setattr(cm, "installed_version", lambda dist: "99.0" if dist == "torch" else real(dist))
+    real = libs.installed_version
+    monkeypatch.setattr(libs, "installed_version", lambda dist: "99.0" if dist == "torch" else real(dist))
     result = CliRunner().invoke(app, ["stage", "credit", "--iter", "1", "--params", str(root / "params.yaml")])
     assert result.exit_code == 2 and "torch" in result.output and "99.0" in result.output, result.output
 
@@ -155,7 +155,7 @@ def test_under_dvc_a_stage_refuses_modules_that_are_not_the_projects_code(tmp_pa
     assert same.returncode == 2 and "probe.parquet" in same.stderr and "records" not in same.stderr, same.stderr
 
     with open(root / "tpgrpo" / "algo" / "credit.py", "a") as f:
-        f.write("# the project's credit, not the installed one\n")
+        f.write("OTHER = 1  # the project's credit, not the installed one\n")
     write_manifests(root)  # the manifest matches the project's files: only the running code differs
     other = _stage_as_dvc_runs_it(root, None)
     message = other.stderr.strip()

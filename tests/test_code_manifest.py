@@ -59,20 +59,22 @@ def test_a_manifest_changes_exactly_when_a_file_of_its_kind_changes(tmp_path):
     (tmp_path / "tpgrpo" / "models" / "__pycache__" / "x.cpython-311.pyc").write_bytes(b"\0")
     assert _manifests(tmp_path) == before
 
-    with open(tmp_path / "tpgrpo" / "algo" / "loss.py", "a") as f:
-        f.write("# a comment\n")
+    _append(tmp_path / "tpgrpo" / "algo" / "loss.py")
     after = _manifests(tmp_path)
     assert {k for k in KIND_STAGES if after[k] != before[k]} == {
         k for k in KIND_STAGES if "tpgrpo/algo/loss.py" in kind_code(tmp_path, k)}
     assert {k for k in KIND_STAGES if after[k] != before[k]} == {"update"}
 
     model_file = sorted((tmp_path / "tpgrpo" / "models").glob("*.py"))[0]
-    model_file.write_text(model_file.read_text() + "# a comment\n")
+    model_file.write_text(model_file.read_text() + EDIT)
     changed = {k for k in KIND_STAGES if _manifests(tmp_path)[k] != after[k]}
     assert changed == set(KIND_STAGES) - {"credit"}  # credit reads a table: it loads no model
 
 
-def _append(path: Path, text: str = "# a comment\n") -> None:
+EDIT = "\nEDITED = 1\n"  # a change of code (a comment changes no manifest: tests/test_code_hash.py)
+
+
+def _append(path: Path, text: str = EDIT) -> None:
     with open(path, "a") as f:
         f.write(text)
 
@@ -86,7 +88,7 @@ def test_a_manifest_records_the_libraries_its_code_imports_and_their_upgrades(tm
     the OCR reward import cv2 (opencv-python), rapidocr brings onnxruntime, pyclipper and shapely, the text
     encoders tokenizers; credit reads a table and records none of them. A fake opencv upgrade changes the
     manifests of the kinds that import it, and a lazy ``import cv2`` inside a credit function adds it there."""
-    import tpgrpo.pipeline.code_manifest as cm
+    import tpgrpo.pipeline.libraries as libs
 
     _copy_code(tmp_path)
     before = _manifests(tmp_path)
@@ -96,11 +98,11 @@ def test_a_manifest_records_the_libraries_its_code_imports_and_their_upgrades(tm
     assert "opencv-python" not in libraries["credit"] and {"torch", "pyarrow", "zarr"} <= set(libraries["credit"])
     assert all(list(found) == sorted(found) for found in libraries.values())
 
-    real = cm.installed_version
-    monkeypatch.setattr(cm, "installed_version", lambda dist: "99.0" if dist == "opencv-python" else real(dist))
+    real = libs.installed_version
+    monkeypatch.setattr(libs, "installed_version", lambda dist: "99.0" if dist == "opencv-python" else real(dist))
     assert _changed(tmp_path, before) == {k for k in KIND_STAGES if "opencv-python" in libraries[k]} >= {
         "rollout", "probe", "eval"}
-    monkeypatch.setattr(cm, "installed_version", real)
+    monkeypatch.setattr(libs, "installed_version", real)
     _append(tmp_path / "tpgrpo" / "algo" / "credit.py", "\n\ndef _lazy():\n    import cv2  # noqa: F401\n")
     assert _changed(tmp_path, before) == {"credit"}
     assert "opencv-python" in json.loads(_manifests(tmp_path)["credit"])["libraries"]
@@ -193,7 +195,7 @@ def test_a_project_locked_with_code_files_keeps_that_layout(tmp_path):
 def test_a_code_change_reruns_the_stages_of_its_kind_only(tmp_path, tiny_model_dir):
     """Real DVC, the project's code first on PYTHONPATH (what its manifests hash is what runs): after a run,
     `tpgrpo run` after an edit to the CLI's help, `tpgrpo status`'s code and the docs re-runs the code stage
-    only; a comment added to tpgrpo/algo/loss.py (update's code) re-runs the code stage and the updates, and
+    only; a line of code added to tpgrpo/algo/loss.py (update's code) re-runs the code stage and the updates, and
     nothing of the rollout, probe, credit or baseline; one added to tpgrpo/reports/figures.py re-runs the
     summary only (besides the code stage)."""
     from test_dvc_pipeline import env, ran
@@ -262,26 +264,31 @@ def test_warmed_caches_serve_a_forked_stage_and_still_see_an_upgrade_or_an_edit(
     import importlib.metadata
 
     import tpgrpo.pipeline.code_manifest as cm
+    import tpgrpo.pipeline.libraries as libs
 
-    from tpgrpo.pipeline import code_graph
+    from tpgrpo.pipeline import code_graph, code_hash
 
     _copy_code(tmp_path)
     modules = ["torch", "pyarrow", "zarr", "cv2"]
     want, code = cm.library_versions(modules), {kind: cm.kind_code(tmp_path, kind) for kind in KIND_STAGES}
-    for cache in (cm._providers, cm._requirements, code_graph._scan):
+    hashes = {kind: cm._hashes(tmp_path, code[kind], kind) for kind in KIND_STAGES}
+    for cache in (libs._providers, libs._requirements, libs._provided, libs.editable_folders, code_graph._scan):
         cache.cache_clear()
+    monkeypatch.setattr(code_hash, "_PARTS", {})
     cm.warm_caches(tmp_path)  # alone: what follows may read nothing else
 
     def scanned(*_args, **_kwargs):
         raise AssertionError("read the distributions' metadata or parsed a code file again")
 
     for owner, name in ((importlib.metadata, "packages_distributions"), (importlib.metadata, "requires"),
-                        (code_graph, "_imported_names")):
+                        (importlib.metadata, "distributions"), (code_graph, "_imported_names"),
+                        (code_hash, "_parts")):
         monkeypatch.setattr(owner, name, scanned)
     assert cm.library_versions(modules) == want and {"torch", "pyarrow", "zarr", "opencv-python"} <= set(want)
     assert {kind: cm.kind_code(tmp_path, kind) for kind in KIND_STAGES} == code
-    real = cm.installed_version
-    monkeypatch.setattr(cm, "installed_version", lambda dist: "99.0" if dist == "zarr" else real(dist))
+    assert {kind: cm._hashes(tmp_path, code[kind], kind) for kind in KIND_STAGES} == hashes
+    real = libs.installed_version
+    monkeypatch.setattr(libs, "installed_version", lambda dist: "99.0" if dist == "zarr" else real(dist))
     assert cm.library_versions(modules)["zarr"] == "99.0"
     _append(tmp_path / "tpgrpo" / "algo" / "credit.py", "\n")
     with pytest.raises(AssertionError, match="parsed a code file again"):

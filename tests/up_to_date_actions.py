@@ -43,7 +43,7 @@ TREE_SWITCH = "tree.enabled"  # the rollout reads the other tree keys only while
 CHAIN_ONLY = {"sampling.window_size", "rollout.group_size"}  # no stage reads them while it is on
 ALL_KINDS = {"rollout", "probe", "credit", "update", "eval", "eval_prompts", "baseline", "summary"}
 ONCE = {"eval_prompts", "baseline", "summary"}  # the stages a run has once, not per iteration
-# Code files each kind certainly runs on the tiny project (a comment appended must re-run those stages).
+# Code files each kind certainly runs on the tiny project (a line of code appended must re-run those stages).
 CODE_TARGETS = {
     "stages/rollout.py": {"rollout"}, "stages/probe.py": {"probe"}, "stages/credit.py": {"credit"},
     "stages/update.py": {"update"}, "stages/eval.py": {"eval", "baseline"}, "stages/baseline.py": {"baseline"},
@@ -176,7 +176,7 @@ def manifest_kinds(root: Path, path: str) -> set[str]:
 
 
 def edit_code(seq: Seq) -> Plan:
-    """Append a fresh comment to a file stages import: the stages whose manifest lists it must re-run (at least
+    """Append a fresh line of code (h.MARK) to a file stages import: the stages whose manifest lists it must re-run (at least
     those CODE_TARGETS says certainly run it), and nothing but them, what reads their outputs, the code stage
     and the summary (a sealed block is unsealed, not re-run whole)."""
     raw = h.read_params(seq.root)

@@ -23,7 +23,9 @@ import yaml
 
 REPO = Path(__file__).resolve().parents[1]
 CODE = ("stages", "tpgrpo", "pyproject.toml")  # what a project copies of the code (the code stage's deps)
-MARK = "# up-to-date harness edit"  # the comment the code edits append; stripped from the reference key
+# The line the code edits append, stripped from the reference key: a statement, not a comment (the manifests
+# hash code without comments, so a comment re-runs nothing); each edit appends one more, so the code changes.
+MARK = "_up_to_date_harness_edit = 1  # up-to-date harness edit"
 THREADS = "1"  # float results are byte-identical at equal thread counts only
 # Metric fields that are wall-clock readings, never equal between two runs.
 WALL_KEYS = ("wall", "seconds", "s_per_iter")
@@ -257,13 +259,17 @@ def _log_digest(path: Path, h) -> None:
 
 def _manifest_digest(path: Path, h) -> None:
     """A code manifest (data/code/KIND.json) lists md5s of code files, and the harness's code edits append
-    comments with random tokens that one reference (keyed without them) cannot match. What must hold: the
+    lines with random tokens that one reference (keyed without them) cannot match. What must hold: the
     manifest names the same files, libraries and path, and each md5 is that of the project's file now (a
     stale manifest reads STALE)."""
+    from tpgrpo.pipeline.code_hash import BYTES, file_md5
+
     root = path.parents[2]
     recorded = json.loads(path.read_text())
-    files = {name: "matches" if _md5_now(root / name) == md5 else "STALE"
-             for name, md5 in recorded.get("files", {}).items()}
+    how = recorded.get("hashes", BYTES)  # what a file's md5 is of: its bytes, or its code without comments
+    now = {name: file_md5((root / name).read_bytes(), recorded.get("kind"), how) if (root / name).is_file()
+           else None for name in recorded.get("files", {})}
+    files = {name: "matches" if now[name] == md5 else "STALE" for name, md5 in recorded.get("files", {}).items()}
     h.update(json.dumps({**recorded, "files": files}, sort_keys=True).encode())
 
 

@@ -3,8 +3,9 @@
 Why: each stage used to list its ~15 code files and folders as DVC dependencies, and DVC rewrites the
 whole ``dvc.lock`` after every stage it runs; those entries were 40% of the lock (59 of 143 KB in a
 12-iteration run), so every rewrite parsed and wrote them again, a cost that grows with the run. Now one
-``code`` stage depends on all the code and writes ``data/code/<kind>.json`` (path -> md5 of every file of
-that kind's code); each iteration stage depends on its kind's manifest only. A code change re-runs the
+``code`` stage depends on all the code and writes ``data/code/<kind>.json`` (path -> md5 of the code of every
+file of that kind's code, without comments, docstrings or help text: :mod:`tpgrpo.pipeline.code_hash`); each
+iteration stage depends on its kind's manifest only. A code change re-runs the
 ``code`` stage, rewrites the manifests whose files changed, and DVC re-runs exactly the stages whose
 manifest changed: the same stages as before, with one dependency each instead of ~15.
 
@@ -22,13 +23,13 @@ Projects whose ``dvc.lock`` was written with code files as stage dependencies ke
 
 from __future__ import annotations
 
-import hashlib
 import json
 from collections.abc import Iterator
 from contextlib import contextmanager, suppress
-from functools import lru_cache
 from pathlib import Path
 
+from tpgrpo.pipeline.code_hash import BYTES, CODE, file_md5
+from tpgrpo.pipeline.libraries import library_entries, library_versions, warm_library_caches
 from tpgrpo.stage_params import CONDITIONAL_PARAMS, ITERATION_STAGES, PATH_SWITCHES, UNREAD_PARAMS, code_path, inputs
 
 CODE_DIR = "data/code"
@@ -56,15 +57,6 @@ RENDER_PARAMS = ["train.iterations", "train.block_size", "model.path", "task", *
 # the probe's manifest says "path": "final_reward" under credit.mode flow_grpo). The code stage lists them too,
 # so it re-runs (a second) when one changes, and rewrites a manifest only when the path changed.
 MANIFEST_PARAMS = [key for key, _, _ in PATH_SWITCHES.values()]
-# The libraries a manifest records, with their versions: the distributions that provide the third-party
-# modules its kind's code imports (code_graph.external_modules: cv2 -> opencv-python, PIL -> pillow), and the
-# installed requirements those distributions declare themselves, one level down (rapidocr-onnxruntime ->
-# onnxruntime, pyclipper, shapely; zarr -> numcodecs; torch -> its CUDA libraries where installed). Deeper
-# requirements are not recorded (a chosen gap: they are mostly HTTP, command-line and typing helpers,
-# huggingface-hub -> httpx -> h11, and recording them would re-run every stage for each such upgrade). No file of the project changes when a library is upgraded: `tpgrpo run` rewrites the
-# manifests before each repro (DVC then re-runs the code stage, whose outputs are not cached so its run cache
-# cannot restore old ones, and the stages whose manifest changed), and under DVC a stage refuses to run when
-# its manifest does not match the files and versions (check_stage_code).
 
 
 def kind_code(root: Path, kind: str) -> list[str]:
@@ -74,75 +66,29 @@ def kind_code(root: Path, kind: str) -> list[str]:
     return closure(root, KIND_STAGES[kind])
 
 
-def canonical(name: str) -> str:
-    """A distribution's name as PEP 503 compares them (``PyYAML`` -> ``pyyaml``, ``huggingface_hub`` ->
-    ``huggingface-hub``): the manifests' keys."""
-    import re
-
-    return re.sub(r"[-_.]+", "-", name).lower()
-
-
-def installed_version(dist: str) -> str | None:
-    """The installed version of distribution ``dist``, or None."""
-    from importlib.metadata import PackageNotFoundError, version
-
-    try:
-        return version(dist)
-    except PackageNotFoundError:
-        return None
-
-
-@lru_cache(maxsize=1)
-def _providers() -> dict[str, tuple[str, ...]]:
-    """Top-level module -> the installed distributions that provide it (canonical names, sorted)."""
-    from importlib.metadata import packages_distributions
-
-    return {module: tuple(sorted({canonical(d) for d in dists})) for module, dists in packages_distributions().items()}
-
-
 def warm_caches(code_root: Path) -> None:
     """Fill this process's caches that every stage's code check reads: the installed distributions' metadata
-    (``packages_distributions`` and each one's requirements, about 0.3-0.4 s) and the import scan of each
-    stage kind's code under ``code_root`` (cached per file stamp). The stage server calls it once before
-    forking, so that no forked stage redoes them (each did: most of a served stage's start-up). Safe there:
+    (``packages_distributions`` and each one's requirements, about 0.3-0.4 s), the import scan of each
+    stage kind's code under ``code_root`` (cached per file stamp) and its files' parsed code (cached by
+    content). The stage server calls it once before forking, so that no forked stage redoes them (each did:
+    most of a served stage's start-up). Safe there:
     the server stops serving once any installed distribution or code file changes, and the scan's cache is
     keyed by each file's mtime and size. Installed versions stay uncached (the check after a stage must see an
     upgrade made while it ran)."""
-    for dists in _providers().values():
-        for dist in dists:
-            _requirements(dist)
+    warm_library_caches()
     with suppress(Exception):  # a warm-up only: any failure (not a project folder, a file mid-edit) leaves it cold
         for kind in KIND_STAGES:
-            kind_code(code_root, kind)
+            _hashes(code_root, kind_code(code_root, kind), kind)  # code md5s: cached by content, never stale
 
 
-@lru_cache(maxsize=256)
-def _requirements(dist: str) -> tuple[str, ...]:
-    """The distributions ``dist`` requires on this machine (markers evaluated, no extras; canonical names)."""
-    from importlib.metadata import PackageNotFoundError, requires
+def unpinned_sources(root: Path) -> list[Path]:
+    """The files and folders of the libraries every kind's manifest records by their md5 rather than their
+    version alone (editable installs, shadowed or unpackaged modules): what a long-lived process that
+    imported them must watch for edits (the stage server)."""
+    from tpgrpo.pipeline.code_graph import external_modules
 
-    from packaging.requirements import Requirement
-
-    try:
-        found = [Requirement(line) for line in requires(dist) or []]
-    except PackageNotFoundError:
-        return ()
-    return tuple(sorted({canonical(r.name) for r in found if r.marker is None or r.marker.evaluate({"extra": ""})}))
-
-
-def library_versions(modules: list[str]) -> dict[str, str]:
-    """``{distribution: version}`` (sorted) of the libraries code importing the top-level ``modules`` runs on:
-    their distributions and those distributions' installed requirements (one level; see above). A module no
-    installed distribution provides is recorded under its own name as ``"absent"`` (installing it changes the
-    manifest)."""
-    providers = _providers()
-    direct = {d for m in modules for d in providers.get(m, ())}
-    found = {m: "absent" for m in modules if m not in providers}
-    for dist in sorted(direct | {r for d in direct for r in _requirements(d)}):
-        version = installed_version(dist)
-        if version is not None:  # a requirement this machine lacks (an optional one) runs nowhere
-            found[dist] = version
-    return dict(sorted(found.items()))
+    modules = sorted({m for kind in KIND_STAGES for m in external_modules(root, kind_code(root, kind))})
+    return sorted({path for _, roots in library_entries(modules).values() for path in roots})
 
 
 def manifest_path(kind: str) -> str:
@@ -156,14 +102,20 @@ def code_deps(kind: str, manifests: bool) -> list[str]:
     return [manifest_path(kind)] if manifests else kind_code(REPO, kind)
 
 
-def manifest(root: Path, kind: str, cfg=None) -> dict:
-    """``{"kind", "files": {path: md5}, "libraries": {name: version}}`` for the kind's code (sorted paths), plus
-    ``"path"`` where ``cfg`` (a Config or parsed params.yaml; None: ``root/params.yaml``) picks the kind's other
-    code path (:func:`tpgrpo.stage_params.code_path`; absent on the default path, as before paths existed)."""
+def manifest(root: Path, kind: str, cfg=None, hashes: str = CODE) -> dict:
+    """``{"kind", "hashes", "files": {path: md5}, "libraries": {name: version}}`` for the kind's code (sorted
+    paths), plus ``"path"`` where ``cfg`` (a Config or parsed params.yaml; None: ``root/params.yaml``) picks
+    the kind's other code path (:func:`tpgrpo.stage_params.code_path`; absent on the default path, as before
+    paths existed). ``hashes``: what a file's md5 is of (:mod:`tpgrpo.pipeline.code_hash`): its code without
+    comments, docstrings and help text (``"code"``), or its bytes (``"bytes"``: the manifests written before,
+    which have no ``"hashes"`` entry)."""
     from tpgrpo.pipeline.code_graph import external_modules
 
     code = kind_code(root, kind)
-    found = {"kind": kind, "files": _hashes(root, code), "libraries": library_versions(external_modules(root, code))}
+    found = {"kind": kind, "files": _hashes(root, code, kind, hashes),
+             "libraries": library_versions(external_modules(root, code))}
+    if hashes != BYTES:
+        found["hashes"] = hashes
     path = code_path(kind, _params_of(root) if cfg is None else cfg)
     return found if path is None else {**found, "path": path}
 
@@ -179,19 +131,57 @@ def _params_of(root: Path) -> dict:
     return raw if isinstance(raw, dict) else {}
 
 
-def _hashes(root: Path, files: list[str]) -> dict[str, str]:
-    return {f: hashlib.md5((root / f).read_bytes()).hexdigest() for f in files}
+def _hashes(root: Path, files: list[str], kind: str, hashes: str = CODE) -> dict[str, str]:
+    return {f: file_md5((root / f).read_bytes(), kind, hashes) for f in files}
 
 
-def manifest_text(root: Path, kind: str, cfg=None) -> str:
-    return json.dumps(manifest(root, kind, cfg), indent=1, sort_keys=True) + "\n"
+def manifest_text(root: Path, kind: str, cfg=None, hashes: str = CODE) -> str:
+    return json.dumps(manifest(root, kind, cfg, hashes), indent=1, sort_keys=True) + "\n"
+
+
+def _hashes_of(recorded: dict) -> str:
+    """How a recorded manifest hashed its files (older manifests have no entry: their bytes)."""
+    return recorded.get("hashes", BYTES)
+
+
+def _texts(root: Path, cfg=None) -> tuple[dict[str, str], list[str]]:
+    """Each kind's manifest text, and the kinds whose manifest moves from byte md5s to code md5s. A manifest
+    written before code md5s existed stays as it is while every file and library it records is unchanged (its
+    stages are then up to date: nothing re-runs for the new format); it moves to code md5s once its code
+    changes, when its stages re-run anyway (even for a comment, that one time)."""
+    texts, moved = {}, []
+    for kind in KIND_STAGES:
+        path = root / manifest_path(kind)
+        old = path.read_text() if path.is_file() else None
+        try:
+            older = old is not None and _hashes_of(json.loads(old)) == BYTES
+        except ValueError:
+            older = False
+        if older and manifest_text(root, kind, cfg, BYTES) == old:
+            texts[kind] = old
+            continue
+        texts[kind] = manifest_text(root, kind, cfg)
+        if older:
+            moved.append(kind)
+    return texts, moved
+
+
+def _say_moved(moved: list[str]) -> None:
+    """One line on the kinds whose manifests moved to code md5s (why their stages re-run)."""
+    if moved:
+        import sys
+
+        print(f"tpgrpo: {', '.join(manifest_path(k) for k in moved)}: code or libraries changed since written with "
+              "byte md5s; now written with code md5s (comments, docstrings and help text left out), so the "
+              f"{', '.join(moved)} stages re-run", file=sys.stderr, flush=True)
 
 
 def write_manifests(root: Path, cfg=None) -> list[Path]:
     """Write every kind's manifest under ``root/data/code`` (all computed first, then each written to a
-    temporary file and renamed); returns them. A manifest's bytes change exactly when a file of its kind's
-    code changes."""
-    texts = {kind: manifest_text(root, kind, cfg) for kind in KIND_STAGES}
+    temporary file and renamed); returns them. A manifest's bytes change exactly when the code of a file of
+    its kind's changes (not a comment, a docstring or a param's help text: :mod:`tpgrpo.pipeline.code_hash`)."""
+    texts, moved = _texts(root, cfg)
+    _say_moved(moved)
     from tpgrpo.io.artifacts import atomic_path
 
     written = []
@@ -211,8 +201,10 @@ def refresh_manifests(root: Path, cfg=None) -> dict[Path, tuple[bytes, int] | No
     from tpgrpo.io.artifacts import atomic_path
 
     replaced = {}
-    for kind in KIND_STAGES:
-        path, text = root / manifest_path(kind), manifest_text(root, kind, cfg)
+    texts, moved = _texts(root, cfg)
+    _say_moved(moved)
+    for kind, text in texts.items():
+        path = root / manifest_path(kind)
         if not path.is_file() or path.read_text() != text:
             replaced[path] = (path.read_bytes(), path.stat().st_mtime_ns) if path.is_file() else None
             with atomic_path(path) as tmp:
@@ -251,7 +243,8 @@ def check_code(root: Path, kind: str, cfg=None) -> None:
     path = root / manifest_path(kind)
     if not path.is_file():
         return
-    recorded, now = json.loads(path.read_text()), manifest(root, kind, cfg)
+    recorded = json.loads(path.read_text())
+    now = manifest(root, kind, cfg, _hashes_of(recorded))
     changed = sorted(f for f in set(recorded.get("files", {})) | set(now["files"])
                      if recorded.get("files", {}).get(f) != now["files"].get(f))
     was = recorded.get("libraries", {})
@@ -307,9 +300,10 @@ def check_running_code(root: Path, kind: str) -> None:
     running = running_root()
     if running == root.resolve():
         return
-    recorded = json.loads((root / manifest_path(kind)).read_text()).get("files", {})
+    whole = json.loads((root / manifest_path(kind)).read_text())
+    recorded = whole.get("files", {})
     try:
-        files = _hashes(running, kind_code(running, kind))
+        files = _hashes(running, kind_code(running, kind), kind, _hashes_of(whole))
     except FileNotFoundError:
         files = {}
     differ = sorted(f for f in set(recorded) | set(files) if recorded.get(f) != files.get(f))

@@ -15,7 +15,8 @@ the environment, the socket gone, the server died before forking, or a caller wh
 folders or thread/seed/device environment differ from the server's (then the imports would differ).
 
 The server runs the modules it imported when it started, so before each fork it checks that no file under
-``tpgrpo/`` or ``stages/`` and no installed distribution changed since (:class:`CodeState`); after a change
+``tpgrpo/`` or ``stages/``, no installed distribution and no file of an editable or unpackaged library the
+code imports changed since (:class:`CodeState`, :func:`watched_folders`); after a change
 it refuses (the caller runs the stage in a fresh process, with the code on disk), stops listening, and exits
 once its running stages end. It lives and dies with ``tpgrpo run``: it stays in the run's process group (a
 group kill reaches it and its stages), it gets SIGTERM when the run's process dies (``PR_SET_PDEATHSIG``),
@@ -91,7 +92,7 @@ def serve(path: str, parent: int, names=PRELOAD, model: dict | None = None, tick
     start_env = dict(os.environ)
     # noted before the imports: an edit made while they run counts as a change
     where = fingerprint({})  # the folders the stages' code is imported from
-    code = CodeState([folder for name in ("tpgrpo", "stages") for folder in where[name]])
+    code = CodeState(watched_folders(where))
     failed = preload(names)
     from tpgrpo.models import load_backend, resident
 
@@ -126,6 +127,19 @@ def serve(path: str, parent: int, names=PRELOAD, model: dict | None = None, tick
             _stop_listening(listener, path)
         with contextlib.suppress(OSError):
             os.rmdir(os.path.dirname(path))  # running()'s folder, if the parent could not remove it
+
+
+def watched_folders(where: dict[str, list[str]]) -> list[str]:
+    """What the server's imports came from beyond the installed distributions' versions: the folders of the
+    stages' code (``where``: :func:`fingerprint`'s ``tpgrpo`` and ``stages``) and of the libraries the code
+    manifests record by their files (editable installs, modules on PYTHONPATH: an edit there changes no
+    distribution's entry; :func:`tpgrpo.pipeline.code_manifest.unpinned_sources`), a module file by its folder."""
+    from tpgrpo.pipeline.code_manifest import unpinned_sources
+
+    folders = [folder for name in ("tpgrpo", "stages") for folder in where[name]]
+    with contextlib.suppress(Exception):  # not a project folder (no stages to scan): its own folders only
+        folders += [str(p if p.is_dir() else p.parent) for p in unpinned_sources(Path(where["tpgrpo"][0]).parent)]
+    return sorted(set(folders))
 
 
 def _stop_listening(listener: socket.socket, path: str) -> None:
