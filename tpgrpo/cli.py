@@ -65,11 +65,13 @@ def dvc_yaml_command(params: ParamsOpt = Path("params.yaml")) -> None:
 def _hold_rendering(stack: ExitStack, root: Path) -> None:
     """Hold the project's run lock on ``stack`` (:func:`tpgrpo.pipeline.dvclock.rendering`): a second
     ``tpgrpo run`` or ``tpgrpo dvc-yaml``, or one beside a running DVC command, stops with one line before it
-    writes anything (issue 46)."""
+    writes anything (issue 46). A DVC project outside a git repository stops with one line first."""
     from tpgrpo.errors import PipelineError
     from tpgrpo.pipeline.dvclock import rendering
+    from tpgrpo.pipeline.project_checks import require_scm
 
     try:
+        require_scm(root)
         stack.enter_context(rendering(root))
     except PipelineError as exc:
         _fail(str(exc))
@@ -96,20 +98,24 @@ def run_command(params: ParamsOpt = Path("params.yaml")) -> None:
     sealing each finished block of train.block_size iterations into one DVC stage before the next. Refused
     while another `tpgrpo run` or a DVC command runs in the project."""
     from tpgrpo.config import ConfigError, load_config
+    from tpgrpo.errors import PipelineError
     from tpgrpo.pipeline.blocks import read_as_dvc
-    from tpgrpo.pipeline.dvc_atomic import dvc_env
+    from tpgrpo.pipeline.dvc_atomic import dvc_env, sweep_stale_temps
+    from tpgrpo.pipeline.dvc_versions import require_verified
 
     root = Path(params).resolve().parent
     try:
+        require_verified()  # every DVC command of the run goes through tpgrpo's patches of DVC
         cfg = load_config(params)
         raw = read_as_dvc(Path(params))  # values as DVC reads them
-    except ConfigError as exc:
+    except (ConfigError, PipelineError) as exc:
         _fail(str(exc))
     env = dvc_env()
     if not (root / ".dvc").is_dir():
         _dvc_init(root, env)
     with ExitStack() as held:
         _hold_rendering(held, root)  # for the whole run: its renders between repros too
+        sweep_stale_temps(root)  # a killed writer's temporary files (their writers are gone: the lock is ours)
         _run_held(params, root, cfg, raw, env)
 
 

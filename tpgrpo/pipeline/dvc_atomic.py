@@ -104,13 +104,15 @@ def _edit_rwlock(lock_dir, fs, hardlink):
 
 
 def install() -> None:
-    """Patch this process's DVC so that its lock, pipeline and rwlock files are written atomically. An
-    AttributeError here means DVC's internals moved (pyproject.toml pins the version this was written for)."""
+    """Patch this process's DVC so that its lock, pipeline and rwlock files are written atomically. Refused
+    (:class:`tpgrpo.pipeline.dvc_versions.DvcVersionError`, one line) on a DVC other than the one verified."""
     import importlib
 
-    from dvc import rwlock
-
     from tpgrpo.pipeline import lock_blocks
+    from tpgrpo.pipeline.dvc_versions import require_verified
+
+    require_verified()  # before DVC is imported: a refusal costs no DVC start-up
+    from dvc import rwlock
 
     common = importlib.import_module("dvc.utils.serialize._common")
     original = getattr(common, "_dump_data")
@@ -150,7 +152,13 @@ def run_dvc(root: Path, *args: str) -> None:
 
 
 def main(argv: list[str]) -> int:
-    install()
+    from tpgrpo.pipeline.dvc_versions import DvcVersionError
+
+    try:
+        install()
+    except DvcVersionError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
     sweep_stale_temps(Path.cwd())
     from dvc.cli import main as dvc_main
 
