@@ -147,3 +147,18 @@ def test_a_piece_writes_no_model_and_a_checkpoint_of_another_run_is_refused(tmp_
     assert default_checkpoint_path(tmp_path / "m").exists()
     with pytest.raises(ValueError, match=r"checkpoint of another run \(max_steps = 10"):
         _run(tmp_path / "m", steps=20)
+
+
+def test_a_budget_change_on_resume_is_recorded_and_reproducible(tmp_path):
+    """Stop a 10-step run at step 4, resume it as a 6-step run: recorded, and the same weights twice."""
+    for name in ("a", "b"):
+        first = _run(tmp_path / name, steps=10, stop_at_step=4)
+        assert not first["complete"] and first["steps"] == 4
+        info = _run(tmp_path / name, steps=6, change_budget=True)
+        assert info["complete"] and info["steps"] == 6
+        assert info["budget_changes"] == [{"at_step": 4, "from_steps": 10, "to_steps": 6}]
+    a, b = load_tiny(tmp_path / "a"), load_tiny(tmp_path / "b")
+    for pa, pb in zip(a.transformer.state_dict().values(), b.transformer.state_dict().values()):
+        assert torch.equal(pa, pb)
+    straight = _run(tmp_path / "straight", steps=6)  # the lr schedule differs from step 4 on: other weights
+    assert straight["budget_changes"] == [] and straight["final_loss"] != info["final_loss"]

@@ -134,7 +134,8 @@ def pretrain(out_dir, *, seed: int = 0, minutes: float | None = None, steps: int
              config=None, ema_decay: float = 0.995, dropout: float = 0.1,
              save_every_minutes: float | None = 10.0, data: DataFn | None = None,
              num_threads: int | None = None, device: str = "cpu", checkpoint: Path | None = None,
-             piece_minutes: float | None = None) -> dict:
+             piece_minutes: float | None = None, stop_at_step: int | None = None,
+             change_budget: bool = False) -> dict:
     """Train a tiny model from scratch and save it (EMA weights) atomically to ``out_dir``.
 
     Args:
@@ -159,6 +160,9 @@ def pretrain(out_dir, *, seed: int = 0, minutes: float | None = None, steps: int
             ``data/base``); when it exists the run resumes from it (same seed, budget and settings required).
         piece_minutes: stop after this many minutes of this process, leaving the checkpoint to resume
             from (``complete: false`` in the returned dict, nothing written to ``out_dir``).
+        stop_at_step: stop (as a piece does) once this many steps are done: a reproducible piece boundary.
+        change_budget: resume a checkpoint written under another ``steps`` budget; the lr schedule
+            follows the new budget from there, recorded as ``budget_changes`` in ``pretrain.json``.
     Returns: the ``pretrain.json`` dict (steps, minutes, seed, final_loss, config, ...).
     """
     import torch
@@ -182,7 +186,7 @@ def pretrain(out_dir, *, seed: int = 0, minutes: float | None = None, steps: int
     rng = np.random.default_rng(seed)
     ckpt = Path(checkpoint) if checkpoint else default_checkpoint_path(Path(out_dir))
     if ckpt.exists():
-        run.resume_from(load_checkpoint(run, rng, ckpt))
+        run.resume_from(load_checkpoint(run, rng, ckpt, change_budget))
         print(f"pretrain: resumed from {ckpt} at step {run.n_steps}", flush=True)
     piece_start = last_save = time.monotonic()
     while run.progress() < 1.0:
@@ -194,7 +198,8 @@ def pretrain(out_dir, *, seed: int = 0, minutes: float | None = None, steps: int
         if save_every_minutes and now - last_save > 60.0 * save_every_minutes:
             save_checkpoint(run, rng, ckpt, run.elapsed())
             last_save = now
-        if piece_minutes and now - piece_start > 60.0 * piece_minutes and run.progress() < 1.0:
+        piece_over = piece_minutes and now - piece_start > 60.0 * piece_minutes
+        if (piece_over or (stop_at_step and run.n_steps >= stop_at_step)) and run.progress() < 1.0:
             save_checkpoint(run, rng, ckpt, run.elapsed())
             print(f"pretrain: piece over at step {run.n_steps}; resume with the same command", flush=True)
             return run.info(complete=False)
@@ -221,6 +226,7 @@ class _Run:
         self.ema = _Ema(self.params, decay) if decay > 0 else None
         self.gen = torch.Generator().manual_seed(seed)  # noise, sigmas and prompt dropout
         self.n_steps, self.window, self.log_rows, self.last_loss = 0, [], [], None
+        self.budget_changes: list[dict] = []  # {at_step, from_steps, to_steps} of resumes that changed it
         self.t0 = time.monotonic()
 
     def elapsed(self) -> float:
@@ -279,7 +285,8 @@ class _Run:
                 "minutes": round(self.elapsed() / 60.0, 3), "final_loss": self.last_loss,
                 "config": asdict(self.backend.config), "hparams": self.hparams,
                 "parameters": self.backend.num_parameters(), "torch": torch.__version__,
-                "cpu": _cpu_model(), "threads": torch.get_num_threads(), "machine": platform.machine()}
+                "cpu": _cpu_model(), "threads": torch.get_num_threads(), "machine": platform.machine(),
+                "budget_changes": self.budget_changes}
 
     def save(self, complete: bool) -> dict:
         """Save the EMA weights (or the live ones) atomically; returns the ``pretrain.json`` dict."""
@@ -308,13 +315,17 @@ def pretrain_command(
     piece_minutes: Annotated[Optional[float], typer.Option(
         help="stop after this many minutes, keeping a checkpoint; the same command resumes")] = None,
     threads: Annotated[Optional[int], typer.Option(help="torch threads (default: torch's)")] = None,
+    stop_at_step: Annotated[Optional[int], typer.Option(help="stop once this many steps are done, keeping "
+                                                        "a checkpoint (a reproducible piece boundary)")] = None,
+    change_budget: Annotated[bool, typer.Option(help="resume a checkpoint of another --steps budget; the lr "
+                                                "schedule follows the new one from there (recorded)")] = False,
 ) -> None:
     """Pretrain the embedded tiny text-to-image model on rendered task images (resumable)."""
     if minutes is None and steps is None:
         raise typer.BadParameter("give --minutes or --steps")
     pretrain(out_dir, seed=seed, minutes=minutes, steps=steps, batch_size=batch_size, device=device,
              tasks=tuple(t.strip() for t in tasks.split(",") if t.strip()), piece_minutes=piece_minutes,
-             num_threads=threads)
+             num_threads=threads, stop_at_step=stop_at_step, change_budget=change_budget)
 
 
 def _cpu_model() -> str:

@@ -45,7 +45,7 @@ def save_checkpoint(run, rng: np.random.Generator, path: Path, elapsed_s: float)
         "torch_rng": torch.get_rng_state(),
         "data_rng": rng.bit_generator.state,
         "n_steps": run.n_steps, "window": run.window, "log_rows": run.log_rows,
-        "last_loss": run.last_loss, "elapsed_s": elapsed_s,
+        "last_loss": run.last_loss, "elapsed_s": elapsed_s, "budget_changes": run.budget_changes,
     }
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_name(f"{path.name}.tmp-{os.getpid()}")
@@ -53,20 +53,28 @@ def save_checkpoint(run, rng: np.random.Generator, path: Path, elapsed_s: float)
     os.replace(tmp, path)
 
 
-def load_checkpoint(run, rng: np.random.Generator, path: Path) -> float:
+def load_checkpoint(run, rng: np.random.Generator, path: Path, change_budget: bool = False) -> float:
     """Restore ``run`` and ``rng`` from ``path``; returns the seconds already spent.
 
     Raises ValueError (one line naming the file and the first differing field) when the checkpoint was
-    written by a run with another seed, hyper-parameters, architecture or budget.
+    written by a run with another seed, hyper-parameters, architecture or budget. With ``change_budget``
+    a different step budget is taken instead and recorded in ``run.budget_changes`` (``{at_step,
+    from_steps, to_steps}``): the lr schedule follows the new budget from that step on, so the run is
+    reproduced by stopping a run of the old budget at that step (``stop_at_step``) and resuming.
     """
     import torch
 
     state = torch.load(path, map_location="cpu", weights_only=False)
     mine = run_identity(run)
     for key in IDENTITY_KEYS:
-        if state["identity"].get(key) != mine[key]:
-            raise ValueError(f"{path}: checkpoint of another run ({key} = {state['identity'].get(key)!r}, "
+        theirs = state["identity"].get(key)
+        if theirs != mine[key] and not (key == "max_steps" and change_budget and theirs and mine[key]):
+            raise ValueError(f"{path}: checkpoint of another run ({key} = {theirs!r}, "
                              f"this run has {mine[key]!r}); delete it to start afresh")
+    run.budget_changes = list(state.get("budget_changes", []))
+    if state["identity"]["max_steps"] != mine["max_steps"]:
+        run.budget_changes.append({"at_step": state["n_steps"], "from_steps": state["identity"]["max_steps"],
+                                   "to_steps": mine["max_steps"]})
     for module, saved in zip(run.backend.modules(), state["modules"]):
         module.load_state_dict(saved)
     run.opt.load_state_dict(state["optimizer"])
