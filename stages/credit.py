@@ -24,12 +24,14 @@ from tpgrpo.io.schemas import CREDIT, PROBE, PROBE_TREE
 
 
 def read_probe(cfg: Config, paths: IterationPaths):
-    """``(shape, table)``: the rollout's shape as the probe table declares it (``rollout_shape.of_probe_table``)
-    and the table, checked against that shape's schema (``PROBE`` or ``PROBE_TREE``); for Flow-GRPO the probe
-    stage wrote ``Q_k = R_fin`` from the rollout."""
-    shape = rollout_shape.of_probe_table(paths.probe)
-    schema = PROBE_TREE if shape == rollout_shape.TREE else PROBE
-    return shape, read_table(paths.probe, schema, "probe.parquet: run the probe stage first")
+    """``(shape, table)``: the rollout's shape as the probe table declares it, checked against its columns and
+    ``tree.enabled`` (``rollout_shape.checked_probe_table``), and the table, checked against that shape's
+    schema (``PROBE``, or ``PROBE_TREE`` with its two steps per edge); for Flow-GRPO the probe stage wrote
+    ``Q_k = R_fin`` from the rollout."""
+    shape = rollout_shape.checked_probe_table(paths.probe, cfg)
+    if shape == rollout_shape.TREE:
+        return shape, read_table(paths.probe, PROBE_TREE, "probe.parquet: run the probe stage first", steps=2)
+    return shape, read_table(paths.probe, PROBE, "probe.parquet: run the probe stage first")
 
 
 def credit_table(probe: pd.DataFrame, cfg: Config, shape: str = rollout_shape.CHAIN) -> pd.DataFrame:

@@ -10,7 +10,7 @@ stage      reads the shape from                          chain                  
 =========  ===========================================  ================================  ==================================
 rollout    the params (:func:`of_config`)                ``stages.rollout`` (chains)        ``tpgrpo.policy.tree_rollout``
 probe      the store's ``shape`` attribute (:func:`of_store`)  completions (``probe.completion``)  ``tpgrpo.io.tree_probe`` (leaves)
-credit     the probe table's ``tpgrpo.completion`` (:func:`of_probe_table`)  ``tpgrpo.algo.credit``  ``tpgrpo.algo.tree_credit``
+credit     the probe table's ``tpgrpo.completion`` (:func:`checked_probe_table`)  ``tpgrpo.algo.credit``  ``tpgrpo.algo.tree_credit``
 update     the store's ``shape`` attribute (:func:`of_store_attrs`)  ``LazyStates`` of ``states``  ``NodeStates`` of ``node_states``
 =========  ===========================================  ================================  ==================================
 
@@ -72,3 +72,38 @@ def of_probe_table(path: Path) -> str:
     except (OSError, ValueError):  # missing or damaged: read_table reports it with the stage's hint
         return CHAIN
     return TREE if meta.get(f"tpgrpo.{PROBE_COMPLETION_KEY}".encode()) == TREE.encode() else CHAIN
+
+
+TREE_COLUMNS = ("parent_trajectory", "depth", "sde")  # the columns PROBE_TREE adds to PROBE
+
+
+def checked_probe_table(path: Path, cfg) -> str:
+    """The shape of the ``probe.parquet`` at ``path`` (:func:`of_probe_table`), refused in one line
+    (``ArtifactError``) when the table disagrees with itself or with ``cfg`` (a ``Config``):
+
+    - a tree's columns without ``tpgrpo.completion = tree``, or that metadata without them: a table rewritten
+      by a tool that drops tpgrpo's metadata (``pd.read_parquet(p).to_parquet(p)``) would otherwise be
+      credited as one-step chains;
+    - a shape other than the one ``tree.enabled`` samples (:func:`of_config`).
+    An unreadable file is left to the table read that follows, which names it in one line."""
+    import pyarrow.parquet as pq
+
+    from tpgrpo.io.schemas import PROBE_COMPLETION_KEY, ArtifactError
+
+    try:
+        schema = pq.read_schema(path)
+    except (OSError, ValueError):
+        return CHAIN
+    recorded = (schema.metadata or {}).get(f"tpgrpo.{PROBE_COMPLETION_KEY}".encode(), b"").decode() or None
+    shape = TREE if recorded == TREE else CHAIN
+    has_tree = [c for c in TREE_COLUMNS if c in schema.names]
+    if (shape == TREE) != bool(has_tree):
+        what = (f"has a tree's columns ({', '.join(has_tree)})" if has_tree
+                else f"lacks a tree's columns ({', '.join(TREE_COLUMNS)})")
+        raise ArtifactError(f"{path}: {what} but its metadata records tpgrpo.{PROBE_COMPLETION_KEY} = {recorded!r} "
+                            "(a table rewritten without tpgrpo's metadata?): run the probe stage again")
+    if shape != of_config(cfg):
+        raise ArtifactError(f"{path}: a {shape} probe table (tpgrpo.{PROBE_COMPLETION_KEY} = {recorded!r}), but "
+                            f"params has tree.enabled: {str(cfg.tree.enabled).lower()}: run the rollout and probe "
+                            "stages again under these params")
+    return shape

@@ -160,19 +160,13 @@ def write_yaml(path: Path, data: dict) -> None:
 
 
 def write_text_atomic(path: Path, text: str) -> None:
-    """``text`` to ``path`` through a uniquely named temporary sibling, renamed over it."""
-    import os
-    import tempfile
+    """``text`` to ``path`` through a uniquely named temporary sibling (its writer's PID in the name: a later
+    run sweeps a killed writer's), renamed over it; mode 0o666 less the umask (0o644 usually), so that a
+    shared project's other members can read dvc.yaml, dvc.lock and the seal files (DVC keeps the mode)."""
+    from tpgrpo.pipeline.dvc_atomic import atomic_write_text
 
     path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
-    try:
-        with os.fdopen(fd, "w") as handle:
-            handle.write(text)
-        os.replace(tmp, path)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
+    atomic_write_text(path, lambda handle: handle.write(text), keep_mode=False)
 
 
 def sealed_outs(root: Path, blocks: list[Block]) -> dict[Block, list[str]]:

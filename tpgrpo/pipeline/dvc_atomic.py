@@ -20,22 +20,32 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Callable, TextIO
 
-TMP_MARK = ".tpgrpo-tmp-"  # temporary files are ".NAME.tpgrpo-tmp-PID" beside their target
+# Temporary files are ".NAME.tpgrpo-tmp-PID-XXXXXXXX" beside their target (.gitignore: ".*.tpgrpo-tmp-*"): the
+# writer's PID lets a later run remove only the parts of writers that are gone; the random part keeps two
+# threads of one process apart.
+TMP_MARK = ".tpgrpo-tmp-"
 _SERIALIZERS = ("_common", "_yaml", "_json", "_toml", "_py")  # modules holding a reference to _dump_data
 
 
-def atomic_write_text(path: str | os.PathLike, write: Callable[[TextIO], object]) -> None:
+def temporary_sibling(path: Path) -> Path:
+    """A new temporary file name beside ``path`` for this process (see ``TMP_MARK``)."""
+    return path.with_name(f".{path.name}{TMP_MARK}{os.getpid()}-{os.urandom(4).hex()}")
+
+
+def atomic_write_text(path: str | os.PathLike, write: Callable[[TextIO], object], keep_mode: bool = True) -> None:
     """Write ``path`` (UTF-8 text) through ``write(stream)`` into a temporary file beside it, fsync it and
-    rename it over ``path`` (keeping ``path``'s permission bits). On any error the target is untouched and the
-    temporary file removed."""
+    rename it over ``path``. The file's permission bits are ``path``'s when it exists and ``keep_mode`` (as
+    DVC's write in place keeps them), else 0o666 less the umask (as ``open`` creates a file: 0o644 under the
+    usual umask 022, readable by the other members of a shared project). On any error the target is untouched
+    and the temporary file removed."""
     path = Path(path)
-    tmp = path.with_name(f".{path.name}{TMP_MARK}{os.getpid()}")
+    tmp = temporary_sibling(path)
     try:
-        with open(tmp, "w", encoding="utf-8") as fd:
+        with open(tmp, "x", encoding="utf-8") as fd:
             write(fd)
             fd.flush()
             os.fsync(fd.fileno())
-        if path.exists():
+        if keep_mode and path.exists():
             os.chmod(tmp, path.stat().st_mode & 0o7777)
         os.replace(tmp, path)
     except BaseException:
@@ -44,17 +54,21 @@ def atomic_write_text(path: str | os.PathLike, write: Callable[[TextIO], object]
 
 
 def sweep_stale_temps(root: Path) -> list[Path]:
-    """Remove the temporary files that a killed writer left beside the files DVC writes here (``root``'s
-    dvc.yaml and dvc.lock, ``.dvc/tmp``'s rwlock, the seal files), whose PID is gone or a zombie; returns what
-    was removed."""
+    """Remove the temporary files that a killed writer left beside the files DVC and tpgrpo write here
+    (``root``'s dvc.yaml and dvc.lock, ``.dvc/tmp``'s rwlock and seal stamps, the seal files and the sealed
+    blocks' pipeline and lock files), whose PID is gone or a zombie; returns what was removed."""
     from tpgrpo.pipeline.blocks import SEALS
     from tpgrpo.pipeline.dvclock import pid_state
+    from tpgrpo.pipeline.seal_cache import CACHE
 
+    seals = root / SEALS
+    folders = [root, root / ".dvc" / "tmp", root / CACHE, seals]
+    folders += sorted(p for p in seals.iterdir() if p.is_dir()) if seals.is_dir() else []
     removed = []
-    for folder in (root, root / ".dvc" / "tmp", root / SEALS):
+    for folder in folders:
         for tmp in folder.glob(f".*{TMP_MARK}*") if folder.is_dir() else ():
-            pid = tmp.name.rpartition(TMP_MARK)[2]
-            if pid.isdigit() and pid_state(int(pid)) in (None, "Z"):
+            pid = tmp.name.rpartition(TMP_MARK)[2].split("-")[0]
+            if pid.isdigit() and pid_state(int(pid)) in (None, "Z") and tmp.is_file():
                 tmp.unlink(missing_ok=True)
                 removed.append(tmp)
     return removed

@@ -173,11 +173,13 @@ def block_command(first: Annotated[int, typer.Option("--first", help="first iter
 
 # What a full or read-only disk raises: the environment, not a bug, so one line naming the file, no traceback.
 DISK_ERRNOS = {errno.ENOSPC, errno.EDQUOT, errno.EFBIG, errno.EROFS}
+ACCESS_ERRNOS = {errno.EACCES, errno.EPERM}
 
 
 def run_guarded(app: typer.Typer, args: list[str] | None = None, prog_name: str | None = None) -> None:
-    """Run a typer ``app`` with one boundary for disk errors: ``error: PATH: No space left on device (ENOSPC)
-    ...``, exit code 2. Every entry point goes through here (the console script, the stage server's child)."""
+    """Run a typer ``app`` with one boundary for disk and permission errors: ``error: PATH: No space left on
+    device (ENOSPC) ...`` or ``error: PATH: Permission denied (EACCES) ...``, exit code 2. Every entry point
+    goes through here (the console script, the stage server's child)."""
     try:
         app(args=args, prog_name=prog_name)
     except OSError as exc:
@@ -185,9 +187,13 @@ def run_guarded(app: typer.Typer, args: list[str] | None = None, prog_name: str 
         if code is None:  # an I/O error wrapped by a library may carry its errno in the message only
             found = re.search(r"\[errno (\d+)\]", str(exc), re.IGNORECASE)
             code = int(found.group(1)) if found else None
+        where = exc.filename or "a file of the project"
+        if code in ACCESS_ERRNOS:  # a file of another user (a shared project) or made read-only
+            typer.echo(f"error: {where}: {os.strerror(code)} ({errno.errorcode[code]}): this user may not "
+                       "write or read it; fix its owner or mode (ls -l, chmod, chown) and run again", err=True)
+            raise SystemExit(2) from None
         if code not in DISK_ERRNOS:
             raise
-        where = exc.filename or "a file of the project"
         typer.echo(f"error: {where}: {os.strerror(code)} ({errno.errorcode[code]}): nothing was recorded for "
                    "it; free disk space (or make it writable) and run again", err=True)
         raise SystemExit(2) from None
