@@ -1,4 +1,5 @@
-"""Archives of a comparison: the result files only, and the same report from them as from the run folders."""
+"""Archives of a comparison: the result files only, in two Parquet tables, and the same report from them as from
+the run folders."""
 
 from __future__ import annotations
 
@@ -8,7 +9,9 @@ import pandas as pd
 import pytest
 from test_comparison import make_comparison
 
-from tpgrpo.comparison.archive import MARKER, archived_files, refuse_archive, write_archive
+from tpgrpo.comparison import store
+from tpgrpo.comparison.archive import MARKER, refuse_archive, write_archive
+from tpgrpo.comparison.compact import held_files, result_files
 from tpgrpo.comparison.claims import collect
 from tpgrpo.errors import PipelineError
 
@@ -30,17 +33,55 @@ def test_an_archive_keeps_the_result_files_only_and_reports_the_same(tmp_path):
     root, dest = tmp_path / "cmp", tmp_path / "docs" / "cmp"
     comparison_with_artifacts(root)
     record = write_archive(root, dest)
-    kept = {p.relative_to(dest).as_posix() for p in dest.rglob("*") if p.is_file()}
-    assert kept == {p.as_posix() for p in archived_files(root)} | {MARKER}
-    assert "code/SNAPSHOT.json" in kept and "commands.txt" in kept and "tp/seed0/run.json" in kept
-    assert "tp/seed0/data/iters/0004/eval.parquet" in kept and "tp/seed0/data/iters/baseline_eval.parquet" in kept
+    on_disk = {p.relative_to(dest).as_posix() for p in dest.rglob("*") if p.is_file()}
+    assert on_disk == {MARKER, "runs.parquet", "evals.parquet", "code/SNAPSHOT.json", "commands.txt"}
+    kept = held_files(dest)
+    assert kept == sorted(result_files(root))
+    assert "tp/seed0/run.json" in kept and "tp/seed0/data/iters/baseline_eval.parquet" in kept
+    assert "tp/seed0/data/iters/0004/eval.parquet" in kept and "tp/seed0/data/iters/0004/credit.json" in kept
     assert not any("trajectories" in k or "credit.parquet" in k or k.startswith("code/tpgrpo") for k in kept)
-    assert record["runs"] == 6 and record["files"] == len(kept) - 1
+    for rel in kept:  # every file reads back as it was
+        if rel.endswith(".parquet"):  # an empty table (an iteration not evaluated): its columns
+            want, got = pd.read_parquet(root / rel), store.read_table(dest / rel)
+            pd.testing.assert_frame_equal(got, want, check_dtype=len(want) > 0)
+        else:
+            assert store.read_text(dest / rel) == (root / rel).read_text(), rel
+    assert record["runs"] == 6 and record["files"] == len(kept)
     assert json.loads((dest / MARKER).read_text())["source"] == str(root)
+    runs = pd.read_parquet(dest / "runs.parquet")  # typed curves for pandas beside the files' texts
+    assert runs.loc[(runs["variant"] == "tp") & (runs["seed"] == 0), "iteration"].tolist() == [0, 1, 2, 3, 4]
+    assert runs["eval_reward"].notna().any() and json.loads(runs["credit.json"].dropna().iloc[0])
 
     original, archived = collect(root, n_boot=300), collect(dest, n_boot=300)
     for name in ("curves", "tp_rates", "pairs", "claims"):
         pd.testing.assert_frame_equal(original[name], archived[name])
+    assert (dest / "tables" / "claims.csv").is_file() and not (dest / "results").exists()
+
+
+def test_a_result_that_would_not_read_back_leaves_no_archive(tmp_path, monkeypatch):
+    """The check before the archive replaces anything: a table that loses a row is refused in one line."""
+    from tpgrpo.comparison import compact
+
+    root, dest = tmp_path / "cmp", tmp_path / "arch"
+    comparison_with_artifacts(root)
+    real = compact.tables_of
+    monkeypatch.setattr(compact, "tables_of", lambda r: (lambda t: (t[0], t[1].iloc[1:]))(real(r)))
+    with pytest.raises(PipelineError, match="reads back unlike"):
+        write_archive(root, dest)
+    assert not dest.exists()
+
+
+def test_an_archive_in_the_older_per_file_layout_converts_with_its_record(tmp_path):
+    """The older archives were the root's result files copied as they were: converted, their record stays."""
+    import shutil
+
+    root, old, dest = tmp_path / "cmp", tmp_path / "old", tmp_path / "new"
+    comparison_with_artifacts(root)
+    shutil.copytree(root, old, ignore=shutil.ignore_patterns("trajectories.zarr", "credit.parquet", "tpgrpo"))
+    (old / MARKER).write_text(json.dumps({"source": "runs/cmp", "time": "then", "runs": 6, "files": 9, "bytes": 1}))
+    record = write_archive(old, dest)
+    assert record["source"] == "runs/cmp" and record["compacted"]["from"] == str(old)
+    pd.testing.assert_frame_equal(collect(old, n_boot=200)["pairs"], collect(dest, n_boot=200)["pairs"])
 
 
 def test_an_archive_is_not_trained_nor_archived_again_and_lands_outside_its_root(tmp_path):
@@ -52,7 +93,7 @@ def test_an_archive_is_not_trained_nor_archived_again_and_lands_outside_its_root
         write_archive(tmp_path / "empty", dest)
     assert not dest.exists()
     write_archive(root, dest)
-    with pytest.raises(PipelineError, match="already an archive"):
+    with pytest.raises(PipelineError, match="already a compact archive"):
         write_archive(dest, tmp_path / "again")
     refuse_archive(root)  # a real root: no error
     with pytest.raises(PipelineError, match="results only, nothing can be trained"):
@@ -75,5 +116,5 @@ def test_an_archive_keeps_the_stages_seconds_from_their_timing_sidecars(tmp_path
         log.write_text(json.dumps(values))
     assert train_seconds(run, 4) == before
     write_archive(root, dest)
-    assert (dest / "tp" / "seed0" / "data" / "iters" / "0001" / "rollout.timing.json").is_file()
+    assert store.is_file(dest / "tp" / "seed0" / "data" / "iters" / "0001" / "rollout.timing.json")
     assert train_seconds(dest / "tp" / "seed0", 4) == before

@@ -15,6 +15,7 @@ import yaml
 from test_comparison import FAKE_CODE, FAKE_MACHINE, fake_run, make_comparison, noisy, write_provenance
 
 from tpgrpo.comparison import runs as cmp
+from tpgrpo.comparison import store
 from tpgrpo.comparison.archive import add_to_archive, write_archive
 from tpgrpo.comparison.claims import collect
 from tpgrpo.comparison.provenance import (MACHINE_FILE, machine_record, mismatch, read_machines)
@@ -104,7 +105,7 @@ def test_archive_add_refuses_another_machine_or_code_unless_a_reason_is_given(tm
     first, dest = tmp_path / "cmp", tmp_path / "archive"
     make_comparison(first)
     write_archive(first, dest)
-    assert (dest / "tp" / "seed0" / MACHINE_FILE).is_file() and (dest / "tp" / "seed0" / "data/code/probe.json").is_file()
+    assert store.is_file(dest / "tp" / "seed0" / MACHINE_FILE) and store.is_file(dest / "tp" / "seed0" / "data/code/probe.json")
     base = noisy(0.3, 0)
     elsewhere = tmp_path / "elsewhere"
     fake_run(elsewhere, "tp", "tp", 2, {0: base, 2: noisy(0.5, 40), 4: noisy(0.7, 41)}, 4, machines=[OTHER_MACHINE])

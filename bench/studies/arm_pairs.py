@@ -4,7 +4,7 @@
     python bench/studies/arm_pairs.py A_ROOT/ARM B_ROOT/ARM [--at IA:IB ...] [--seeds 0,1,2] [--level 0.975]
 
 Each ``ROOT/ARM`` is a folder of ``seedK`` run folders (a ``tpgrpo compare run`` root's arm, or an archive's
-under ``docs/replication/runs``). Prints, per evaluated iteration of each, the mean held-out reward over the
+under ``results/``, compact: :mod:`tpgrpo.comparison.store`). Prints, per evaluated iteration of each, the mean held-out reward over the
 seeds both have and each seed's, the base model's; and for each ``--at IA:IB`` the paired difference A at IA -
 B at IB over those seeds and the held-out images, with the 95% interval over seeds and prompts
 (``tpgrpo.comparison.stats.seed_prompt_t_interval``, as the report) and how many seeds A is above B. No model
@@ -21,14 +21,15 @@ import numpy as np
 
 def eval_tables(arm: Path, seeds: list[int]) -> dict[int, dict[int, object]]:
     """``{seed: {iteration: table}}``, iteration 0 the base model, of every evaluated iteration."""
-    from tpgrpo.comparison.stats import read_eval_table
+    from tpgrpo.comparison.store import is_file, read_eval_table, run_iterations
 
     out: dict[int, dict[int, object]] = {}
     for seed in seeds:
         data = arm / f"seed{seed}" / "data"
         tables = {0: read_eval_table(data / "iters" / "baseline_eval.parquet")}
-        for path in sorted(data.glob("iters/[0-9]*/eval.parquet")):
-            table = read_eval_table(path)
+        for it in run_iterations(arm / f"seed{seed}"):
+            path = data / "iters" / f"{it:04d}" / "eval.parquet"
+            table = read_eval_table(path) if is_file(path) else []
             if len(table):  # an iteration eval.every skipped writes an empty table
                 tables[int(path.parent.name)] = table
         out[seed] = tables
@@ -36,7 +37,9 @@ def eval_tables(arm: Path, seeds: list[int]) -> dict[int, dict[int, object]]:
 
 
 def seed_list(arm: Path) -> list[int]:
-    return sorted(int(p.name[4:]) for p in arm.glob("seed*") if (p / "data" / "iters" / "baseline_eval.parquet").is_file())
+    from tpgrpo.comparison.store import is_file, seed_folders
+
+    return [int(p.name[4:]) for p in seed_folders(arm) if is_file(p / "data" / "iters" / "baseline_eval.parquet")]
 
 
 def curve(tables: dict[int, dict[int, object]]) -> list[str]:

@@ -1,5 +1,5 @@
 """Which iteration of the cheaper arm a planned equal-wall look reads, by a guard fixed before the runs (issue 45's
-third test, docs/replication/plans/tree_geneval_k8_issue45.txt): the iteration ``compare equal-wall`` chose
+third test, results/tree_geneval_k8_issue45/plan.txt): the iteration ``compare equal-wall`` chose
 (its ``equal_wall.json``), unless the target's training seconds there exceed the reference's at its budget by
 more than ``--tolerance``; then the target's largest evaluated iteration whose seconds do not exceed them.
 
@@ -22,8 +22,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 def mean_seconds_through(arm: Path, iterations: int) -> float:
     """Mean over the arm's seeds of its training seconds over iterations 1..``iterations``."""
     from tpgrpo.comparison.runs import train_seconds
+    from tpgrpo.comparison.store import seed_folders
 
-    totals = [sum(train_seconds(folder, iterations)) for folder in sorted(arm.glob("seed*"))]
+    totals = [sum(train_seconds(folder, iterations)) for folder in seed_folders(arm)]
     if not totals:
         raise SystemExit(f"no seed folders under {arm}")
     return sum(totals) / len(totals)
@@ -31,12 +32,12 @@ def mean_seconds_through(arm: Path, iterations: int) -> float:
 
 def evaluated(arm: Path) -> list[int]:
     """The iterations every seed of the arm evaluated (a non-empty ``eval.parquet``)."""
-    from tpgrpo.comparison.stats import read_eval_table
+    from tpgrpo.comparison.store import is_file, read_eval_table, run_iterations, seed_folders
 
     per_seed = []
-    for folder in sorted(arm.glob("seed*")):
-        per_seed.append({int(p.parent.name) for p in folder.glob("data/iters/[0-9]*/eval.parquet")
-                         if len(read_eval_table(p))})
+    for folder in seed_folders(arm):
+        tables = {i: folder / "data" / "iters" / f"{i:04d}" / "eval.parquet" for i in run_iterations(folder)}
+        per_seed.append({i for i, p in tables.items() if is_file(p) and len(read_eval_table(p))})
     return sorted(set.intersection(*per_seed)) if per_seed else []
 
 

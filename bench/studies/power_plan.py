@@ -35,7 +35,7 @@ def paired_cube(a_arm: Path, b_arm: Path, ia: int, ib: int, seeds: list[int],
     every seed."""
     from arm_pairs import paired_row
 
-    from tpgrpo.comparison.stats import read_eval_table
+    from tpgrpo.comparison.store import read_eval_table
 
     rows = []
     for seed in seeds:
@@ -86,7 +86,9 @@ def main(argv: list[str] | None = None) -> None:
     if len(a.arms) % 2:
         ap.error("arms come in pairs: A B [A2 B2 ...]")
     ia, ib = (int(x) for x in a.at.split(":"))
-    have = lambda arm: {int(p.name[4:]) for p in arm.glob("seed*")}  # noqa: E731
+    from tpgrpo.comparison.store import seed_folders
+
+    have = lambda arm: {int(p.name[4:]) for p in seed_folders(arm)}  # noqa: E731
     parts, seeds = [], []
     for arm_a, arm_b in zip(a.arms[::2], a.arms[1::2]):
         both = sorted(have(arm_a) & have(arm_b))

@@ -10,7 +10,6 @@ sidecars, :func:`tpgrpo.comparison.runs.train_seconds`), and held-out reward per
 
 from __future__ import annotations
 
-import json
 import sys
 from pathlib import Path
 from statistics import mean
@@ -18,13 +17,14 @@ from statistics import mean
 import yaml
 
 from tpgrpo.algo.tree_shape import TreeShape, parse_children, parse_split_steps
+from tpgrpo.comparison import store
 from tpgrpo.comparison.runs import train_seconds
 from tpgrpo.config_values import child_counts
 
 
 def summarise(root: Path) -> None:
-    seeds = sorted((root / "tree-tp").glob("seed*"))
-    raw = yaml.safe_load((seeds[0] / "params.yaml").read_text())
+    seeds = store.seed_folders(root / "tree-tp")
+    raw = yaml.safe_load(store.read_text(seeds[0] / "params.yaml"))
     t, T = raw["tree"], raw["sampling"]["num_steps"]
     shape = TreeShape(parse_split_steps(t["split_steps"]), parse_children(child_counts("tree.children", t["children"])), int(t["roots"]))
     prompts = raw["rollout"]["prompts_per_iter"]
@@ -33,15 +33,14 @@ def summarise(root: Path) -> None:
           f"SDE edges, {shape.roots * shape.passes_per_root(T)} rows")
     curves = {}
     for folder in seeds:
-        found = (folder / "data" / "iters").glob("[0-9][0-9][0-9][0-9]/update.json")
-        iters = sorted(int(p.parent.name) for p in found)
+        iters = [i for i in store.run_iterations(folder) if store.is_file(folder / "data" / "iters" / f"{i:04d}" / "update.json")]
         if not iters:  # not started yet
             continue
-        logs = [json.loads((folder / "data" / "iters" / f"{i:04d}" / "update.json").read_text()) for i in iters]
+        logs = [store.read_json(folder / "data" / "iters" / f"{i:04d}" / "update.json") for i in iters]
         secs = train_seconds(folder, len(iters))
         evals = {i: e["eval_reward"] for i in iters
-                 if (p := folder / "data" / "iters" / f"{i:04d}" / "eval.json").is_file()
-                 and "eval_reward" in (e := json.loads(p.read_text()))}
+                 if store.is_file(p := folder / "data" / "iters" / f"{i:04d}" / "eval.json")
+                 and "eval_reward" in (e := store.read_json(p))}
         curves[folder.name] = evals
         print(f"  {folder.name}: {len(iters)} iterations, {mean(secs):.1f} s/iteration, transitions "
               f"{mean(g['num_transitions'] for g in logs):.0f}, steps "

@@ -1,15 +1,17 @@
-"""Keep a comparison's results without its artifacts, small enough to commit beside the report.
+"""Keep a comparison's results without its artifacts, small enough to commit: a compact archive.
 
 A comparison root (:mod:`tpgrpo.comparison.runs`) holds gigabytes: trajectories, adapters, the model, DVC's cache.
 The report reads only a few kilobytes per iteration of it: the stage JSON logs (and their timing sidecars,
-where the stages' seconds are), the per-image eval tables,
-each run's ``run.json``, ``params.yaml``, ``machine.json`` and numeric code manifests, and the root's ``commands.txt``, ``equal_wall.json`` and code
-``SNAPSHOT.json``. An archive is a copy of the root pruned to exactly those files, in the same layout, so
-``report --results ARCHIVE`` recomputes the same tables and figures as ``report --results ROOT`` did, long
-after the run folders are gone (they are machine-local and git-ignored). An archive cannot be trained further:
-``ARCHIVE.json`` at its top marks it, and ``run`` / ``equal-wall`` refuse it. More seeds of the same comparison,
-trained later in another root, join it with :func:`add_to_archive` (their params must match, but for the seed,
-and so must the machine and the code that computes numbers: :mod:`tpgrpo.comparison.provenance`).
+where the stages' seconds are), the per-image eval tables, each run's ``run.json``, ``params.yaml``,
+``machine.json`` and numeric code manifests, and the root's ``commands.txt``, ``equal_wall.json`` and code
+``SNAPSHOT.json``. An archive keeps exactly those: the run files in two Parquet tables
+(:mod:`tpgrpo.comparison.compact`, read back by the same paths through :mod:`tpgrpo.comparison.store`), the
+root's files as they are, so ``report --results ARCHIVE`` recomputes the same tables and figures as ``report
+--results ROOT`` did, long after the run folders are gone (they are machine-local and git-ignored). An archive
+cannot be trained further: ``ARCHIVE.json`` at its top marks it, and ``run`` / ``equal-wall`` refuse it. More
+seeds of the same comparison, trained later in another root, join it with :func:`add_to_archive` (their params
+must match, but for the seed, and so must the machine and the code that computes numbers:
+:mod:`tpgrpo.comparison.provenance`).
 """
 
 from __future__ import annotations
@@ -20,22 +22,15 @@ import shutil
 import time
 from pathlib import Path
 
-from tpgrpo.comparison.provenance import MACHINE_FILE, NUMERIC_KINDS, mismatch
-from tpgrpo.comparison.runs import ITER_FILES, SUMMARY, discover
-from tpgrpo.io.stage_logs import timing_path
-from tpgrpo.pipeline.code_manifest import manifest_path
+import pandas as pd
+
+from tpgrpo.comparison import store
+from tpgrpo.comparison.provenance import mismatch
+from tpgrpo.comparison.runs import ITER_FILES, discover
 from tpgrpo.errors import PipelineError
 
 MARKER = "ARCHIVE.json"
-ROOT_FILES = ("commands.txt", "equal_wall.json", "load_cost.json", "code/SNAPSHOT.json")
 POOLED_KEYS = {"train.seed", "train.iterations"}  # runs that differ in nothing else pool as seeds of one variant
-RUN_FILES = ("run.json", "params.yaml", str(SUMMARY), "data/iters/baseline_eval.json",
-             "data/iters/baseline_eval.timing.json", "data/iters/baseline_eval.parquet", MACHINE_FILE,
-             *(manifest_path(k) for k in NUMERIC_KINDS))
-# What finishes an iteration, the probe log where there is one, and each log's timing sidecar: the stages'
-# seconds live there (tpgrpo.io.stage_logs), and an archive must keep them for the equal-wall numbers.
-_LOGS = (*ITER_FILES, "probe.json")
-ITERATION_FILES = (*_LOGS, *(timing_path(Path(f)).name for f in _LOGS if f.endswith(".json")))
 
 
 def is_archive(root: Path) -> bool:
@@ -49,19 +44,6 @@ def refuse_archive(root: Path) -> None:
                             "there; train in the original root or a new one")
 
 
-def archived_files(root: Path) -> list[Path]:
-    """The files of ``root`` (relative paths) an archive keeps: see the module docstring."""
-    root = Path(root)
-    files = [Path(f) for f in ROOT_FILES if (root / f).is_file()]
-    for run in discover(root):
-        folder = Path(run["folder"])
-        rel = folder.relative_to(root)
-        files += [rel / f for f in RUN_FILES if (folder / f).is_file()]
-        for iteration in sorted((folder / "data" / "iters").glob("[0-9][0-9][0-9][0-9]")):
-            files += [rel / iteration.relative_to(folder) / f for f in ITERATION_FILES if (iteration / f).is_file()]
-    return files
-
-
 def copy_snapshot(root: Path, dest: Path) -> None:
     """Copy ``root``'s code/SNAPSHOT.json to ``dest``, its source an absolute path (older snapshots) made
     relative to ``root``: an archive records no machine's paths."""
@@ -72,28 +54,43 @@ def copy_snapshot(root: Path, dest: Path) -> None:
 
 
 def write_archive(root: Path, dest: Path) -> dict:
-    """Copy ``root``'s result files to ``dest`` (replaced whole, through a temporary sibling, so a failed copy
-    leaves no half archive); returns the ``ARCHIVE.json`` record (source, time, runs, files, bytes)."""
+    """Write ``root``'s results as a compact archive at ``dest`` (:mod:`tpgrpo.comparison.compact`; replaced
+    whole, through a temporary sibling, so a failed write leaves no half archive), after checking that every
+    result file reads back from it unchanged; returns the ``ARCHIVE.json`` record (source, time, runs, files,
+    bytes: the result files' count and size as files). ``root`` may be an archive in the older per-file layout:
+    it is converted, its record kept, with ``compacted`` added."""
+    from tpgrpo.comparison import compact
+    from tpgrpo.comparison.store import is_compact
     from tpgrpo.io.artifacts import atomic_path
 
     root, dest = Path(root), Path(dest)
-    if is_archive(root):
-        raise PipelineError(f"{root}: already an archive; copy the folder instead")
+    if is_compact(root):
+        raise PipelineError(f"{root}: already a compact archive; copy the folder instead")
     runs = discover(root)
     if not runs:
         raise PipelineError(f"{root}: no run folders (*/seed*/run.json): nothing to archive")
     if dest.resolve() == root.resolve() or root.resolve() in dest.resolve().parents:
         raise PipelineError(f"--to {dest}: inside the comparison root {root}; choose a folder outside it")
-    files = archived_files(root)
+    files = compact.result_files(root)
+    tables = compact.tables_of(root)
+    now = time.strftime("%Y-%m-%d %H:%M:%S")
+    if is_archive(root):  # the older layout: its own record stands, the conversion is added to it
+        record = {**json.loads((root / MARKER).read_text()), "compacted": {"from": str(root), "time": now}}
+    else:
+        record = {"source": str(root), "time": now, "runs": len(runs), "files": len(files),
+                  "bytes": sum((root / rel).stat().st_size for rel in files),
+                  "base_model": compact.base_model(root, runs)}
     with atomic_path(dest) as tmp:
-        for rel in files:
-            (tmp / rel).parent.mkdir(parents=True, exist_ok=True)
-            shutil.copy2(root / rel, tmp / rel)
-        if (root / "code" / "SNAPSHOT.json").is_file():
+        tmp.mkdir()
+        compact.write_tables(tmp, *tables)
+        compact.copy_text_files(root, tmp)
+        if (root / "code" / "SNAPSHOT.json").is_file() and not is_archive(root):
             copy_snapshot(root, tmp / "code" / "SNAPSHOT.json")
-        record = {"source": str(root), "time": time.strftime("%Y-%m-%d %H:%M:%S"), "runs": len(runs),
-                  "files": len(files), "bytes": sum((tmp / rel).stat().st_size for rel in files)}
-        (tmp / MARKER).write_text(json.dumps(record, indent=2, sort_keys=True) + "\n")
+        (tmp / MARKER).write_text(json.dumps({**record, "layout": "compact"}, indent=2, sort_keys=True) + "\n")
+        compact.check_same(root, tmp, files)
+        if compact.held_files(tmp) != sorted(files):
+            raise PipelineError(f"{dest}: would hold other result files than {root}: nothing written")
+    store.forget()  # dest's paths may have been read as plain folders before
     return record
 
 
@@ -134,9 +131,15 @@ def add_to_archive(root: Path, dest: Path, accept: str = "") -> dict:
     ``code/SNAPSHOT-<k>.json`` (k = 2, 3, ...); ``ARCHIVE.json`` lists the addition under ``added``."""
     from tpgrpo.io.artifacts import atomic_path
 
+    from tpgrpo.comparison import compact
+    from tpgrpo.comparison.store import EVALS_TABLE, RUNS_TABLE, is_compact
+
     root, dest = Path(root), Path(dest)
     if not is_archive(dest):
         raise PipelineError(f"--to {dest}: not an archive ({MARKER} missing): archive a root there first")
+    if not is_compact(dest):
+        raise PipelineError(f"--to {dest}: an archive in the older per-file layout: convert it first "
+                            f"(tpgrpo compare archive --results {dest} --to NEW)")
     runs, existing = discover(root), discover(dest)
     if not runs:
         raise PipelineError(f"{root}: no run folders (*/seed*/run.json): nothing to add")
@@ -152,34 +155,43 @@ def add_to_archive(root: Path, dest: Path, accept: str = "") -> dict:
     if why:
         raise PipelineError(f"{why}: nothing added")
     record = json.loads((dest / MARKER).read_text())
+    files, held = compact.result_files(root), compact.held_files(dest)
+    new_runs, new_evals = compact.tables_of(root)
     with atomic_path(dest) as tmp:
         shutil.copytree(dest, tmp)
-        files = [f for f in archived_files(root) if str(f) not in ROOT_FILES]
-        for rel in files:
-            (tmp / rel).parent.mkdir(parents=True, exist_ok=True)
-            shutil.copy2(root / rel, tmp / rel)
+        old_runs, old_evals = (pd.read_parquet(dest / name) for name in (RUNS_TABLE, EVALS_TABLE))
+        compact.write_tables(tmp, pd.concat([old_runs, new_runs], ignore_index=True).sort_values(
+            ["variant", "seed", "iteration"], kind="stable", ignore_index=True),
+            pd.concat([old_evals, new_evals], ignore_index=True))
         lines = (tmp / "commands.txt").read_text().splitlines() if (tmp / "commands.txt").is_file() else []
         lines += [x for x in (root / "commands.txt").read_text().splitlines() if x not in lines] \
             if (root / "commands.txt").is_file() else []
         (tmp / "commands.txt").write_text("\n".join(lines) + "\n")
         snapshot = tmp / "code" / f"SNAPSHOT-{len(record.get('added', [])) + 2}.json"
         if (root / "code" / "SNAPSHOT.json").is_file():
+            snapshot.parent.mkdir(exist_ok=True)
             copy_snapshot(root, snapshot)
         for rel in ("load_cost.json",):  # measured on the added root where the archive has none
             if (root / rel).is_file() and not (tmp / rel).is_file():
                 shutil.copy2(root / rel, tmp / rel)
         added = {"source": str(root), "time": time.strftime("%Y-%m-%d %H:%M:%S"), "runs": len(runs),
-                 "files": len(files), "bytes": sum((tmp / rel).stat().st_size for rel in files),
+                 "files": len(files), "bytes": sum((root / rel).stat().st_size for rel in files),
                  "snapshot": str(snapshot.relative_to(tmp)), **({"accepted": accept} if accept else {})}
         record["added"] = [*record.get("added", []), added]
         (tmp / MARKER).write_text(json.dumps(record, indent=2, sort_keys=True) + "\n")
+        compact.check_same(root, tmp, files)
+        if compact.held_files(tmp) != sorted([*held, *files]):
+            raise PipelineError(f"{dest}: would hold other result files than it and {root}: nothing added")
+    store.forget()
     return added
 
 
 def archived_iterations(folder: Path) -> int:
     """Iterations 1..k of an archived run whose result files are all there (its policies are not kept, so
     ``comparison.run_state`` would call every archived run new)."""
+    from tpgrpo.comparison.store import is_file
+
     done = 0
-    while all((Path(folder) / "data" / "iters" / f"{done + 1:04d}" / f).is_file() for f in ITER_FILES):
+    while all(is_file(Path(folder) / "data" / "iters" / f"{done + 1:04d}" / f) for f in ITER_FILES):
         done += 1
     return done

@@ -219,7 +219,9 @@ def collect(out: Path, n_boot: int = N_BOOT) -> dict[str, pd.DataFrame]:
     claims = pd.DataFrame([claim_row(c, pairs, grouped) for c in claims_here])
     tables = {"curves": curves, "tp_rates": tp_rates, "pairs": pairs, "claims": claims,
               "headline": headline_table(curves, grouped)}
-    folder = out / RESULTS
+    from tpgrpo.comparison.store import is_compact
+
+    folder = out / ("tables" if is_compact(out) else RESULTS)  # a compact archive's own results/ is its parent
     for name, frame in tables.items():
         with atomic_path(folder / f"{name}.csv") as tmp:
             # 12 significant digits: interval ends differed in the 16th between an Intel and an AMD CPU (the

@@ -5,7 +5,8 @@
     status      where each run stands
     load-cost   time one model load in a trained run folder (the equal-wall pair without loading uses it)
     report      collect the stored results and write the Markdown report with its figures
-    archive     copy a root's result files (no artifacts) to a folder small enough to commit; report reads it
+    archive     keep a root's results (no artifacts) as a compact archive small enough to commit; report reads it
+    page        write the results page: every archive's verdicts on one page (results/README.md)
 """
 
 from __future__ import annotations
@@ -224,6 +225,7 @@ def status_command(out: OutOpt = Path("runs/compare")) -> None:
         state, done, planned = cmp.run_state(Path(r["folder"]))
         if archive:  # no policies kept: run_state would call every run new
             state, done = "archived", archived_iterations(Path(r["folder"]))
+            planned = int(r["params"]["train"]["iterations"])
         typer.echo(f"{r['variant']}/seed{r['seed']}: {state} ({done}/{planned} iterations)")
 
 
@@ -231,7 +233,7 @@ def status_command(out: OutOpt = Path("runs/compare")) -> None:
 def report_command(
     results: Annotated[list[Path], typer.Option("--results", help="comparison root (repeatable)")],
     out: Annotated[Path, typer.Option("--out", help="Markdown file; figures go to the folder of its name")] =
-        Path("docs/replication.md"),
+        Path("results/report.md"),
     n_boot: Annotated[int, typer.Option(help="bootstrap resamples")] = 10_000,
 ) -> None:
     """Collect each root's stored results (OUT/results/*.csv) and write the report and its figures."""
@@ -247,19 +249,41 @@ def report_command(
     typer.echo(str(path))
 
 
+@app.command("page")
+def page_command(
+    results: Annotated[list[Path], typer.Option("--results", help="compact archive (repeatable)")],
+    out: Annotated[Path, typer.Option("--out", help="the page; figures go to figures/ beside it")] =
+        Path("results/README.md"),
+    n_boot: Annotated[int, typer.Option(help="bootstrap resamples")] = 10_000,
+) -> None:
+    """Write one page with every archive's verdicts, runs and figures (without their command lines)."""
+    import shlex
+
+    from tpgrpo.comparison.page import write_page
+    from tpgrpo.errors import PipelineError
+
+    try:
+        path = write_page(results, out, command=" ".join(shlex.quote(a) for a in _command_line()), n_boot=n_boot)
+    except (PipelineError, ValueError) as exc:
+        _fail(str(exc))
+    typer.echo(str(path))
+
+
 @app.command("archive")
 def archive_command(
     results: Annotated[Path, typer.Option("--results", help="comparison root to archive")],
-    to: Annotated[Path, typer.Option("--to", help="archive folder (replaced whole), e.g. docs/replication/runs/NAME")],
+    to: Annotated[Path, typer.Option("--to", help="archive folder (replaced whole), e.g. results/NAME")],
     add: Annotated[bool, typer.Option("--add", help="add the root's runs (more seeds, same params) to the existing "
                                       "archive TO instead of replacing it")] = False,
     accept: Annotated[str, typer.Option("--accept", help="with --add: the reason to add runs whose machine or "
                                         "numeric code differs from the archived runs', or is not recorded "
                                         "(refused without it; the report shows it)")] = "",
 ) -> None:
-    """Copy the root's result files (stage logs, per-image eval tables, run.json, params.yaml, commands.txt,
-    equal_wall.json, load_cost.json, the code snapshot's record) to TO, in the same layout: `report --results
-    TO` gives the same report without the run folders."""
+    """Keep the root's results as a compact archive TO: runs.parquet (every stage log, run.json, params.yaml,
+    machine and code records, per run and iteration) and evals.parquet (every per-image eval row), beside
+    commands.txt, equal_wall.json, load_cost.json and the code snapshot's record; checked to read back
+    unchanged before TO is replaced. `report --results TO` gives the same report without the run folders. A
+    root that is an archive in the older per-file layout is converted."""
     from tpgrpo.comparison.archive import add_to_archive, write_archive
     from tpgrpo.errors import PipelineError
 

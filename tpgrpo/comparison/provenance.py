@@ -66,8 +66,10 @@ def identity(record: dict) -> tuple:
 
 def read_machines(folder: Path) -> list[dict]:
     """The run folder's machine records, one per attempt ([] for a run made before they were recorded)."""
+    from tpgrpo.comparison import store
+
     path = Path(folder) / MACHINE_FILE
-    return json.loads(path.read_text()) if path.is_file() else []
+    return store.read_json(path) if store.is_file(path) else []
 
 
 def append_machine(folder: Path, record: dict) -> None:
@@ -98,12 +100,14 @@ def run_machine(folder: Path) -> tuple[tuple | None, str]:
 
 def code_record(folder: Path) -> dict | None:
     """``{kind: {"files": {path: md5}, "libraries": {...}}}`` of the run's numeric kinds, None without manifests."""
+    from tpgrpo.comparison import store
+
     out = {}
     for kind in NUMERIC_KINDS:
         path = Path(folder) / manifest_path(kind)
-        if not path.is_file():
+        if not store.is_file(path):
             return None
-        record = json.loads(path.read_text())
+        record = store.read_json(path)
         out[kind] = {"files": record.get("files", {}), "libraries": record.get("libraries", {})}
     return out
 

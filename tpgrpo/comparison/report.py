@@ -19,6 +19,7 @@ from tpgrpo.comparison.runs import discover, equal_wall_records
 from tpgrpo.comparison.archive import MARKER as ARCHIVE_MARKER
 from tpgrpo.comparison.claims import collect
 from tpgrpo.comparison.loadcost import load_record
+from tpgrpo.comparison.method import method_text
 from tpgrpo.comparison.results import LEVEL, N_BOOT
 from tpgrpo.reports.plots import _new_figure, _save
 
@@ -234,57 +235,6 @@ def claims_table(claims: pd.DataFrame) -> list[str]:
                    "[CI over seeds and prompts]", "verdict", "note"), rows)
 
 
-def method_text(n_boot: int = N_BOOT) -> str:
-    """The report's method section (how every number is computed)."""
-    return f"""\
-- **Paired difference A - B** (held-out reward under `task.eval_reward`; strict accuracy alike): for the
-  training seeds both variants have, each run's per-image table `eval.parquet` (one row per held-out prompt
-  x eval seed; every run uses the same eval seeds) at the compared iteration; per image the mean over the
-  training seeds of A minus that of B; the mean over images, and a {LEVEL:.0%} percentile interval from
-  {n_boot:,} bootstrap resamples of whole prompts (each with all its eval seeds), `tpgrpo.comparison.stats.paired_bootstrap`.
-  That interval covers prompt and eval-noise sampling for these training seeds only.
-- **Over seeds and prompts** (the verdicts' interval, `tpgrpo.comparison.stats.seed_prompt_t_interval`): seed s
-  of A paired with seed s of B; the mean difference +- sqrt(t_(S-1)^2 var_s / S + t_(P-1)^2 var_p / P), var_s
-  the variance of the S per-seed mean differences and var_p that of the P per-prompt ones (Banerjee's
-  interval for a sum of two variance estimates: t quantiles for few seeds, 4.30 at S = 3, and no degrees of
-  freedom to estimate). Simulated under no true difference (seed effect sd 0.02, 20 prompts x 4 images,
-  image noise sd 0.05, 4,000 draws) it excludes 0 in 4.4% of draws at 3 seeds and 3.9% at 5
-  (tests/test_comparison_intervals.py), where the percentile bootstrap over seeds and prompts that it
-  replaced (`seed_prompt_bootstrap`, still in the pairs CSV as `reward_boot_lo/hi`) excluded it in 18.8% at
-  3 seeds and 12.5% at 5 (bench/compare_intervals.py, 1,000 draws): a claim's note says where that
-  bootstrap's verdict differed.
-- **Iteration**: both at the last iteration evaluated in every run of both within the iteration budget.
-  **Equal wall**: A at that iteration i, B (flow_grpo, given extra iterations by the equal-wall pass) at its
-  evaluated iteration nearest i x (A's / B's mean training seconds per iteration over the budget): the rate
-  the pass planned with, not the seconds B's extra iterations recorded (those depend on what else shared
-  the machine then). Only the seeds whose B runs the pass extended take part (the pairs table lists them).
-  An equal-wall pair is never read reversed (B - A would give A the extra iterations).
-  **Equal wall, loading out**: the same with each side's seconds less its model loads (rollout, update, and
-  a probe that ran the model: 3 per tp iteration, 2 per flow_grpo iteration) x the measured seconds of one
-  load (`tpgrpo compare load-cost`, stated in each section).
-- **Training seconds**: the sum of the rollout, probe, credit and update stages' own `wall_seconds` (eval and
-  process start-up left out), cumulated over iterations; measured while the runs shared the machine as the
-  recorded command lines say (jobs x threads).
-- **How soon each mode reaches Flow-GRPO's best** (the paper: TP-GRPO reaches Flow-GRPO's final reward in
-  about a third of the steps): the target is flow_grpo's best held-out reward within the budget (mean over
-  its seeds, at evaluated iterations); per mode the iteration at which its mean-over-seeds curve first
-  reaches it, linear between evaluated iterations (with eval every 6 iterations a coarse estimate; "first
-  evaluated" is the evaluated iteration itself), the training seconds there (mean over seeds; with and
-  without loading), and a 95% t interval over seeds of each seed's own crossing where every seed reaches it.
-- **Bands** in the curves: the line is the mean over training seeds, the band their minimum to maximum.
-- **Verdict** of a claim "A beats B" from the interval of A - B over seeds and prompts (the prompt-only
-  interval's verdict is in the note where it differs): *confirmed* if it excludes 0 on A's side,
-  *refuted* if it excludes 0 on B's side, else *not detectable*; from one training seed an excluded 0 is
-  only *one seed: a hint* (for or against: that interval has no seed variance in it); *not run* where the
-  runs are missing or the reference does not have the paper's setting.
-- **Best learning rate** (with a sweep): per mode the rate with the highest training reward (rollout mean
-  over its last 3 iterations, mean over seeds), so the held-out set is not used to pick it. With a sweep
-  the claims table repeats the TP-vs-Flow-GRPO claims with each mode at its best rate (at equal wall clock
-  when that Flow-GRPO variant was given the extra iterations): Flow-GRPO copies the final reward to every
-  window step, so one learning rate gives it a stronger update than per-step credit gets.
-"""
-
-
 def _label(out: Path) -> str:
     return "".join(c if c.isalnum() or c in "-_." else "_" for c in Path(out).resolve().name)
 
@@ -325,8 +275,9 @@ def machine_lines(runs: list[dict]) -> list[str]:
                if len([k for k in kinds if k != "not recorded"]) > 1 else "."), ""]
 
 
-def section(out: Path, fig_dir: Path, md_dir: Path, n_boot: int = N_BOOT) -> list[str]:
-    """The Markdown section of one comparison root (and its figures)."""
+def section(out: Path, fig_dir: Path, md_dir: Path, n_boot: int = N_BOOT, lab: bool = True) -> list[str]:
+    """The Markdown section of one comparison root (and its figures); ``lab``: with its command lines and code
+    commits (the results page links them instead)."""
     import os
 
     out = Path(out)
@@ -339,6 +290,27 @@ def section(out: Path, fig_dir: Path, md_dir: Path, n_boot: int = N_BOOT) -> lis
         # e.g. jpeg_compressibility: no strict result is defined, so every strict column would read 0
         lines += [f"No held-out image of any run is strictly right under `{task['eval_reward']}` (it may define "
                   "no strict result): the strict-accuracy columns below say nothing.", ""]
+    lines += provenance_lines(out, runs, lab, md_dir)
+    lines += ["### Runs", "", *setup_table(runs, tables["curves"]), "", "### Held-out reward at the last evaluated "
+              "iteration", "", *final_table(runs, tables["curves"]), "", "### Figures", ""]
+    for path in draw_figures(tables, runs, fig_dir, label):
+        lines += [f"![{path.stem}]({os.path.relpath(path, md_dir)})", ""]
+    if len(tables["headline"]):
+        lines += ["### How soon each mode reaches Flow-GRPO's best", "", *headline_lines(tables["headline"]), ""]
+    elif any(r["variant"] == "flow_grpo" for r in runs):
+        lines += ["### How soon each mode reaches Flow-GRPO's best", "", "No target: flow_grpo's held-out reward "
+                  "(mean over its seeds) never rose above the base model's within the budget.", ""]
+    lines += ["### Paired differences", "", *pairs_table(tables["pairs"]), "", "### The paper's claims", "",
+              *claims_table(tables["claims"]), ""]
+    return lines
+
+
+def provenance_lines(out: Path, runs: list[dict], lab: bool = True, md_dir: Path = Path(".")) -> list[str]:
+    """Where a root's numbers come from: its archive record, command lines and code snapshots (``lab``; else
+    a link to its commands.txt and the base model it trained from), machines, equal-wall passes, loading."""
+    import os
+
+    lines = []
     commands = (out / "commands.txt").read_text().splitlines() if (out / "commands.txt").is_file() else []
     a = json.loads((out / ARCHIVE_MARKER).read_text()) if (out / ARCHIVE_MARKER).is_file() else None
     if a:
@@ -348,10 +320,13 @@ def section(out: Path, fig_dir: Path, md_dir: Path, n_boot: int = N_BOOT) -> lis
                   f"{x['bytes'] / 1e6:.2f} MB)." + (f" Accepted despite another machine or code: {x['accepted']}"
                                                    if x.get("accepted") else "") for x in a.get("added", [])]
         lines += [""]
-    if commands:
+    if commands and not lab:
+        lines += [f"Base model: {base_model(a, runs)}. Built by the command lines in "
+                  f"[commands.txt]({os.path.relpath(out / 'commands.txt', md_dir)}), with the code snapshot records in `code/`.", ""]
+    elif commands:
         lines += ["Built by:", "", "```", *commands, "```", ""]
     snapshots = [("code/SNAPSHOT.json", "")] + [(x["snapshot"], f" (the runs of `{x['source']}`)")
-                                                for x in (a or {}).get("added", [])]
+                                                for x in (a or {}).get("added", [])] if lab else []
     for rel, whose in snapshots:
         snapshot = json.loads((out / rel).read_text()) if (out / rel).is_file() else {}
         if snapshot:
@@ -371,18 +346,16 @@ def section(out: Path, fig_dir: Path, md_dir: Path, n_boot: int = N_BOOT) -> lis
         lines += [f"Model loading: {load['load_seconds']} s per load (median of {load['loads_timed']} timed loads of "
                   f"`load_policy` in `{load['folder']}`, {load['min']}-{load['max']} s, {load['threads']} thread, "
                   f"1-minute load average {load['load_average_1min']}, {load['time']}; `tpgrpo compare load-cost`).", ""]
-    lines += ["### Runs", "", *setup_table(runs, tables["curves"]), "", "### Held-out reward at the last evaluated "
-              "iteration", "", *final_table(runs, tables["curves"]), "", "### Figures", ""]
-    for path in draw_figures(tables, runs, fig_dir, label):
-        lines += [f"![{path.stem}]({os.path.relpath(path, md_dir)})", ""]
-    if len(tables["headline"]):
-        lines += ["### How soon each mode reaches Flow-GRPO's best", "", *headline_lines(tables["headline"]), ""]
-    elif any(r["variant"] == "flow_grpo" for r in runs):
-        lines += ["### How soon each mode reaches Flow-GRPO's best", "", "No target: flow_grpo's held-out reward "
-                  "(mean over its seeds) never rose above the base model's within the budget.", ""]
-    lines += ["### Paired differences", "", *pairs_table(tables["pairs"]), "", "### The paper's claims", "",
-              *claims_table(tables["claims"]), ""]
     return lines
+
+
+def base_model(record: dict | None, runs: list[dict]) -> str:
+    """The base model a root trained from: its archive's record of it, else ``model.path`` of its params."""
+    paths = sorted({str(r["params"]["model"]["path"]) for r in runs})
+    recorded = (record or {}).get("base_model") or {}
+    text = f"`{recorded.get('path') or ', '.join(paths)}`"
+    return text + (f", {recorded['note']}" if recorded.get("note") else "") + (
+        f" (weights md5 {recorded['md5']})" if recorded.get("md5") else "")
 
 
 def write_report(roots: Sequence[Path], md_path: Path, command: str = "", n_boot: int = N_BOOT) -> Path:

@@ -15,7 +15,6 @@ Paired difference of variant A against variant B (both scored on the same held-o
 
 from __future__ import annotations
 
-import json
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Sequence
@@ -23,8 +22,9 @@ from typing import Sequence
 import numpy as np
 import pandas as pd
 
-from tpgrpo.comparison.stats import (PAIR_KEYS, paired_bootstrap, read_eval_table, seed_prompt_bootstrap,
-                                     seed_prompt_t_interval, verdict)  # noqa: F401 - verdict: also imported from here
+from tpgrpo.comparison import store
+from tpgrpo.comparison.stats import (PAIR_KEYS, paired_bootstrap, seed_prompt_bootstrap, seed_prompt_t_interval,
+                                     verdict)  # noqa: F401 - verdict: also imported from here
 from tpgrpo.comparison.provenance import mismatch
 from tpgrpo.comparison.runs import TRAIN_STAGES, stage_seconds
 from tpgrpo.errors import PipelineError
@@ -38,7 +38,7 @@ MIN_PROMPTS = 20  # fewer held-out prompts than this: a bootstrap over prompts s
 
 
 def _json(path: Path) -> dict | None:
-    return json.loads(path.read_text()) if path.is_file() else None
+    return store.read_json(path) if store.is_file(path) else None
 
 
 def run_curve(run: dict) -> tuple[list[dict], list[dict]]:
@@ -102,7 +102,7 @@ def seed_scores(side: Sequence[tuple[Path, int]]) -> list[pd.DataFrame]:
     frames, keys = [], None
     for folder, iteration in side:
         path = eval_table_path(folder, iteration)
-        t = read_eval_table(path)
+        t = store.read_eval_table(path)
         if t.empty:
             raise PipelineError(f"{path}: no rows (iteration {iteration} was not evaluated)")
         these = set(map(tuple, t[PAIR_KEYS].astype(str).to_numpy()))

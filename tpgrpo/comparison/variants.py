@@ -22,6 +22,24 @@ ABLATIONS = {
     "cps": {"sampling.step_kind": "cps"},
 }
 
+# The forward-process objectives (update.objective, docs/objectives.md) as arms: OBJECTIVE (--modes nft) is the
+# published method (Flow-GRPO's credit, the group-normalised final reward); MODE-OBJECTIVE (--tree-modes tp-nft) a
+# credit mode inside it, on a tree trained only at its splits' levels (update.split_levels).
+OBJECTIVES = ("nft", "awm")
+
+
+def arm_of(name: str, tree: bool = False) -> tuple[str, dict[str, Any]] | None:
+    """An arm name's credit mode and overrides (``tp`` -> ``("tp", {})``, ``nft`` -> ``("flow_grpo",
+    {"update.objective": "nft"})``, ``tp-nft``); None for a name that is neither."""
+    if name in MODES:
+        return name, {}
+    mode, _, objective = name.rpartition("-")
+    mode = mode or BASELINE_MODE
+    if objective not in OBJECTIVES or mode not in MODES:
+        return None
+    return mode, {"update.objective": objective, **({"update.split_levels": True} if tree and name != objective else {})}
+
+
 @dataclass(frozen=True)
 class Variant:
     """One arm of the comparison: a credit mode and param overrides, trained with each of ``seeds``."""
@@ -65,14 +83,15 @@ def lr_label(value: Any) -> str:
 def main_variants(modes: Sequence[str], seeds: Sequence[int], overrides: dict[str, Any] | None = None,
                   mode_overrides: dict[str, dict[str, Any]] | None = None) -> list[Variant]:
     """One variant per credit mode (named after it), with common and per-mode overrides."""
-    bad = [m for m in modes if m not in MODES]
+    bad = [m for m in modes if arm_of(m) is None]
     if bad or not modes:
-        raise ConfigError(f"modes {list(modes)}: expected some of {', '.join(MODES)}")
+        raise ConfigError(f"modes {list(modes)}: expected some of {', '.join(MODES)}, {', '.join(OBJECTIVES)} or "
+                          "MODE-OBJECTIVE (tp-nft)")
     for mode in mode_overrides or {}:
         if mode not in modes:
             raise ConfigError(f"per-mode override for {mode!r}: not among the modes compared ({', '.join(modes)})")
-    return [Variant(m, m, {**(overrides or {}), **(mode_overrides or {}).get(m, {})}, tuple(seeds))
-            for m in modes]
+    return [Variant(m, arm_of(m)[0], {**arm_of(m)[1], **(overrides or {}), **(mode_overrides or {}).get(m, {})},
+                    tuple(seeds)) for m in modes]
 
 
 TREE_PREFIX = "tree-"  # a tree arm's name: the prefix and its credit mode (tree-tp)
@@ -83,14 +102,16 @@ def tree_variants(modes: Sequence[str], seeds: Sequence[int], overrides: dict[st
     """Credit modes trained on ODE-anchored trees (``tree.enabled``, docs/tree.md) instead of chains: main
     arms named ``tree-MODE``, compared with flow_grpo's chains like every main arm. ``arm_overrides``: per
     arm name (``tree-tp``), e.g. a tree shape for the tree arm alone."""
-    bad = [m for m in modes if m not in MODES]
+    bad = [m for m in modes if arm_of(m, tree=True) is None]
     if bad:
-        raise ConfigError(f"tree modes {list(modes)}: expected some of {', '.join(MODES)}")
+        raise ConfigError(f"tree modes {list(modes)}: expected some of {', '.join(MODES)}, {', '.join(OBJECTIVES)} "
+                          "or MODE-OBJECTIVE (tp-nft)")
     names = [f"{TREE_PREFIX}{m}" for m in modes]
     for name in arm_overrides or {}:
         if name not in names:
             raise ConfigError(f"per-arm override for {name!r}: not among the tree arms ({', '.join(names)})")
-    return [Variant(n, m, {**(overrides or {}), **(arm_overrides or {}).get(n, {}), "tree.enabled": True},
+    return [Variant(n, arm_of(m, tree=True)[0], {**arm_of(m, tree=True)[1], **(overrides or {}),
+                                                 **(arm_overrides or {}).get(n, {}), "tree.enabled": True},
                     tuple(seeds)) for n, m in zip(names, modes)]
 
 
