@@ -84,3 +84,39 @@ def test_what_the_orchestration_reads_is_derived():
     uncached = {next(iter(o)) for s in dvcfile.iteration_stages(config_from_dict(tiny_params()), 2).values()
                 for o in s["outs"] if isinstance(o, dict)}
     assert uncached == {f"data/iters/0002/{o.name}" for o in ITERATION_OUTPUTS.values() if not o.cached}
+
+
+def test_an_edit_to_one_stages_declaration_changes_that_stages_manifest_only(tmp_path):
+    """Every stage's code holds stage_params.py, but each manifest records only its own stage's declaration
+    of it (with the shared tables and functions): a new field in eval's declaration re-runs the evals (and the
+    baseline, which eval's manifest covers), no rollout; a comment in it re-runs nothing; an edit of a shared
+    table still re-runs every stage."""
+    import json
+    import shutil
+
+    from tpgrpo.pipeline.code_manifest import KIND_STAGES, manifest_path, write_manifests
+
+    for folder in ("stages", "tpgrpo"):
+        shutil.copytree(REPO / folder, tmp_path / folder, ignore=shutil.ignore_patterns("__pycache__"))
+    declarations = tmp_path / "tpgrpo" / "stage_params.py"
+    original = declarations.read_text()
+
+    def changed_by(old: str, new: str) -> set[str]:
+        assert original.count(old) == 1, old
+        write_manifests(tmp_path)
+        before = {kind: (tmp_path / manifest_path(kind)).read_bytes() for kind in KIND_STAGES}
+        declarations.write_text(original.replace(old, new))
+        write_manifests(tmp_path)
+        declarations.write_text(original)
+        return {kind for kind in KIND_STAGES if (tmp_path / manifest_path(kind)).read_bytes() != before[kind]}
+
+    write_manifests(tmp_path)
+    assert all("tpgrpo/stage_params.py" in json.loads((tmp_path / manifest_path(k)).read_text())["files"]
+               for k in KIND_STAGES)
+    eval_out = 'Output("eval.json", "eval_metrics", cached=False, read_by=(SUMMARY, DONE))'
+    assert changed_by(eval_out, eval_out.replace("cached=False", 'cached=False, droppable=""')) == {"eval"}
+    assert changed_by('"update.ema", "train.seed",', '"update.ema", "train.seed", "train.iterations",') == {"eval"}
+    assert changed_by('"update.ema", "train.seed",', '"update.ema",  # a comment\n         "train.seed",') == set()
+    assert changed_by('"stages/credit.py",), ("credit",)', '"stages/credit.py",), ("credit", "train.seed")') == {
+        "credit"}
+    assert changed_by('PATH_SWITCHES = {"probe"', 'UNUSED = 1\nPATH_SWITCHES = {"probe"') == set(KIND_STAGES)
