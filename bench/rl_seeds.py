@@ -26,12 +26,12 @@ import yaml
 REPO = Path(__file__).resolve().parents[1]
 
 
-def make_project(folder: Path, seed: int, settings: list[str]) -> Path:
+def make_project(folder: Path, seed: int, settings: list[str], base: Path = REPO / "data" / "base") -> Path:
     folder.mkdir(parents=True)
     for name in ("stages", "tpgrpo"):
         shutil.copytree(REPO / name, folder / name, ignore=shutil.ignore_patterns("__pycache__"))
     shutil.copytree(REPO / "data" / "prompts", folder / "data" / "prompts")
-    shutil.copytree(REPO / "data" / "base", folder / "data" / "base")
+    shutil.copytree(base, folder / "data" / "base")
     raw = yaml.safe_load((REPO / "params.yaml").read_text())
     raw["train"]["seed"] = seed
     for item in settings:
@@ -60,6 +60,7 @@ def main() -> None:
     parser.add_argument("--set", dest="settings", action="append", default=[], help="section.key=value")
     parser.add_argument("--threads", type=int, default=None, help="torch threads per run (default 2 / parallel)")
     parser.add_argument("--workdir", type=Path, default=Path("/tmp/tpgrpo-seeds"))
+    parser.add_argument("--base", type=Path, default=REPO / "data" / "base", help="the base model folder to copy")
     parser.add_argument("--collect", type=Path, nargs="+", default=None,
                         help="only report finished runs found under these workdirs (seed-N folders)")
     parser.add_argument("--out", type=Path, default=REPO / "data" / "reports" / "rl_seeds.json")
@@ -76,7 +77,7 @@ def train_seeds(args) -> tuple[dict, dict]:
     """Train one project copy per seed (``--parallel`` at a time); returns (summaries, folders) by seed."""
     shutil.rmtree(args.workdir, ignore_errors=True)
     threads = args.threads or max(1, 2 // args.parallel)
-    folders = {s: make_project(args.workdir / f"seed-{s}", s, args.settings) for s in args.seeds}
+    folders = {s: make_project(args.workdir / f"seed-{s}", s, args.settings, args.base) for s in args.seeds}
     pending, running, results = list(folders.items()), [], {}
     while pending or running:
         while pending and len(running) < args.parallel:

@@ -71,9 +71,7 @@ def test_summary_grid_shows_the_ema_policy(ema_project):
 def _grid_seeds(cfg, root):
     """The grid's seeds, as ``grid_images`` draws them (the eval's first seed of each grid prompt)."""
     from tpgrpo.policy.generate import evaluation_seeds
-    from tpgrpo.reports.figures import GRID_PROMPTS
-    from tpgrpo.stage_common import resolve
-    from tpgrpo.tasks.prompts import load_prompts
+    from tpgrpo.reports.figures import grid_prompts
 
-    metas = load_prompts(resolve(root, cfg.task.eval_prompts))[:min(GRID_PROMPTS, cfg.eval.num_prompts)]
+    metas = grid_prompts(cfg, root)
     return evaluation_seeds(cfg.eval.seed, metas, cfg.eval.samples_per_prompt)[::cfg.eval.samples_per_prompt]

@@ -118,6 +118,20 @@ def test_before_after_grid_shows_each_pair(tmp_path):
     assert not (tmp_path / "bad.png").exists()
 
 
+def test_before_after_grid_frames_each_image_by_its_verdict(tmp_path):
+    rng = np.random.default_rng(0)
+    base = rng.integers(0, 256, (3, 16, 16, 3), dtype=np.uint8)
+    final = rng.integers(0, 256, (3, 16, 16, 3), dtype=np.uint8)
+    verdicts = (np.array([False, False, True]), np.array([True, False, True]))
+    fig = plots.before_after_grid(base, final, ["a", "b", "c"], tmp_path / "grid.png", cell_inches=1.0, dpi=50,
+                                  verdicts=verdicts, row_names=("base model", "policy 9"))
+    colours = [ax.spines["top"].get_edgecolor() for ax in fig.axes]
+    green, red = (0x1a / 255, 0x96 / 255, 0x41 / 255, 1.0), (0xd7 / 255, 0x19 / 255, 0x1c / 255, 1.0)
+    assert colours == [red, red, green, green, red, green]
+    assert fig.axes[0].get_ylabel() == "base model\n1 of 3 right"
+    assert fig.axes[3].get_ylabel() == "policy 9\n2 of 3 right"
+
+
 def test_same_inputs_same_bytes_and_no_temp_files(tmp_path):
     probe, credit = probe_and_credit()
     for name in ("one.png", "two.png"):

@@ -166,13 +166,16 @@ def turning_point_heatmap(credit, path: Path, figsize=(8.0, 4.0), dpi: int = 100
 
 
 def before_after_grid(base_images, final_images, labels: Sequence[str], path: Path,
-                      row_names=("base model", "final policy"), cell_inches: float = 1.6, dpi: int = 100):
+                      row_names=("base model", "final policy"), cell_inches: float = 1.6, dpi: int = 100,
+                      verdicts=None):
     """The same held-out prompts and eval seeds from the base model (top row) and the final policy
     (bottom row), one column per image, the prompt above it.
 
     Args:
         base_images, final_images: uint8 arrays (N, H, W, 3), row i of each from the same prompt and seed.
         labels: N prompt labels.
+        verdicts: optional (base, final) bool arrays (N,) (either may be None): each image is framed green
+            when right, red when wrong, and each row's name counts the right ones.
         cell_inches: width of one column; the figure is (cell_inches * N + 0.6) x (2 cell_inches + 0.9)
             inches at ``dpi``.
     Returns the Figure: 2N axes, each with one image.
@@ -184,13 +187,20 @@ def before_after_grid(base_images, final_images, labels: Sequence[str], path: Pa
     if len(labels) != len(base) or len(base) == 0:
         raise ValueError(f"got {len(base)} image pairs and {len(labels)} labels (expected equal, at least 1)")
     n = len(base)
+    verdicts = verdicts or (None, None)
     fig = _new_figure((cell_inches * n + 0.6, 2 * cell_inches + 0.9), dpi)
     axes = fig.subplots(2, n, squeeze=False)
-    for row, (images, name) in enumerate(zip((base, final), row_names)):
+    for row, (images, name, right) in enumerate(zip((base, final), row_names, verdicts)):
+        if right is not None:
+            name = f"{name}\n{int(np.sum(right))} of {n} right"
         for col in range(n):
             ax = axes[row, col]
             ax.imshow(images[col], interpolation="nearest")
             ax.set_xticks([]), ax.set_yticks([])
+            if right is not None:  # a thick frame: the verdict is seen before the prompt is read
+                for spine in ax.spines.values():
+                    spine.set_edgecolor("#1a9641" if right[col] else "#d7191c")
+                    spine.set_linewidth(3)
             if row == 0:
                 ax.set_title("\n".join(textwrap.wrap(str(labels[col]), 18)[:3]), fontsize=8)
             if col == 0:
