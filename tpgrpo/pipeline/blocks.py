@@ -144,12 +144,42 @@ def write_block_entry(root: Path, block: Block, entry: dict | None) -> None:
 
 
 def remove_block_files(root: Path, block: Block) -> None:
-    """Delete what sealing wrote for ``block``: seal file, stage entries, pipeline and lock file."""
+    """Delete what sealing wrote for ``block``, what DVC reads first: its pipeline file (DVC no longer sees the
+    block's stage), its lock file and folder, then the seal file, then the stage entries.
+
+    Why this order: a kill between two steps must never leave the block's pipeline file without its seal. The
+    next render would then list the block's iterations in dvc.yaml too, and DVC, finding the outputs in two
+    pipeline files, refuses every command. Killed with the folder gone, the seal and entries remain: the block
+    is sealed without a lock entry, and the next run unseals it again, keeping the stage entries this
+    unsealing already put into the root lock (:func:`tpgrpo.pipeline.sealing.unseal_changed`). Killed after
+    the seal went, only the entries file is left: :func:`sweep_unsealed` removes it."""
     import shutil
 
+    block.dvcfile(root).unlink(missing_ok=True)
+    shutil.rmtree(block.folder(root), ignore_errors=True)
     block.seal_path(root).unlink(missing_ok=True)
     block.entries_path(root).unlink(missing_ok=True)
-    shutil.rmtree(block.folder(root), ignore_errors=True)
+
+
+def sweep_unsealed(root: Path) -> list[str]:
+    """Remove what an interrupted unsealing left of blocks that are no longer sealed: a block folder
+    (``data/seals/NNNN-MMMM/``, its pipeline and lock file) or stage entries file whose seal file is gone.
+    Older versions removed the seal file first, so a kill could leave such a folder; once dvc.yaml renders the
+    block's iterations as stages, DVC refuses every command ("output ... is specified in ..."). Sealing writes
+    the seal file before the folder, so nothing live is taken. Returns the paths removed (relative)."""
+    import shutil
+
+    folder = root / SEALS
+    if not folder.is_dir():
+        return []
+    sealed = {p.stem for p in folder.glob("*.yaml")}
+    removed = []
+    for path in sorted(folder.glob("[0-9]" * 4 + "-" + "[0-9]" * 4 + "*")):
+        if path.stem in sealed or not (path.is_dir() or path.suffix == ".stages"):
+            continue
+        shutil.rmtree(path, ignore_errors=True) if path.is_dir() else path.unlink(missing_ok=True)
+        removed.append(path.relative_to(root).as_posix())
+    return removed
 
 
 def write_yaml(path: Path, data: dict) -> None:
@@ -163,7 +193,7 @@ def write_text_atomic(path: Path, text: str) -> None:
     """``text`` to ``path`` through a uniquely named temporary sibling (its writer's PID in the name: a later
     run sweeps a killed writer's), renamed over it; mode 0o666 less the umask (0o644 usually), so that a
     shared project's other members can read dvc.yaml, dvc.lock and the seal files (DVC keeps the mode)."""
-    from tpgrpo.pipeline.dvc_atomic import atomic_write_text
+    from tpgrpo.io.atomic_text import atomic_write_text
 
     path.parent.mkdir(parents=True, exist_ok=True)
     atomic_write_text(path, lambda handle: handle.write(text), keep_mode=False)

@@ -28,7 +28,9 @@ def prepare(root: Path, cfg: Config, raw: dict, note: Callable[[str], None]) -> 
     """Before the first render: unseal the sealed blocks that a structural change reaches (block size, run
     length; a ``note`` line each) and find those that other changes reach, to unseal as the repros get to them;
     refuse (PipelineError, one line, nothing written) a block whose records cannot be unsealed. Returns the
-    blocks pending. ``raw``: params.yaml as DVC reads it."""
+    blocks pending. ``raw``: params.yaml as DVC reads it. First removes what an interrupted unsealing left
+    (:func:`tpgrpo.pipeline.blocks.sweep_unsealed`, a ``note`` line each)."""
+    _sweep(root, note)
     if not active(root, cfg):
         return set()
     from tpgrpo.pipeline.sealing import check_records, stale_seals, unseal_changed
@@ -37,6 +39,14 @@ def prepare(root: Path, cfg: Config, raw: dict, note: Callable[[str], None]) -> 
     stale = stale_seals(root, cfg, raw)
     check_records(root, stale)
     return set(stale)
+
+
+def _sweep(root: Path, note: Callable[[str], None] | None = None) -> None:
+    from tpgrpo.pipeline.blocks import sweep_unsealed
+
+    for path in sweep_unsealed(root):
+        if note is not None:
+            note(f"removed {path} (left by an interrupted unsealing)")
 
 
 def _note_unsealed(unsealed: dict, note: Callable[[str], None]) -> None:
@@ -75,9 +85,11 @@ def after_repro(root: Path, cfg: Config, upto: int, note: Callable[[str], None])
 
 def migrate(root: Path, cfg: Config) -> list:
     """Move the entries of blocks sealed by older versions (in the root dvc.lock) into the blocks' own lock
-    files before dvc.yaml is rendered without them; the blocks moved."""
+    files before dvc.yaml is rendered without them; the blocks moved. First removes what an interrupted
+    unsealing left (a block's pipeline file without its seal would list its outputs twice once rendered)."""
     from tpgrpo.pipeline.blocks import seal_files
 
+    _sweep(root)
     if not seal_files(root):
         return []
     from tpgrpo.pipeline.migrate import migrate_if_needed

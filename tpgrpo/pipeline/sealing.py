@@ -271,7 +271,11 @@ def unseal_changed(root: Path, cfg: Config, raw_params: dict | None = None,
         if todo:
             lock = read_lock(root)
             for block in todo:
-                lock["stages"].update(entries[block])
+                restored = entries[block]
+                if block_entry(root, block) is None:  # an interrupted unsealing (remove_block_files) put these
+                    # stages back already, as the block's lost entry recorded them: the entries at sealing may be older
+                    restored = {name: lock["stages"].get(name, entry) for name, entry in restored.items()}
+                lock["stages"].update(restored)
             write_lock(root, lock)  # the stages' entries first: an interruption leaves a seal to unseal again
             for block in todo:
                 remove_block_files(root, block)
