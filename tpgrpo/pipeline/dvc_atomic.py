@@ -18,39 +18,10 @@ import sys
 from collections import defaultdict
 from contextlib import contextmanager
 from pathlib import Path
-from typing import Callable, TextIO
 
-# Temporary files are ".NAME.tpgrpo-tmp-PID-XXXXXXXX" beside their target (.gitignore: ".*.tpgrpo-tmp-*"): the
-# writer's PID lets a later run remove only the parts of writers that are gone; the random part keeps two
-# threads of one process apart.
-TMP_MARK = ".tpgrpo-tmp-"
+from tpgrpo.io.atomic_text import TMP_MARK, atomic_write_text, temporary_sibling  # noqa: F401 - re-exported
+
 _SERIALIZERS = ("_common", "_yaml", "_json", "_toml", "_py")  # modules holding a reference to _dump_data
-
-
-def temporary_sibling(path: Path) -> Path:
-    """A new temporary file name beside ``path`` for this process (see ``TMP_MARK``)."""
-    return path.with_name(f".{path.name}{TMP_MARK}{os.getpid()}-{os.urandom(4).hex()}")
-
-
-def atomic_write_text(path: str | os.PathLike, write: Callable[[TextIO], object], keep_mode: bool = True) -> None:
-    """Write ``path`` (UTF-8 text) through ``write(stream)`` into a temporary file beside it, fsync it and
-    rename it over ``path``. The file's permission bits are ``path``'s when it exists and ``keep_mode`` (as
-    DVC's write in place keeps them), else 0o666 less the umask (as ``open`` creates a file: 0o644 under the
-    usual umask 022, readable by the other members of a shared project). On any error the target is untouched
-    and the temporary file removed."""
-    path = Path(path)
-    tmp = temporary_sibling(path)
-    try:
-        with open(tmp, "x", encoding="utf-8") as fd:
-            write(fd)
-            fd.flush()
-            os.fsync(fd.fileno())
-        if keep_mode and path.exists():
-            os.chmod(tmp, path.stat().st_mode & 0o7777)
-        os.replace(tmp, path)
-    except BaseException:
-        tmp.unlink(missing_ok=True)
-        raise
 
 
 def sweep_stale_temps(root: Path) -> list[Path]:
