@@ -103,3 +103,8 @@ def test_each_patch_refuses_in_process(monkeypatch, tmp_path):
     with pytest.raises(DvcVersionError, match="verified on dvc"):
         dvc_prehash.dvc_cache_placer(tmp_path / "data" / "trajectories.zarr")
     assert dvc_versions.refusal(VERIFIED) is None
+
+
+def test_install_doc_shows_the_refusal_as_printed():
+    line = "error: " + dvc_versions.refusal(dict(VERIFIED, dvc="3.68.0"))
+    assert line in (ROOT / "docs" / "install.md").read_text()
