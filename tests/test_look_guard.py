@@ -1,4 +1,4 @@
-"""bench/studies/look_guard.py: the guard fixed before issue 45's third test, on its pure rule and on an archive
+"""bench/studies/look_guard.py: the guard fixed before the third equal-wall test, on its pure rule and on an archive
 whose seconds the docs state (m31c: the tree's 60 iterations took 728 s against Flow-GRPO's 688 s at 24)."""
 
 from __future__ import annotations
@@ -33,7 +33,7 @@ def test_no_iteration_within_the_references_seconds_is_an_error():
 
 
 def test_the_m31c_archive_reads_at_60_and_at_54_with_a_3_percent_tolerance():
-    archive = REPO / "docs" / "replication" / "runs" / "tree_geneval_m31c_issue45"
+    archive = REPO / "results" / "tree_geneval_m31c_issue45"
     script = [sys.executable, str(REPO / "bench" / "studies" / "look_guard.py"), str(archive)]
     out = subprocess.run(script, capture_output=True, text=True, check=True).stdout
     assert "flow_grpo at 24: 688 s" in out and "60: 728 s" in out
