@@ -25,6 +25,8 @@ ARCHIVES = sorted(p.name for p in (REPO / "results").iterdir() if (p / "runs.par
 def old_table(kind: str, archive: str) -> pd.DataFrame:
     table = pd.read_csv(OLD / f"{kind}.csv", dtype=str, keep_default_na=False)
     table = table[table.pop("archive") == archive].reset_index(drop=True)
+    # a note on runs not comparable names their folders: the archive's path then, its copy's now
+    table = table.apply(lambda c: c.str.replace(f"docs/replication/runs/{archive}", "ARCHIVE", regex=False))
     return table.loc[:, [c for c in table.columns if (table[c] != "").any() or len(table) == 0]]
 
 
@@ -35,6 +37,7 @@ def new_tables(archive: str, tmp_path: Path) -> dict[str, pd.DataFrame]:
     out = {}
     for kind in KINDS:
         table = pd.read_csv(copy / "tables" / f"{kind}.csv", dtype=str, keep_default_na=False)
+        table = table.apply(lambda c: c.str.replace(str(copy), "ARCHIVE", regex=False))
         out[kind] = table.loc[:, [c for c in table.columns if (table[c] != "").any() or len(table) == 0]]
     return out
 
