@@ -230,6 +230,35 @@ def test_a_code_change_reruns_the_stages_of_its_kind_only(tmp_path, tiny_model_d
     assert ran(run("dvc", "repro").stdout) == {"code", "summary"}
     assert "up to date" in run("dvc", "status").stdout
 
+    # a comment, a docstring and a param's help text in config.py (every stage's code): the code stage only
+    config = root / "tpgrpo" / "config.py"
+    text = config.read_text()
+    assert text.count('"T, denoising steps per rollout"') == 1 and text.count('"""The model every model') == 1
+    config.write_text(text.replace('"T, denoising steps per rollout"', '"T: the denoising steps of a rollout"')
+                      .replace('"""The model every model', '"""The (edited) model every model') + "# a comment\n")
+    assert ran(run("tpgrpo", "run").stdout) == {"code"}
+
+    # a new field in eval's declaration: the evals and the baseline (eval's manifest), no rollout/probe/credit/update
+    declarations = root / "tpgrpo" / "stage_params.py"
+    text = declarations.read_text()
+    eval_out = 'Output("eval.json", "eval_metrics", cached=False, read_by=(SUMMARY, DONE))'
+    assert text.count(eval_out) == 1
+    declarations.write_text(text.replace(eval_out, eval_out.replace("cached=False", 'cached=False, droppable=""')))
+    rerun = ran(run("tpgrpo", "run").stdout)
+    assert {"code", "eval-0001", "baseline"} <= rerun <= {"code", "summary", "baseline"} | {
+        n for n in rerun if n.startswith("eval-")}, rerun
+
+    # a run folder whose manifests hold byte md5s (written before code md5s): recorded as they are, nothing re-runs
+    from tpgrpo.pipeline.code_hash import BYTES
+    from tpgrpo.pipeline.code_manifest import manifest_text
+
+    for kind in KIND_STAGES:
+        (root / manifest_path(kind)).write_text(manifest_text(root, kind, None, BYTES))
+    run("dvc", "commit", "--force")
+    again = run("tpgrpo", "run")
+    assert ran(again.stdout) == set() and "byte md5s" not in again.stderr, again.stdout[-2000:] + again.stderr
+    assert all("hashes" not in json.loads((root / manifest_path(k)).read_text()) for k in KIND_STAGES)
+
 
 def test_the_code_stage_lists_every_param_the_rendering_reads():
     """The code stage checks dvc.yaml against params.yaml; it runs only when one of its params changes, so a
