@@ -35,6 +35,7 @@ from typing import Any, Callable, Sequence
 import yaml
 
 from tpgrpo.io.artifacts import atomic_path
+from tpgrpo.comparison.store import stage_seconds  # noqa: F401 - read here by results, studies and tests
 from tpgrpo.comparison.variants import BASELINE_MODE, RunSpec, Variant
 from tpgrpo.config import ConfigError, config_from_dict
 from tpgrpo.errors import PipelineError
@@ -313,29 +314,6 @@ def discover(out: Path) -> list[dict]:
         params = yaml.safe_load(store.read_text(meta_path.parent / "params.yaml"))
         runs.append({**meta, "folder": meta_path.parent, "params": params})
     return runs
-
-
-def stage_seconds(iteration_folder: Path, stage: str) -> float:
-    """A stage's own wall seconds: from its log's untracked sidecar (``<stage>.timing.json``), else from the
-    log itself (runs made before the sidecar, the archived ones among them), as
-    :func:`tpgrpo.io.stage_logs.log_seconds` reads them, from a run folder or a compact archive; 0 for a
-    probe that is not there (flow_grpo has none)."""
-    from tpgrpo.comparison import store
-    from tpgrpo.io.stage_logs import timing_path
-
-    path = Path(iteration_folder) / f"{stage}.json"
-    if not store.is_file(path):
-        if stage == "probe":
-            return 0.0
-        raise PipelineError(f"stage log {path}: missing (run the stage first)")
-    try:
-        side = store.read_json(timing_path(path)) if store.is_file(timing_path(path)) else {}
-    except (json.JSONDecodeError, UnicodeDecodeError, OSError):  # timings are never an input: a damaged
-        side = {}                                                 # sidecar only loses its seconds
-    seconds = {**store.read_json(path), **(side if isinstance(side, dict) else {})}.get("wall_seconds")
-    if seconds is None:
-        raise PipelineError(f"{path}: no wall_seconds in it or in {timing_path(path).name}")
-    return float(seconds)
 
 
 def train_seconds(folder: Path, iterations: int) -> list[float]:

@@ -203,3 +203,25 @@ def seed_folders(arm: Path) -> list[Path]:
     """The run folders ``ARM/seedK`` of one arm of a comparison root or archive, by seed."""
     return sorted({f.parent for f in run_files(Path(arm).parent) if f.parent.parent.name == Path(arm).name},
                   key=lambda f: int(f.name[4:]))
+
+
+def stage_seconds(iteration_folder: Path, stage: str) -> float:
+    """A stage's own wall seconds: from its log's untracked sidecar (``<stage>.timing.json``), else from the
+    log itself (runs made before the sidecar, the archived ones among them), as
+    :func:`tpgrpo.io.stage_logs.log_seconds` reads them, from a run folder or a compact archive; 0 for a
+    probe that is not there (flow_grpo has none)."""
+    from tpgrpo.io.stage_logs import timing_path
+
+    path = Path(iteration_folder) / f"{stage}.json"
+    if not is_file(path):
+        if stage == "probe":
+            return 0.0
+        raise PipelineError(f"stage log {path}: missing (run the stage first)")
+    try:
+        side = read_json(timing_path(path)) if is_file(timing_path(path)) else {}
+    except (json.JSONDecodeError, UnicodeDecodeError, OSError):  # timings are never an input: a damaged
+        side = {}                                                 # sidecar only loses its seconds
+    seconds = {**read_json(path), **(side if isinstance(side, dict) else {})}.get("wall_seconds")
+    if seconds is None:
+        raise PipelineError(f"{path}: no wall_seconds in it or in {timing_path(path).name}")
+    return float(seconds)
