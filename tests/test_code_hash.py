@@ -6,29 +6,15 @@ from __future__ import annotations
 
 import ast
 import json
-import shutil
 from pathlib import Path
 
 import pytest
 from conftest import REPO
+from test_code_manifest import _changed, _copy_code, _manifests
 
 from tpgrpo.pipeline import code_hash
 from tpgrpo.pipeline.code_manifest import (KIND_STAGES, check_code, kind_code, manifest_path, manifest_text,
-                                           refresh_manifests, write_manifests)
-
-
-def _copy_code(root: Path) -> None:
-    for folder in ("stages", "tpgrpo"):
-        shutil.copytree(REPO / folder, root / folder, ignore=shutil.ignore_patterns("__pycache__"))
-
-
-def _manifests(root: Path) -> dict[str, str]:
-    write_manifests(root)
-    return {kind: (root / manifest_path(kind)).read_text() for kind in KIND_STAGES}
-
-
-def _changed(root: Path, before: dict[str, str]) -> set[str]:
-    return {kind for kind, text in _manifests(root).items() if text != before[kind]}
+                                           refresh_manifests)
 
 
 def _replace(path: Path, old: str, new: str) -> None:
@@ -119,7 +105,7 @@ def test_manifests_written_with_byte_md5s_stay_until_their_code_changes(tmp_path
     (tmp_path / "data" / "code").mkdir(parents=True)
     for kind in KIND_STAGES:
         (tmp_path / manifest_path(kind)).write_text(manifest_text(tmp_path, kind, None, code_hash.BYTES))
-    old = {kind: (tmp_path / manifest_path(kind)).read_text() for kind in KIND_STAGES}
+    old = {kind: (tmp_path / manifest_path(kind)).read_bytes() for kind in KIND_STAGES}
     assert all("hashes" not in json.loads(text) for text in old.values())
     assert refresh_manifests(tmp_path) == {} and _manifests(tmp_path) == old
     for kind in KIND_STAGES:
