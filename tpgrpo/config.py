@@ -162,7 +162,7 @@ class TreeConfig:
                                 rule="each > 0; one count, or as many as tree.split_steps")
     roots: int = param(1, "R, independent roots (initial noises) per prompt", "roots", "> 0")
     baseline: str = param("ode_sibling", "tree advantages: ode_sibling (step reward minus the ODE sibling's, centred "
-                          "per depth: mean 0) or depth_group (before issue 45; docs/tree.md)",
+                          "per depth: mean 0) or depth_group (the earlier rule; docs/tree.md)",
                           bounds=("ode_sibling", "depth_group"), note="Read by credit only; global_std: depth_group only")
 
 
