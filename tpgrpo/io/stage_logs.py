@@ -2,12 +2,12 @@
 
 A log DVC tracks (``data/iters/NNNN/<stage>.json``, ``baseline_eval.json``, ``eval_prompts.json``) must be
 the same bytes whenever the stage runs on the same inputs, or a stage re-run by hand changes an output and
-DVC re-runs it and everything after it (issue 46). The fields that differ between identical runs
+DVC re-runs it and everything after it. The fields that differ between identical runs
 (:data:`RUN_KEYS`: the stage's wall seconds, the processes that shared the work, the Python and torch
 versions) go to a sidecar beside the log, ``<stage>.timing.json`` (``rollout.json`` ->
 ``rollout.timing.json``), written atomically after the log and listed in ``.gitignore``; no DVC stage lists
 it. Readers take the sidecar's fields over the log's, so logs written before the split (their
-``wall_seconds`` inside, as in ``docs/replication/runs/``) still give their seconds.
+``wall_seconds`` inside, as in the older archives' runs under ``results/``) still give their seconds.
 """
 
 from __future__ import annotations
