@@ -2,11 +2,12 @@
 chosen functions: the kill tests' way to land at every point, or a seeded random one, of a multi-step edit
 (unsealing a block, swapping an artifact in) without timing.
 
-    python tests/kill_points.py --at K --within tpgrpo.pipeline.sealing:unseal_changed [--count FILE] \\
+    python tests/kill_points.py --at K --within tpgrpo.pipeline.sealing:unseal_changed [--point M:F] [--count FILE] \\
         -m tpgrpo run
 
 Counts the calls of ``os.replace``, ``os.rename``, ``os.unlink``, ``os.remove``, ``os.rmdir`` (``Path.unlink``,
-``shutil.rmtree`` and ``tempfile`` go through them) made while one of the ``--within`` functions runs, and on
+``shutil.rmtree`` and ``tempfile`` go through them), and of each ``--point`` function (a change made another way:
+``renameat2`` through ctypes), made while one of the ``--within`` functions runs, and on
 the ``K``-th (1-based) SIGKILLs its process group (when it leads one: start it with ``start_new_session``),
 else itself, before the call happens. ``--count FILE``: write how many such calls it made, at exit (a run that
 was never killed: how many kill points there are). ``--at 0`` never kills.
@@ -45,32 +46,41 @@ class Points:
             os.kill(os.getpid(), signal.SIGKILL)
 
 
-def arm(at: int, within: list[str]) -> Points:
-    """Patch the file-system calls and wrap each ``module:function`` of ``within`` (a module attribute:
-    callers that look it up at call time see the wrapper)."""
+def _wrap(target: str, make) -> None:
+    """Replace the module attribute ``module:function`` by ``make(real)`` (callers that look it up at call time
+    see the wrapper)."""
+    module_name, _, attr = target.partition(":")
+    module = importlib.import_module(module_name)
+    real = getattr(module, attr)
+    setattr(module, attr, functools.wraps(real)(make(real)))
+
+
+def arm(at: int, within: list[str], extra: list[str] = ()) -> Points:
+    """Patch the file-system calls and each ``extra`` function to count as kill points, and wrap each
+    ``module:function`` of ``within`` to open the window where they count."""
     points = Points(at)
-    for name in OPS:
-        real = getattr(os, name)
 
-        def op(*args, _real=real, **kwargs):
+    def counted(real):
+        def op(*args, **kwargs):
             points.hit()
-            return _real(*args, **kwargs)
+            return real(*args, **kwargs)
+        return op
 
-        setattr(os, name, op)
-    for target in within:
-        module_name, _, attr = target.partition(":")
-        module = importlib.import_module(module_name)
-        real_fn = getattr(module, attr)
-
-        @functools.wraps(real_fn)
-        def watched(*args, _real=real_fn, **kwargs):
+    def watched(real):
+        def inside(*args, **kwargs):
             points.inside += 1
             try:
-                return _real(*args, **kwargs)
+                return real(*args, **kwargs)
             finally:
                 points.inside -= 1
+        return inside
 
-        setattr(module, attr, watched)
+    for name in OPS:
+        setattr(os, name, counted(getattr(os, name)))
+    for target in extra:
+        _wrap(target, counted)
+    for target in within:
+        _wrap(target, watched)
     return points
 
 
@@ -78,10 +88,11 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--at", type=int, required=True)
     parser.add_argument("--within", action="append", required=True, help="module:function (repeatable)")
+    parser.add_argument("--point", action="append", default=[], help="module:function, a kill point too")
     parser.add_argument("--count", type=Path, default=None)
     parser.add_argument("-m", dest="module", required=True)
     args, rest = parser.parse_known_args()
-    points = arm(args.at, args.within)
+    points = arm(args.at, args.within, args.point)
     if args.count is not None:
         atexit.register(lambda: args.count.write_text(str(points.seen)))
     sys.argv = [args.module, *rest]

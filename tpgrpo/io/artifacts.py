@@ -26,14 +26,12 @@ from __future__ import annotations
 import hashlib
 import json
 import os
-import shutil
-import uuid
-from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Any
 
 from tpgrpo.errors import PipelineError
+from tpgrpo.io.atomic import atomic_path, recover, swap_in  # noqa: F401 - re-exported: the writers' home
 from tpgrpo.io.schemas import EMBEDDING_CHECKSUM, ArtifactError, TableSchema, check_embeddings, check_table
 
 # The DVC cache's link types in every project this code creates (and the repo's .dvc/config): never hardlink
@@ -76,59 +74,6 @@ def require(path: Path, what: str) -> Path:
     if not path.exists():
         raise PipelineError(f"missing input {path} ({what})")
     return path
-
-
-def _temp_sibling(path: Path) -> Path:
-    # the writer's PID in the name: a later writer removes only the temporaries of writers that are gone
-    return path.with_name(f".{path.name}.tmp-{os.getpid()}-{uuid.uuid4().hex[:8]}")
-
-
-def _writer_alive(temporary: Path) -> bool:
-    """Whether the process named in ``.NAME.tmp-PID-XXXXXXXX`` still runs (a zombie does not; an older name
-    without a PID counts as gone)."""
-    pid = temporary.name.rsplit(".tmp-", 1)[1].split("-")[0]
-    if not pid.isdigit():
-        return False
-    try:
-        os.kill(int(pid), 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    try:
-        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"
-    except (OSError, IndexError):
-        return True  # no /proc (macOS): kill(0) found it
-
-
-@contextmanager
-def atomic_path(path: Path) -> Iterator[Path]:
-    """Yield a temporary sibling of ``path`` to write into; on success replace ``path`` with it.
-
-    On any error the temporary file or folder is removed and ``path`` is left as it was, so a killed or
-    failed stage never leaves a half-written artifact under the final name.
-    """
-    path.parent.mkdir(parents=True, exist_ok=True)
-    for stale in path.parent.glob(f".{path.name}.tmp-*"):  # left behind by a killed run, not one writing now
-        if not _writer_alive(stale):
-            shutil.rmtree(stale, ignore_errors=True) if stale.is_dir() else stale.unlink(missing_ok=True)
-    tmp = _temp_sibling(path)
-    try:
-        yield tmp
-        if path.is_dir():
-            shutil.rmtree(path)
-        elif path.exists():
-            path.unlink()
-        os.replace(tmp, path)
-    except OSError as exc:
-        if exc.filename is None:  # a failed write (a full disk) names no file: name the artifact
-            exc.filename = str(path)
-        raise
-    finally:
-        if tmp.is_dir():
-            shutil.rmtree(tmp, ignore_errors=True)
-        elif tmp.exists():
-            tmp.unlink()
 
 
 def write_json(path: Path, payload: dict[str, Any]) -> None:
