@@ -343,12 +343,27 @@ def unreferenced(cache: Path, dropped: set[tuple[bool, str]], kept: set[tuple[bo
 def committed_oids(root: Path) -> set[tuple[bool, str]]:
     """Every cache object that a ``dvc.lock`` or a sealed block's ``.stages`` file records in any commit git
     can reach from a ref of ``root``'s repository (branches, tags, DVC experiments under ``refs/exps``): what
-    ``git checkout`` + ``dvc checkout`` or ``dvc exp apply`` would need. Empty where ``root`` is not in git."""
+    ``git checkout`` + ``dvc checkout`` or ``dvc exp apply`` would need. Empty where ``root`` is in no git
+    repository. PipelineError (one line) where it is one but git cannot say (no ``git`` binary, or git fails:
+    "dubious ownership" of a shared folder): read as "no commits", the objects other commits need would be
+    freed."""
     import subprocess
 
+    if not in_git(root):
+        return set()
+
     def git(*args: str) -> str:
-        done = subprocess.run(["git", *args], cwd=root, capture_output=True, text=True)
-        return done.stdout if done.returncode == 0 else ""
+        why = "nothing was deleted: `tpgrpo retain` frees cache objects only when git can list those other commits need"
+        try:
+            done = subprocess.run(["git", *args], cwd=root, capture_output=True, text=True)
+        except OSError as exc:  # no git binary (FileNotFoundError), not executable
+            raise _error(f"git: cannot run it ({exc.strerror}) in {root}, a git repository; {why} (install git, "
+                         "or run `tpgrpo retain --no-gc`)") from None
+        if done.returncode != 0:
+            lines = [ln.strip() for ln in done.stderr.splitlines() if ln.strip()] or ["no output"]
+            first = next((ln for ln in lines if ln.startswith(("fatal:", "error:"))), lines[-1])
+            raise _error(f"git {args[0]} failed in {root} (exit {done.returncode}: {first}); {why}")
+        return done.stdout
 
     commits = git("rev-list", "--all").split()
     blobs = set()
@@ -364,3 +379,14 @@ def committed_oids(root: Path) -> set[tuple[bool, str]]:
         data = parse_yaml(git("cat-file", "blob", blob), blob) or {}
         found |= entry_oids((data.get("stages") or {}).values() if is_lock else data.values())
     return found
+
+
+def in_git(root: Path) -> bool:
+    """Whether git would find a repository for ``root``: ``$GIT_DIR`` set, or a ``.git`` (folder or file) in
+    ``root`` or a folder above it."""
+    import os
+
+    if os.environ.get("GIT_DIR"):
+        return True
+    here = Path(root).resolve()
+    return any((folder / ".git").exists() for folder in (here, *here.parents))

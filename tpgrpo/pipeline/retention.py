@@ -64,19 +64,20 @@ def last_finished(cfg: Config, lock: dict, sealed: list[Block]) -> int:
     return max([*done, *(b.last for b in sealed)], default=0)
 
 
-def free_cache(root: Path, repo, lock: dict, gone: list[dict]) -> tuple[int, int] | None:
+def free_cache(root: Path, repo, lock: dict, gone: list[dict],
+               committed: set | None = None) -> tuple[int, int] | None:
     """Remove the cache objects of the dropped outs ``gone`` (their dvc.lock out entries) that nothing else
     references: this dvc.lock (``lock``, already without them), the per-stage entries of every sealed block
     (but the outputs retention dropped from it), and every dvc.lock and block entries git holds in any commit
     or DVC experiment (:func:`tpgrpo.pipeline.blocks.committed_oids`). Returns (objects, bytes) removed;
     None, removing nothing, where ``cache.dir`` is set (a cache other projects may share: this project cannot
-    see their needs).
+    see their needs). ``committed``: :func:`~tpgrpo.pipeline.blocks.committed_oids`, read now when None.
     Unlike ``dvc gc --workspace`` it leaves what experiments, other commits and other projects stored (an
     experiment's files that were never committed to git, e.g. a queued one's, are not seen)."""
-    if repo is None or repo.config.get("cache", {}).get("dir"):
+    if not _own_cache(repo):
         return None
     cache = Path(repo.cache.local.path).parents[1]  # <cache>/files/md5 -> <cache>
-    kept = entry_oids(lock.get("stages", {}).values()) | committed_oids(root)
+    kept = entry_oids(lock.get("stages", {}).values()) | (committed_oids(root) if committed is None else committed)
     kept |= entry_oids([e for b in seal_files(root) if (e := block_entry(root, b))])
     for block in seal_files(root):
         if block.entries_path(root).is_file():
@@ -89,6 +90,11 @@ def free_cache(root: Path, repo, lock: dict, gone: list[dict]) -> tuple[int, int
     return len(paths), size
 
 
+def _own_cache(repo) -> bool:
+    """Whether this project's DVC cache is its own (no ``cache.dir``: one other projects may share)."""
+    return repo is not None and not repo.config.get("cache", {}).get("dir")
+
+
 def retain(root: Path, cfg: Config, gc: bool = True, note: Callable[[str], None] | None = None) -> list[str]:
     """Apply ``retention`` to the sealed blocks: drop the artifacts it does not keep from the workspace,
     the blocks' outs and their lock entries (so ``dvc status`` stays clean), then (``gc``) their cache
@@ -99,6 +105,8 @@ def retain(root: Path, cfg: Config, gc: bool = True, note: Callable[[str], None]
     from tpgrpo.pipeline.migrate import migrate_sealed_entries
 
     with dvc_lock_held(root) as repo:
+        # before anything changes: a git that cannot list the other commits' records stops retain here (one line)
+        committed = committed_oids(root) if gc and _own_cache(repo) else set()
         migrate_sealed_entries(root, cfg)  # a block sealed before blocks had their own files
         lock, files = read_lock(root), seal_files(root)
         blocks = [b for b in full_blocks(cfg.train.block_size, cfg.train.iterations) if b in files]
@@ -127,7 +135,7 @@ def retain(root: Path, cfg: Config, gc: bool = True, note: Callable[[str], None]
         for path in dropped:
             remove_path(root / path)
         if dropped:
-            freed = free_cache(root, repo, lock, gone) if gc else None
+            freed = free_cache(root, repo, lock, gone, committed) if gc else None
             if note is not None and gc:
                 note(f"freed {freed[0]} cache objects ({freed[1] / 1e6:.1f} MB)" if freed else
                      "cache.dir is set (a cache other projects may share): nothing removed from it")
