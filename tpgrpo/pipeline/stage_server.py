@@ -169,6 +169,8 @@ def _accept(listener: socket.socket, own: dict, code: CodeState, set_by_imports:
         reason = f"code changed since the server started ({changed}): its imports are stale"
     elif cuda_initialised():  # for good: stop serving, as after a code change
         changed, reason = "CUDA", "CUDA was initialised in the server: a stage forked now could not use the GPU"
+    elif select.select([conn], [], [], 0)[0]:  # it sends nothing after its request: readable means it left
+        reason = "its caller left before the reply (it stopped waiting and runs the stage itself)"
     else:
         reason = _refusal(request, own, fds)
     if reason:
