@@ -267,7 +267,8 @@ class EvalConfig:
     every: int = param(1, "evaluate after every N-th iteration (0 = never)", "iterations", ">= 0",
                        note="An eval draws num_prompts x samples_per_prompt images: 216 take about 50 s on 2 "
                        "cores")
-    num_steps: int = param(40, "ODE steps at eval", "steps", "> 0", note="Paper: 40")
+    num_steps: int = param(40, "ODE steps at eval", "steps", "> 0",
+                           note="Paper: 40. The default run uses 20 on 2 CPU cores: eval was half its compute")
     num_prompts: int = param(32, "held-out prompts evaluated (the first N of task.eval_prompts)", "prompts",
                              "> 0", note="The shipped eval file has 108")
     samples_per_prompt: int = param(2, "seeds per prompt, the same at every iteration (paired comparison)",
