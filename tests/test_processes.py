@@ -121,9 +121,13 @@ def test_a_caller_that_leaves_before_the_reply_does_not_end_the_server(tmp_path,
             assert done.returncode == 2 and done.stderr.startswith("error: --iter 99:"), done.stderr
             lines = log_lines(root)
     forked = [line for line in lines if line.startswith("forked")]
-    assert len(forked) == 2, lines  # the second caller was served: the server outlived the first
-    first = int(forked[0].split()[1][:-1])
-    assert f"caller of {first} gone: terminating it" in lines
+    # the first caller's request is refused when the server sees it gone before forking (the usual case: it left
+    # while the server imported), else its stage is forked and terminated at the failed reply
+    refused = any("its caller left before the reply" in line for line in lines)
+    assert len(forked) == (1 if refused else 2), lines  # the second caller was served: the server outlived the first
+    if not refused:
+        first = int(forked[0].split()[1][:-1])
+        assert f"caller of {first} gone: terminating it" in lines
     assert not any("Traceback" in line for line in lines), lines
 
 

@@ -20,7 +20,7 @@ def repro_checked(root: Path, cfg: Config, upto: int, env: dict[str, str], note:
     retry is one ``note`` line). PipelineError (one line) when DVC fails, an output was not stored
     (:func:`tpgrpo.pipeline.status.check_outputs_cached`), or params.yaml kept changing for ``TRIES`` repros."""
     for _ in range(TRIES):
-        redo = _repro(root, cfg, upto, env)
+        redo = _repro(root, cfg, upto, env, note)
         if not redo:
             return
         note(f"re-running {', '.join(redo)}: params.yaml changed as DVC recorded it")
@@ -47,31 +47,55 @@ def repro_args(root: Path, upto: int) -> list[str]:
     return ["repro", "--single-item", "dvc.yaml"] if unchanged(root, sealed) else ["repro"]
 
 
-def _repro(root: Path, cfg: Config, upto: int, env: dict[str, str]) -> list[str]:
-    """One repro and its checks; returns the dvc.lock entries dropped (DVC re-runs them)."""
+def _repro(root: Path, cfg: Config, upto: int, env: dict[str, str], note: Callable[[str], None]) -> list[str]:
+    """One repro and its checks; returns the dvc.lock entries dropped (DVC re-runs them). The params-read notes
+    are checked after it whether it succeeded, failed or was interrupted (:func:`_check_notes`), and before it
+    too: what a killed run's stages noted is checked, not cleared unseen."""
     from tpgrpo.pipeline.code_manifest import refresh_manifests
     from tpgrpo.pipeline.dvcfile import write_dvc_yaml
-    from tpgrpo.pipeline.params_read import clear_notes, drop_disagreeing
+    from tpgrpo.pipeline.params_read import drop_disagreeing
     from tpgrpo.pipeline.status import check_outputs_cached
 
     write_dvc_yaml(cfg, root, upto)
     refresh_manifests(root, cfg)  # a library upgraded since the code stage ran: it re-runs (see library_versions)
     lock = root / "dvc.lock"
+    _check_notes(root, note, "an earlier run, killed, ")  # then cleared: only this repro's stages are checked after it
     before = lock.stat().st_mtime_ns if lock.exists() else None
-    clear_notes(root)  # only what this repro's stages read is checked after it
     args = repro_args(root, upto)
     full = "--single-item" not in args  # DVC checks every sealed block upstream and re-runs what changed
     sealed = sealed_through(root, upto)
     if sealed:  # a long run's: a short one loads none of this (tpgrpo.pipeline.long_run)
         from tpgrpo.pipeline.seal_cache import digests, vouch
     stamps = digests(root, sealed) if full and sealed else {}  # the files as DVC will first see them
-    # DVC through dvc_atomic: a run killed while DVC rewrites dvc.lock leaves the old file, not a part of it
-    code = subprocess.run([*DVC_COMMAND, *args], cwd=root, env=env).returncode
-    if code != 0:
-        raise PipelineError(f"dvc repro failed with exit code {code}")
-    # (no relinking: with cache.type copy a workspace file is never the cache's object)
-    if lock.exists() and lock.stat().st_mtime_ns != before:  # something ran: was it all stored?
-        check_outputs_cached(root, env, [] if full else ["dvc.yaml"])
+    try:
+        # DVC through dvc_atomic: a run killed while DVC rewrites dvc.lock leaves the old file, not a part of it
+        code = subprocess.run([*DVC_COMMAND, *args], cwd=root, env=env).returncode
+        if code != 0:
+            raise PipelineError(f"dvc repro failed with exit code {code}")
+        # (no relinking: with cache.type copy a workspace file is never the cache's object)
+        if lock.exists() and lock.stat().st_mtime_ns != before:  # something ran: was it all stored?
+            check_outputs_cached(root, env, [] if full else ["dvc.yaml"])
+    except BaseException:  # a stage failed, an output was not stored, Ctrl-C: what DVC recorded is checked now
+        _check_notes(root, note, "")
+        raise
     if full and sealed:  # vouch only for the blocks whose files did not move while DVC checked them (issue 46)
         vouch(root, sealed, stamps)
     return drop_disagreeing(root)
+
+
+def _check_notes(root: Path, note: Callable[[str], None], who: str) -> None:
+    """Drop each lock entry DVC wrote with params other than its stage noted it read
+    (:func:`tpgrpo.pipeline.params_read.drop_disagreeing`), outside a repro that returns normally: after one
+    that failed or was interrupted (``who`` empty; a later stage's failure or a Ctrl-C must not leave an edit
+    recorded as what an earlier stage ran with: `dvc status` then lists it), and before a repro (the notes a
+    killed run left; ``who`` names it). A ``note`` line each. When DVC's lock is busy the notes stay on disk,
+    for the next run to check."""
+    from tpgrpo.pipeline.params_read import drop_disagreeing
+
+    try:
+        dropped = drop_disagreeing(root)
+    except PipelineError:
+        return
+    for entry in dropped:
+        note(f"dropped the dvc.lock entry of {entry}: {who}DVC recorded params.yaml as changed after the stage read "
+             "it; it runs again")
