@@ -417,6 +417,66 @@ def edit_during_run(seq: Seq) -> Plan:
                 may_refuse=seq.retained)
 
 
+KILLER = Path(__file__).resolve().parent / "kill_points.py"  # SIGKILL at the k-th file-system change
+
+
+def _dvc_works(root: Path) -> str | None:
+    """None when `dvc status` and `dvc dag` (the whole graph, as `dvc repro` builds it) work in ``root``."""
+    for args in (("status", "--json"), ("dag",)):
+        done = h.sh(root, sys.executable, "-m", "dvc", *args)
+        if done.returncode != 0:
+            return f"dvc {args[0]} fails right after: {done.stderr.strip()[-400:]}"
+    return None
+
+
+def kill_unsealing(seq: Seq) -> Plan:
+    """Edit a param the sealed block's stages read, then `tpgrpo run`, SIGKILLed at a random file-system change
+    (1-8) its unsealing makes (tests/kill_points.py): DVC must work right after, and the next run finish clean."""
+    plan = _edit(seq, {**UPSTREAM, **LEAF}, "edit param")
+    marks, at = h.stage_marks(seq.root), seq.rng.randint(1, 8)
+    done = h.sh(seq.root, sys.executable, str(KILLER), "--at", str(at), "--within",
+                "tpgrpo.pipeline.sealing:unseal_changed", "-m", "tpgrpo", "run")
+    outcome = "SIGKILL" if done.returncode == -signal.SIGKILL else f"ended by itself (rc {done.returncode})"
+    h.end_processes(seq.root)
+    plan.marks, plan.required = marks, set()
+    plan.what = f"{plan.what}; run, {outcome} at unsealing's change {at}"
+    plan.failure = _dvc_works(seq.root)
+    return plan
+
+
+def edit_then_interrupt(seq: Seq) -> Plan:
+    """Start a run after an upstream edit, edit another param while it runs, then interrupt it: Ctrl-C (SIGINT to
+    its process group) or SIGKILL, at a random moment. An edit DVC recorded after its stage read params.yaml must
+    not stay recorded as what the stage ran with: the next run gives the current params' artifacts."""
+    plan = edit_upstream(seq)
+    marks = h.stage_marks(seq.root)
+    proc = subprocess.Popen([sys.executable, "-m", "tpgrpo", "run"], cwd=seq.root, env=h.env(seq.root),
+                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
+    time.sleep(seq.rng.uniform(1.0, 20.0))
+    second = _edit(seq, {**UPSTREAM, **LEAF}, "during the run:")
+    how = seq.rng.choice([signal.SIGINT, signal.SIGKILL])
+    try:
+        proc.wait(timeout=seq.rng.uniform(0.0, 8.0))
+        outcome = f"run ended by itself (rc {proc.returncode})"
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, how)
+        try:
+            proc.wait(timeout=60)
+        except subprocess.TimeoutExpired:  # a Ctrl-C the run did not act on is a finding: kill, then report
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+            return Plan(f"{plan.what}; {second.what}; SIGINT not acted on in 60 s", None,
+                        failure="tpgrpo run went on 60 s after Ctrl-C")
+        outcome = f"{signal.Signals(how).name} (rc {proc.returncode})"
+    deadline = time.time() + GRACE_S
+    while (left := h.processes_in(seq.root)) and time.time() < deadline:
+        time.sleep(0.5)
+    failure = f"still running {GRACE_S} s after the interruption: {left[:3]}" if left else _dvc_works(seq.root)
+    h.end_processes(seq.root)
+    return Plan(f"{plan.what}; run; {second.what}; {outcome}", None, marks=marks, may_refuse=seq.retained,
+                failure=failure)
+
+
 def yaml12(seq: Seq) -> Plan:
     """Write params.yaml's floats as YAML 1.2 reads them (``1e-02``; a string for YAML 1.1): same values,
     nothing may run (item 5)."""
@@ -432,4 +492,5 @@ def yaml12(seq: Seq) -> Plan:
 
 
 ACTIONS = {f.__name__: f for f in (edit_upstream, edit_leaf, edit_code, edit_knob, touch, rerun_same, rerun_other, delete,
-                                   damage, retain, iterations, sigkill, edit_during_run, yaml12)}
+                                   damage, retain, iterations, sigkill, edit_during_run, yaml12, kill_unsealing,
+                                   edit_then_interrupt)}
