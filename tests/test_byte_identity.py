@@ -78,7 +78,7 @@ def write_tables(out: Path, prompts: list[str]) -> None:
     import numpy as np
     import pandas as pd
 
-    from stages.credit import credit_table
+    from tpgrpo.algo.credit_table import credit_table
     from tpgrpo.io.artifacts import write_json, write_table
     from tpgrpo.io.trajectories import write_zarr
     from tpgrpo.config import Config

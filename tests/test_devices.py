@@ -392,11 +392,13 @@ def test_pretraining_step_runs_on_the_backend_device(tmp_path):
 def test_one_iteration_of_every_stage_on_a_gpu_backend(tiny_project, monkeypatch):
     import json
 
+    import stages.baseline
     import stages.credit
     import stages.eval
     import stages.probe
     import stages.rollout
     import stages.update
+    from tpgrpo.policy import evaluation, probe_scoring
     from tpgrpo.policy import loading as pipeline
 
     original = pipeline.load_policy
@@ -404,14 +406,15 @@ def test_one_iteration_of_every_stage_on_a_gpu_backend(tiny_project, monkeypatch
     def load_on_gpu(cfg, root, iteration, trainable=False):
         return FakeCudaBackend(original(cfg, root, iteration, trainable=trainable))
 
-    for module in (stages.rollout, stages.probe, stages.update, stages.eval):
+    # where each stage's code calls load_policy (the probe's and eval's live in the library)
+    for module in (stages.rollout, probe_scoring, stages.update, evaluation):
         monkeypatch.setattr(module, "load_policy", load_on_gpu)
     root = tiny_project
     cfg = load_config(root / "params.yaml")
     with fake_cuda():
         for module in (stages.rollout, stages.probe, stages.credit, stages.update, stages.eval):
             module.run(cfg, 1, root)
-        stages.eval.run_baseline(cfg, root)
+        stages.baseline.run(cfg, None, root)
     update = json.loads((root / "data" / "iters" / "0001" / "update.json").read_text())
     assert update["first_pass_ratio_max_dev"] < 1e-5
     assert json.loads((root / "data" / "iters" / "0001" / "eval.json").read_text())["evaluated"]

@@ -42,7 +42,7 @@ def ema_project(tiny_project):
 
 def _direct_eval(root, tmp_path, ema: bool) -> dict:
     """Evaluate iteration 1's policy without the stage: the raw adapter, or the EMA adapter loaded by hand."""
-    from stages.eval import evaluate
+    from tpgrpo.policy.evaluation import evaluate
     from tpgrpo.config import load_config
     from tpgrpo.policy.export import adapter_folder
     from tpgrpo.policy.loading import load_policy

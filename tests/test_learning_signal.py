@@ -42,7 +42,7 @@ def _shipped_project(root):
 
 def _resampled_reward(root) -> tuple[float, float]:
     """(mean reward the rollout stored, mean reward of the same prompts and seeds under the updated policy)."""
-    from stages.probe import read_trajectories
+    from tpgrpo.io.trajectories import read_trajectories
     from tpgrpo.config import load_config
     from tpgrpo.policy.loading import load_policy, sampler_spec
     from tpgrpo.tasks.rewards import build_reward

@@ -78,7 +78,7 @@ def test_no_table_records_a_version_of_python_or_torch(ran):
 
 
 def test_the_summary_reads_each_stages_seconds_from_its_sidecar(ran):
-    from stages.summary import history
+    from tpgrpo.reports.history import history
     from tpgrpo.config import load_config
 
     frame = history(load_config(ran / "params.yaml"), ran).set_index("iteration")

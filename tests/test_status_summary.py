@@ -12,7 +12,8 @@ import pytest
 import yaml
 
 from conftest import tiny_params
-from stages.summary import GLANCE, at_a_glance, eval_curve, headline, train_curve
+from tpgrpo.reports.history import at_a_glance, eval_curve, headline, train_curve
+from tpgrpo.stage_params import GLANCE
 from tpgrpo.config import config_from_dict
 from tpgrpo.pipeline.dvcfile import PLOTS, render
 from tpgrpo.errors import PipelineError

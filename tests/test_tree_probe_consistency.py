@@ -61,7 +61,7 @@ def config(root: Path):
 
 
 def test_an_intact_tree_table_reads_as_a_tree(tmp_path):
-    from stages.credit import read_probe
+    from tpgrpo.io.probe_table import read_probe
     from tpgrpo.io.artifacts import IterationPaths
 
     root = project(tmp_path, tree_enabled=True)

@@ -39,7 +39,7 @@ def status_command(params: ParamsOpt = Path("params.yaml")) -> None:
 @app.command("plot")
 def plot_command(params: ParamsOpt = Path("params.yaml")) -> None:
     """Draw the run's figures into data/reports/ (reward curves, turning points, heat map, before/after)."""
-    from stages.summary import history
+    from tpgrpo.reports.history import history
     from tpgrpo.config import ConfigError, load_config
     from tpgrpo.errors import PipelineError
     from tpgrpo.reports.figures import make_figures

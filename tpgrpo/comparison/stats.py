@@ -14,12 +14,8 @@ from typing import Sequence
 import numpy as np
 
 from tpgrpo.errors import PipelineError
+from tpgrpo.io.eval_table import EVAL_TABLE_COLUMNS  # noqa: F401 - the eval stage's table; re-exported
 
-# The per-image eval table: one row per (prompt, eval seed), in prompt order then sample order.
-EVAL_TABLE_COLUMNS = {
-    "prompt_id": "object", "prompt": "object", "sample": "int64", "seed": "int64",
-    "eval_reward": "float64", "eval_strict": "bool", "train_reward": "float64", "train_strict": "bool",
-}
 PAIR_KEYS = ["prompt_id", "sample", "seed"]
 
 

@@ -66,7 +66,7 @@ def tree_probe_table(arrays: dict, metas: list[dict], source: str):
 
 
 def run(cfg: Config, iteration: int, root: Path) -> dict:
-    """The probe of a tree (``stages.probe.run`` branches here): main process only, no model, no pass."""
+    """The probe of a tree (``tpgrpo.policy.probe_scoring.run_probe`` branches here): main process only, no model, no pass."""
     paths = IterationPaths(root, iteration)
     metrics: dict = {"iteration": iteration, "completion": "tree", "forward_passes": 0, "decodes": 0,
                      "reward_calls": 0}

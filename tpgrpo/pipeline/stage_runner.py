@@ -71,9 +71,7 @@ def run_stage(name: str, iteration: int | None, params: Path) -> None:
             argv = launch_argv(cfg, root, stage_args(name, iteration, params))
             if argv is not None:
                 exec_launcher(argv)  # does not return: each launched process runs this same command
-        import importlib
-
-        module = importlib.import_module(f"stages.{name}")
+        module = stage_module(name)
         if name in MULTI_PROCESS_STAGES:  # launched: join the process group (gloo on CPU); else one process
             distributed.init(cfg.model.device, cfg.launch.timeout_s, f"stage {label}")
         main = distributed.current().is_main  # one process notes the stage for `tpgrpo status`
@@ -97,6 +95,20 @@ def run_stage(name: str, iteration: int | None, params: Path) -> None:
         raise
     finally:
         distributed.shutdown()
+
+
+def stage_module(name: str):
+    """The stage module ``stages.<name>``, imported: the one door to the stage shells (nothing but the stage
+    runner imports ``stages``; ``tests/test_stage_imports.py`` checks it)."""
+    import importlib
+
+    return importlib.import_module(f"stages.{name}")
+
+
+def run_stage_module(name: str, cfg, iteration: int | None, root: Path) -> dict:
+    """``stages.<name>.run(cfg, iteration, root)`` in this process, without the command's checks (benches run
+    stages through it)."""
+    return stage_module(name).run(cfg, iteration, root=root)
 
 
 def stage_args(name: str, iteration: int | None, params: Path) -> list[str]:
