@@ -1,7 +1,7 @@
 """Held-out quality of a base model (or a pretraining checkpoint) across sampler settings.
 
-    python bench/base_quality.py --model data/base --guidance 3,4.5,6 --steps 10,20,40
-    python bench/base_quality.py --checkpoint data/.base.pretrain-ckpt.pt --guidance 4.5 --steps 40
+    python -m bench.base_quality --model data/base --guidance 3,4.5,6 --steps 10,20,40
+    python -m bench.base_quality --checkpoint data/.base.pretrain-ckpt.pt --guidance 4.5 --steps 40
 
 Prints one row per (guidance, steps): mean `geneval` reward, strict accuracy, and strict accuracy per prompt
 kind (single object, counting, two objects, position) on every held-out compositional prompt, at eval's

@@ -1,6 +1,6 @@
 """One short run of the same params at two commits, side by side: stage seconds per iteration and staging overhead.
 
-Usage: ``python bench/before_after.py --before REV --after REV [--set credit.mode=flow_grpo] [--iterations 3]
+Usage: ``python -m bench.before_after --before REV --after REV [--set credit.mode=flow_grpo] [--iterations 3]
 [--before-set KEY=VALUE] [--after-set KEY=VALUE]`` (per-side overrides, after ``--set``: e.g. the same commit with
 ``--before-set credit.mode=tp --after-set credit.mode=flow_grpo`` gives the TP / Flow-GRPO cost ratio).
 For each commit (its files from ``git archive`` under --work: its own code, model and params.yaml): a fresh project with
@@ -29,7 +29,7 @@ from pathlib import Path
 
 import yaml
 
-REPO = Path(__file__).resolve().parents[1]
+from bench.common import REPO  # noqa: E402 - the checkout
 STAGES = ("rollout", "probe", "credit", "update")
 
 

@@ -1,6 +1,6 @@
 """Rollout and update throughput with 1 process vs 2 processes (`accelerate launch`), side by side.
 
-    python bench/bench_processes.py [--prompts 16] [--batch 32] [--repeats 2] [--workdir /tmp/tpgrpo-bench-processes]
+    python -m bench.bench_processes [--prompts 16] [--batch 32] [--repeats 2] [--workdir /tmp/tpgrpo-bench-processes]
 
 Runs the real stage commands (those dvc.yaml holds: `tpgrpo stage`, which starts `accelerate launch ... -m
 tpgrpo stage` itself for 2 processes) in a copy of the project (shipped base model, default params as chains,
@@ -24,7 +24,7 @@ from pathlib import Path
 
 import yaml
 
-REPO = Path(__file__).resolve().parents[1]
+from bench.common import REPO  # noqa: E402 - the checkout
 
 
 def make_project(folder: Path, prompts: int, batch: int) -> Path:

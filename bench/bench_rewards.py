@@ -1,6 +1,6 @@
 """Throughput of each reward (images/s) on clean renders of the held-out prompts.
 
-Usage: ``python bench/bench_rewards.py [--n 512] [--n-ocr 200] [--repeats 3]``.
+Usage: ``python -m bench.bench_rewards [--n 512] [--n-ocr 200] [--repeats 3]``.
 Scores one batch per reward; the first call is a warm-up (it also loads the OCR models) and is not
 timed; prints the best of `repeats` timed calls, one line per reward.
 """

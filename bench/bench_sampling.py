@@ -1,6 +1,6 @@
 """Throughput of ODE sampling with the tiny model: images/s at 10 steps with guidance, batch 64.
 
-Usage: ``python bench/bench_sampling.py [--model data/base] [--n 128] [--steps 10] [--batch 64]``.
+Usage: ``python -m bench.bench_sampling [--model data/base] [--n 128] [--steps 10] [--batch 64]``.
 Uses the shipped weights when the folder exists, else a freshly built default-size model (same
 speed). Prints one line per setting; the first batch is a warm-up and is not timed.
 """

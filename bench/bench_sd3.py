@@ -1,9 +1,9 @@
 """Per-trajectory cost of rollout, probe and update for the SD3.5-Medium transformer (random weights).
 
-    python bench/bench_sd3.py                                    # full size, 512 px, on cuda if present
-    python bench/bench_sd3.py --full                             # the same, insisting on cuda and bf16
-    python bench/bench_sd3.py --layers 2 --resolution 256 --trajectories 2   # a CPU-sized slice
-    python bench/bench_sd3.py --device cpu --smoke               # 1 block, 64 px, T = 3: the plumbing only
+    python -m bench.bench_sd3                                    # full size, 512 px, on cuda if present
+    python -m bench.bench_sd3 --full                             # the same, insisting on cuda and bf16
+    python -m bench.bench_sd3 --layers 2 --resolution 256 --trajectories 2   # a CPU-sized slice
+    python -m bench.bench_sd3 --device cpu --smoke               # 1 block, 64 px, T = 3: the plumbing only
 
 The transformer is built from SD3.5-M's published config (24 MMDiT blocks, 24 heads of 64, dual attention
 in blocks 0-12, 2.5B parameters) and the VAE from SD3's published AutoencoderKL config; the weights are
@@ -33,7 +33,6 @@ from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 SD35_MEDIUM_TRANSFORMER = {  # stabilityai/stable-diffusion-3.5-medium transformer/config.json
     "sample_size": 128, "patch_size": 2, "in_channels": 16, "num_layers": 24, "attention_head_dim": 64,

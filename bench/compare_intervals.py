@@ -4,7 +4,7 @@ intervals over training seeds and prompts, side by side (tpgrpo.comparison.null_
     bootstrap: tpgrpo.comparison.stats.seed_prompt_bootstrap (the percentile two-level bootstrap)
     t:         tpgrpo.comparison.stats.seed_prompt_t_interval (the verdicts' interval)
 
-Usage: ``python bench/compare_intervals.py [--draws 4000] [--boot-draws 1000] [--seeds 1,3,5,6]``.
+Usage: ``python -m bench.compare_intervals [--draws 4000] [--boot-draws 1000] [--seeds 1,3,5,6]``.
 """
 
 from __future__ import annotations

@@ -1,7 +1,7 @@
 """Paired held-out differences at chosen iterations of a comparison's runs (the report pairs by recorded
 seconds; this pairs by iteration, e.g. tp at its budget against flow_grpo at its equal-compute iteration).
 
-Usage: ``python bench/compare_points.py [--out runs/compare] [--pair tp@12-flow_grpo@30 ...] [--seeds 0,1,2]``;
+Usage: ``python -m bench.compare_points [--out runs/compare] [--pair tp@12-flow_grpo@30 ...] [--seeds 0,1,2]``;
 a side may name another root (``runs/compare_long/tp@36``). Same seeds on
 both sides, pooled per image over the seeds, 10,000 bootstrap resamples of prompts
 (``tpgrpo.comparison.results.paired_difference``); iteration 0 is the base model.

@@ -1,6 +1,6 @@
 """Where `dvc repro`'s own time goes between the stages: wall timers around DVC's per-stage pieces.
 
-Usage: ``python bench/dvc_overhead.py [--rev REV[:pure] ...] [--iterations 4] [--threads 1] [--work DIR]``
+Usage: ``python -m bench.dvc_overhead [--rev REV[:pure] ...] [--iterations 4] [--threads 1] [--work DIR]``
 (``:pure``: that commit with ruamel.yaml's pure-Python parser, as before ``ruamel.yaml.clib`` was a
 dependency).
 
@@ -30,10 +30,7 @@ import sys
 import time
 from pathlib import Path
 
-BENCH = Path(__file__).resolve().parent
-sys.path.insert(0, str(BENCH))
-
-from before_after import REPO, project  # noqa: E402
+from bench.before_after import REPO, project
 
 # Runs inside the `dvc repro` process: wrap, run DVC's CLI, print the totals as one JSON line on stderr.
 TIMED_DVC = r'''

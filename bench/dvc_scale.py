@@ -1,6 +1,6 @@
 """DVC bookkeeping at the paper's scale: runs of 12 .. 1,000 finished iterations built from ONE real iteration.
 
-Usage: ``python bench/dvc_scale.py [--sizes 12,100,300,1000] [--flat-sizes 12,100,300] [--work DIR]
+Usage: ``python -m bench.dvc_scale [--sizes 12,100,300,1000] [--flat-sizes 12,100,300] [--work DIR]
 [--from PROJECT]``.
 
 1. The real iteration: ``--from`` a project that finished ``tpgrpo run`` with train.iterations 1, or (default)
@@ -32,12 +32,10 @@ from pathlib import Path
 
 import yaml
 
-REPO = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(REPO))
-
-from tpgrpo.config import load_config  # noqa: E402
-from tpgrpo.io.artifacts import DVC_CACHE_TYPE  # noqa: E402
-from tpgrpo.pipeline.blocks import full_blocks, read_lock, write_lock  # noqa: E402
+from bench.common import REPO
+from tpgrpo.config import load_config
+from tpgrpo.io.artifacts import DVC_CACHE_TYPE
+from tpgrpo.pipeline.blocks import full_blocks, read_lock, write_lock
 from tpgrpo.pipeline.dvcfile import write_dvc_yaml  # noqa: E402
 from tpgrpo.pipeline.sealing import dvc_env, seal_finished  # noqa: E402
 

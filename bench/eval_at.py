@@ -2,7 +2,7 @@
 
 The eval stage samples the held-out prompts with eval.num_steps ODE steps (40, the paper's), while training
 samples with sampling.num_steps (10). This asks whether what RL taught the policy shows under another
-sampler: ``python bench/eval_at.py --run runs/compare/tp/seed0 --iterations 0,6,12 --set eval.num_steps=10``.
+sampler: ``python -m bench.eval_at --run runs/compare/tp/seed0 --iterations 0,6,12 --set eval.num_steps=10``.
 Per iteration (0 = the base model) it writes the per-image table ``OUT/iter_NNNN.parquet`` (the eval stage's
 columns) and prints the mean held-out reward and strict accuracy and the paired difference against the base
 model under the same params (10,000 bootstrap resamples of prompts, ``tpgrpo.comparison.stats.compare_tables``).
@@ -13,16 +13,14 @@ from __future__ import annotations
 
 import argparse
 import json
-import sys
 import tempfile
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 
 def scored_table(cfg, root: Path, iteration: int):
     """Per-image eval table of policy ``iteration`` (0: the base model) under ``cfg``'s eval params."""
-    from stages.eval import eval_images
+    from tpgrpo.policy.evaluation import eval_images
     from tpgrpo.policy.loading import policy_to_score
 
     backend = policy_to_score(cfg, root, iteration)[0]

@@ -1,8 +1,8 @@
 """GPU check: two CLI iterations of the embedded model on a GPU (EMA, a kill and a resume, 2 processes where
 there are 2 GPUs), the base weights held for GPU stages, then the SD3.5-M cost at full size.
 
-    python bench/gpu_check.py                        # a machine with CUDA GPUs; under 8 minutes (not yet run)
-    python bench/gpu_check.py --device cpu --smoke   # the plumbing only, at tiny size, on a CPU
+    python -m bench.gpu_check                        # a machine with CUDA GPUs; under 8 minutes (not yet run)
+    python -m bench.gpu_check --device cpu --smoke   # the plumbing only, at tiny size, on a CPU
 
 1. Pipeline: copies ``params.yaml``, ``data/base`` (the embedded model) and ``data/prompts`` into a temporary
    project with ``model.device`` and ``reward_models.device`` set to ``--device``, ``eval.every: 1``,
@@ -42,7 +42,7 @@ from pathlib import Path
 
 import yaml
 
-REPO = Path(__file__).resolve().parents[1]
+from bench.common import REPO  # noqa: E402 - the checkout
 STAGES = ("rollout", "probe", "credit", "update", "eval")
 ARTIFACTS = {"eval_prompts": ("eval_prompt_embeds", "eval_prompts.json"),  # once per run, under data/iters
              "rollout": ("trajectories.zarr", "rollout.json"), "probe": ("probe.parquet", "probe.json"),
@@ -64,7 +64,7 @@ def check_device(device: str) -> str | None:
 
     if device.startswith("cuda") and not torch.cuda.is_available():
         return (f"gpu_check: no CUDA device available (torch {torch.__version__}, built for CUDA "
-                f"{torch.version.cuda}); run `python bench/gpu_check.py --device cpu --smoke` to check the plumbing")
+                f"{torch.version.cuda}); run `python -m bench.gpu_check --device cpu --smoke` to check the plumbing")
     return None
 
 

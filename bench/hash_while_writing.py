@@ -1,8 +1,8 @@
 """What hashing while writing (``launch.hash_while_writing``) costs the rollout, against the md5 pass it spares
 DVC, at the paper's trajectory bytes: side by side in one run.
 
-    python bench/hash_while_writing.py                # 288 trajectories (a quarter of an iteration), 3 rounds
-    python bench/hash_while_writing.py --scale 1      # the paper's 1,152 (about 5.5 GB in memory, twice)
+    python -m bench.hash_while_writing                # 288 trajectories (a quarter of an iteration), 3 rounds
+    python -m bench.hash_while_writing --scale 1      # the paper's 1,152 (about 5.5 GB in memory, twice)
 
 Each round, in a throw-away DVC project, alternating the order: the real ``write_zarr`` of a store of N
 trajectories (``states``: 10 SD3.5-M latents of 16 x 64 x 64 float32, and 9 per-step arrays of the same shape,
@@ -25,8 +25,8 @@ from pathlib import Path
 
 import numpy as np
 
-REPO = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(REPO))
+from bench.common import REPO
+
 LATENT = (16, 64, 64)
 STEPS, WINDOW = 10, 9  # the paper's T and its window of SDE steps: 10 stored states, 9 per-step arrays
 

@@ -1,6 +1,6 @@
 """Seconds to load an SD3 folder's transformer + VAE (``load_sd3``) with and without computing the sin-cos table.
 
-    python bench/load_sd3.py .cache/real_size/sd35m-24blocks --repeats 3   # after bench/real_size.py
+    python -m bench.load_sd3 .cache/real_size/sd35m-24blocks --repeats 3   # after bench/real_size.py
 
 diffusers' ``PatchEmbed`` computes SD3.5-M's 384 x 384 x 1536 positional table at construction and
 ``from_pretrained`` then overwrites it with the file's copy; ``load_sd3`` skips the computation when the file
@@ -14,11 +14,9 @@ from __future__ import annotations
 
 import argparse
 import statistics
-import sys
 import time
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 
 def load_seconds(folder: Path, skip: bool) -> float:

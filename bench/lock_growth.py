@@ -1,6 +1,6 @@
 """DVC's dvc.lock rewrite after every stage, as a run grows: one `dvc repro` of the whole run vs block by block.
 
-Usage: ``python bench/lock_growth.py [--from PROJECT] [--flat 12,25,100,300] [--blocks 12,25,100,300,1000]
+Usage: ``python -m bench.lock_growth [--from PROJECT] [--flat 12,25,100,300] [--blocks 12,25,100,300,1000]
 [--block-size 25] [--repeats 2]``.
 
 After each stage it runs, DVC loads the whole dvc.lock (ruamel round-trip YAML), updates that stage's entry
@@ -36,13 +36,8 @@ from pathlib import Path
 
 import yaml
 
-BENCH = Path(__file__).resolve().parent
-sys.path.insert(0, str(BENCH.parent))
-sys.path.insert(0, str(BENCH))
-
-from dvc_scale import STEMS, renumbered, train_one  # noqa: E402
-
-from tpgrpo.pipeline.blocks import read_lock  # noqa: E402
+from bench.dvc_scale import STEMS, renumbered, train_one
+from tpgrpo.pipeline.blocks import read_lock
 
 
 def iteration_entries(src: dict, i: int, policy: dict) -> dict[str, dict]:

@@ -1,8 +1,8 @@
 """The pipeline's bookkeeping at the paper's bytes: what one more iteration costs besides its stages' compute.
 
-    python bench/paper_bytes.py --scale 0.03125 --iterations 2     # 1/32 of the paper's trajectories: minutes
-    python bench/paper_bytes.py --iterations 2 --json bench/results/paper_bytes.json   # full size: ~5 GiB each
-    python bench/paper_bytes.py --iterations 2 --alternate launch.hash_while_writing=false,true   # before/after
+    python -m bench.paper_bytes --scale 0.03125 --iterations 2     # 1/32 of the paper's trajectories: minutes
+    python -m bench.paper_bytes --iterations 2 --json bench/results/paper_bytes.json   # full size: ~5 GiB each
+    python -m bench.paper_bytes --iterations 2 --alternate launch.hash_while_writing=false,true   # before/after
 
 What is real: DVC (``tpgrpo run`` -> ``dvc repro`` of the project's rendered dvc.yaml, its hashing, cache and
 lock files, the run cache), the stage commands (``tpgrpo stage NAME --iter i``, through the stage server), the
@@ -37,9 +37,8 @@ from pathlib import Path
 
 import yaml
 
-REPO = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(REPO))
-sys.path.insert(0, str(REPO / "bench"))
+from bench.common import REPO
+
 STANDIN = REPO / "bench" / "paper_standin"
 STEMS = ("rollout", "probe", "credit", "update", "eval")
 PAPER_PROMPTS, GROUP, EVAL_PROMPTS = 48, 24, 108
@@ -84,7 +83,7 @@ def sh(root: Path, *cmd: str, timers: Path | None = None) -> tuple[float, str]:
 
 def make_project(folder: Path, params: dict, dvc_config: dict[str, str]) -> Path:
     """A fresh project (code, prompts, params; DVC as ``tpgrpo run`` sets it up) whose model is the stand-in."""
-    from dvc_scale import new_project
+    from bench.dvc_scale import new_project
 
     root = new_project(folder, params)
     shutil.rmtree(root / "data" / "base")

@@ -1,8 +1,8 @@
 """Probe modes side by side on the SAME trajectories of the shipped model: cost and agreement with exact.
 
-Usage: ``python bench/probe_cost.py [--model data/base] [--threads 1] [--seeds 1] [--modes exact,ode:1,ode:2,x0]
+Usage: ``python -m bench.probe_cost [--model data/base] [--threads 1] [--seeds 1] [--modes exact,ode:1,ode:2,x0]
 [--out result.json]``, or the offline study over trained runs' stored exact probes (issue 34;
-``bench/probe_study.py``): ``python bench/probe_cost.py --runs RUN [RUN ...] --modes grid:3,heun:2,subset:0.25
+``bench/probe_study.py``): ``python -m bench.probe_cost --runs RUN [RUN ...] --modes grid:3,heun:2,subset:0.25
 --out bench/results/probe_study.json [--markdown table.md]``.
 In a temporary project with the repo's params.yaml (chains: 8 prompts x 8 samples, T = 10, window 9) one
 first-iteration rollout per train seed keeps the x0 estimates (its states are the same as without them); then the probe
@@ -26,7 +26,7 @@ from pathlib import Path
 import numpy as np
 import yaml
 
-REPO = Path(__file__).resolve().parents[1]
+from bench.common import REPO  # noqa: E402 - the checkout
 MODES = ("exact", "ode:1", "ode:2", "x0")
 FIRST = 1  # the first iteration's number (it samples from the base model)
 
@@ -43,12 +43,12 @@ def _project(folder: Path, model: Path) -> Path:
 
 def _probe(cfg, root: Path, iteration: int) -> dict:
     """Run the probe stage, then credit mode tp on its table: Q (N, K+1), d, turning points, advantages."""
-    import stages.probe
-    from stages.credit import credit_table
+    from bench.common import run_stage
+    from tpgrpo.algo.credit_table import credit_table
     from tpgrpo.io.artifacts import IterationPaths, read_table
     from tpgrpo.io.schemas import PROBE
 
-    metrics = stages.probe.run(cfg, iteration, root)
+    metrics = run_stage("probe", cfg, iteration, root)
     table = read_table(IterationPaths(root, iteration).probe, PROBE, "probe.parquet")
     n = table["trajectory"].nunique()
     q = table["reward"].to_numpy().reshape(n, -1)
@@ -106,10 +106,10 @@ def main() -> None:
         runs: dict[str, list[dict]] = {m: [] for m in modes}
         rollout_wall = []
         for seed in range(args.seeds):  # the first iteration samples from the base model: no update needed
-            import stages.rollout
+            from bench.common import run_stage
 
             cfg = lambda **o: load_config(params, {"train.seed": seed, **o})  # noqa: E731
-            rollout_wall.append(stages.rollout.run(cfg(**{"probe.completion": "x0"}), FIRST, root)["wall_seconds"])
+            rollout_wall.append(run_stage("rollout", cfg(**{"probe.completion": "x0"}), FIRST, root)["wall_seconds"])
             for mode in modes:
                 runs[mode].append(_probe(cfg(**{"probe.completion": mode}), root, FIRST))
     pooled = {m: {key: (np.concatenate([r[key] for r in rs]) if key in ("q", "d", "tp", "adv")
@@ -120,10 +120,7 @@ def main() -> None:
 
 def _study(args) -> None:
     """The offline study (issue 34): candidates against the runs' stored exact probes; JSON and a table."""
-    import sys
-
-    sys.path.insert(0, str(Path(__file__).resolve().parent))
-    from probe_study import study, table_markdown
+    from bench.probe_study import study, table_markdown
 
     start, load = time.perf_counter(), Path("/proc/loadavg").read_text().strip()
     result = study([r.resolve() for r in args.runs], [m for m in args.modes.split(",") if m != "exact"], compare,

@@ -1,10 +1,10 @@
 """The offline study of cheap probe completions (issue 34, item 2): stored exact probes vs candidates.
 
-Used by ``python bench/probe_cost.py --runs DIR [DIR ...]``: each DIR is a trained project (``tpgrpo run`` or
+Used by ``python -m bench.probe_cost --runs DIR [DIR ...]``: each DIR is a trained project (``tpgrpo run`` or
 ``tpgrpo compare run``, credit mode tp, ``probe.completion: exact``, code from issue 34 on, so its rollouts
 stored ``velocities``). For every iteration of every run it reads the stored exact ``probe.parquet`` and
 ``trajectories.zarr``, scores each candidate ``probe.completion`` on the same states with the same policy
-(``stages.probe.score_states``; nothing is written to the run), runs the credit stage's function on both
+(``tpgrpo.policy.probe_scoring.score_states``; nothing is written to the run), runs the credit stage's function on both
 tables and compares: sign agreement of the increments d_k, turning-point recall / precision, the
 advantages' Pearson correlation, the credit table's difference (mean |A - A_exact|, share of turning-point
 flags that differ), transformer passes and wall seconds. Candidates named ``subset:F`` are a credit replay:
@@ -29,7 +29,7 @@ def iterations_of(run: Path) -> list[int]:
 
 def summarize(table, cfg) -> dict:
     """Q (N, K+1), d (N, K), credit tp's turning points and advantages (N, K) of one probe table."""
-    from stages.credit import credit_table
+    from tpgrpo.algo.credit_table import credit_table
 
     n = table["trajectory"].nunique()
     q = table["reward"].to_numpy().reshape(n, -1)
@@ -47,16 +47,17 @@ def credit_difference(mode: dict, exact: dict) -> dict:
 
 def candidate(cfg, run: Path, iteration: int, name: str, arrays: dict, attrs: dict) -> tuple[dict, int, float]:
     """Score ``name`` on the iteration's stored states: (summary, transformer passes, wall seconds)."""
-    import stages.probe
     from tpgrpo.algo.probe_modes import parse_completion
     from tpgrpo.config import load_config
+    from tpgrpo.io.probe_table import probe_table
+    from tpgrpo.policy.probe_scoring import score_states
 
     completion = parse_completion(name)
     mode_cfg = load_config(run / "params.yaml", {"probe.completion": name})
     start = time.perf_counter()
-    merged, _ = stages.probe.score_states(mode_cfg, iteration, run, arrays, attrs, completion)
+    merged, _ = score_states(mode_cfg, iteration, run, arrays, attrs, completion)
     wall = time.perf_counter() - start
-    table = stages.probe.probe_table(arrays, attrs["prompts"], merged["reward"], merged["strict"])
+    table = probe_table(arrays, attrs["prompts"], merged["reward"], merged["strict"])
     return summarize(table, cfg), int(merged["passes"].sum()), wall
 
 
@@ -65,7 +66,7 @@ def subset_replay(table, cfg, fraction: float) -> tuple[dict, float]:
     credit for the rest. Returns (summary, share of groups probed)."""
     import dataclasses
 
-    from stages.credit import credit_table
+    from tpgrpo.algo.credit_table import credit_table
 
     exact = summarize(table, cfg)
     flow_cfg = dataclasses.replace(cfg, credit=dataclasses.replace(cfg.credit, mode="flow_grpo"))

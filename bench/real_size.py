@@ -1,7 +1,7 @@
 """One TP-GRPO iteration of SD3.5-M at full width through the CLI, per stage: load against compute.
 
-    nice -n 10 python bench/real_size.py > real_size.log 2>&1 &     # ~30 min on 2 cores, < 14 GiB
-    python bench/real_size.py --layers 1 --t5 no                     # 1 block: the plumbing, minutes
+    nice -n 10 python -m bench.real_size > real_size.log 2>&1 &     # ~30 min on 2 cores, < 14 GiB
+    python -m bench.real_size --layers 1 --t5 no                     # 1 block: the plumbing, minutes
 
 1. Model: an SD3.5-M folder in the diffusers layout built from the published configs (transformer 2.5B:
    24 MMDiT blocks, 24 heads of 64; SD3 VAE; CLIP-L and CLIP-G text encoders at their real widths, vocab
@@ -35,8 +35,8 @@ from pathlib import Path
 
 import yaml
 
-REPO = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(REPO / "bench"))
+from bench.common import REPO
+
 CACHE = REPO / ".cache" / "real_size"
 # eval_prompts (once per run, no --iter) encodes the held-out prompts for eval, as under dvc repro.
 STAGES = ("eval_prompts", "rollout", "probe", "credit", "update", "eval")
@@ -127,7 +127,7 @@ def make_project(root: Path, model: Path) -> Path:
 def child(stage: str, params: str, out: str) -> None:
     """Run ``tpgrpo stage STAGE --iter 1`` (no ``--iter`` for a stage of :data:`ONCE`) in this process, timed by
     ``bench/stage_timer.py``."""
-    from stage_timer import run_timed
+    from bench.stage_timer import run_timed
 
     run_timed(["stage", stage, *([] if stage in ONCE else ["--iter", "1"]), "--params", params], Path(out))
 
@@ -137,7 +137,7 @@ def run_stage(stage: str, params: Path, threads: int) -> dict:
     timings = params.parent / f".{stage}.times.json"
     env = dict(os.environ, PYTHONPATH=str(REPO), OMP_NUM_THREADS=str(threads), DVC_NO_ANALYTICS="1")
     start = time.perf_counter()
-    proc = subprocess.Popen([sys.executable, __file__, "--child", stage, "--params", str(params),
+    proc = subprocess.Popen([sys.executable, "-m", "bench.real_size", "--child", stage, "--params", str(params),
                              "--timings", str(timings)], cwd=params.parent, env=env)
     if proc.wait() != 0:
         raise SystemExit(f"real_size: stage {stage} failed (exit {proc.returncode})")
@@ -175,7 +175,7 @@ def main() -> None:
     args = ap.parse_args()
     if args.child:
         return child(args.child, args.params, args.timings)
-    from real_size_paper import paper_rows, print_tables
+    from bench.real_size_paper import paper_rows, print_tables
 
     t = time.perf_counter()
     CACHE.mkdir(parents=True, exist_ok=True)
@@ -183,7 +183,7 @@ def main() -> None:
     if args.build:
         return build_folder(model, args.layers)
     # Built in its own process: this one stays small while the stages run (and their peaks are their own).
-    subprocess.run([sys.executable, __file__, "--build", "--layers", str(args.layers)], check=True,
+    subprocess.run([sys.executable, "-m", "bench.real_size", "--build", "--layers", str(args.layers)], check=True,
                    env=dict(os.environ, PYTHONPATH=str(REPO)))
     print(f"model folder {model} ({folder_gib(model, '.'):.2f} GiB; built or found in "
           f"{time.perf_counter() - t:.0f} s)", flush=True)

@@ -1,7 +1,7 @@
 """Model loading per stage: from disk (each stage process loads the folder) against the stage server's held
 copy (``launch.resident_model``: the server loads it once, each stage forks with it), measured side by side.
 
-Usage: python bench/resident_load.py [FOLDER] [--kind tiny|sd3] [--dtype fp32|bf16] [--repeats 5]
+Usage: python -m bench.resident_load [FOLDER] [--kind tiny|sd3] [--dtype fp32|bf16] [--repeats 5]
        [--device cpu|cuda] [--verify]
        (FOLDER defaults to the shipped model, data/base; the real-size SD3.5-M folder is built by
        bench/real_size.py: .cache/real_size/sd35m-24blocks, --kind sd3 --dtype bf16)
@@ -24,13 +24,11 @@ import argparse
 import os
 import statistics
 import struct
-import sys
 import time
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from tpgrpo.models import load_backend, resident  # noqa: E402
+from tpgrpo.models import load_backend, resident
 
 
 def timed_child_load(args, verify: bool = False) -> tuple[float, str]:

@@ -1,6 +1,6 @@
 """Does the default run raise held-out reward by more than seed noise? Run it with several seeds.
 
-    python bench/rl_seeds.py --seeds 0 1 2 --parallel 2 [--set credit.mode=flow_grpo ...]
+    python -m bench.rl_seeds --seeds 0 1 2 --parallel 2 [--set credit.mode=flow_grpo ...]
 
 Each seed trains in its own copy of the project (params.yaml with ``train.seed`` changed, the shipped
 base model and prompts) through the real ``tpgrpo run`` (dvc repro), then the script prints base vs final
@@ -112,8 +112,7 @@ def extra_evaluations(results: dict, folders: dict, eval_seeds: list[int]) -> No
 
     The base score depends on the eval seed only, so it is computed once per eval seed.
     """
-    sys.path.insert(0, str(REPO))
-    from stages.eval import evaluate
+    from tpgrpo.policy.evaluation import evaluate
     from tpgrpo.config import load_config
     from tpgrpo.policy.loading import load_policy
 

@@ -1,6 +1,6 @@
 """Start-up cost per stage process: wall of the command against the stage's own ``wall_seconds``.
 
-Usage: ``python bench/stage_startup.py [--model data/base] [--repeat 3]``. In a temporary project with the
+Usage: ``python -m bench.stage_startup [--model data/base] [--repeat 3]``. In a temporary project with the
 repo's params.yaml it runs iteration 1's rollout, probe and credit once, then times (best of ``--repeat``,
 fresh processes, 1 torch thread): ``tpgrpo --help``; ``tpgrpo stage credit``; ``tpgrpo stage credit`` with
 credit.mode flow_grpo (no probe: R_fin from the rollout); the rollout stage; and, in a fresh process, importing
@@ -25,11 +25,10 @@ from pathlib import Path
 
 import yaml
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from tpgrpo.io.stage_logs import log_seconds  # noqa: E402
-from tpgrpo.pipeline.stage_server import running  # noqa: E402
+from tpgrpo.io.stage_logs import log_seconds
+from tpgrpo.pipeline.stage_server import running
 
-REPO = Path(__file__).resolve().parents[1]
+from bench.common import REPO  # noqa: E402 - the checkout
 TPGRPO = [sys.executable, "-m", "tpgrpo"]
 LOAD = ("import time, sys; t = time.perf_counter(); from pathlib import Path; from tpgrpo.config import load_config; "
         "from tpgrpo.policy.loading import load_policy; load_policy(load_config(sys.argv[1]), Path(sys.argv[1]).parent, "

@@ -1,6 +1,6 @@
 """Run one ``tpgrpo`` command in this process and time what it spends importing, loading and computing.
 
-    python bench/stage_timer.py --timings t.json stage rollout --iter 1 --params params.yaml
+    python -m bench.stage_timer --timings t.json stage rollout --iter 1 --params params.yaml
     accelerate launch --num_processes 2 bench/stage_timer.py --timings t.json stage update --iter 2 ...
 
 Writes ``{"import_s", "load_s", "text_load_s", "peak_rss_gib"}`` to ``--timings`` (under accelerate, the
@@ -21,7 +21,6 @@ import sys
 import time
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 
 def _peak_rss_gib() -> float:
@@ -59,10 +58,13 @@ def run_timed(cli_args: list[str], out: Path) -> None:
             times["text_load_s"] += (time.perf_counter() - t) if loading else 0.0
 
     common.load_policy, latent.LatentBackend._text_pipeline = timed_load, timed_text
-    if cli_args[:1] == ["stage"]:  # the stage modules hold their own reference to load_policy
-        module = __import__(f"stages.{cli_args[1]}", fromlist=["run"])
-        if hasattr(module, "load_policy"):
-            module.load_policy = timed_load
+    if cli_args[:1] == ["stage"]:  # the stage's modules hold their own reference to load_policy: wrap each
+        from tpgrpo.pipeline.stage_runner import stage_module
+
+        stage_module(cli_args[1])  # imports the stage and the library modules it runs
+        for module in list(sys.modules.values()):
+            if getattr(module, "load_policy", None) is load_policy and module is not common:
+                module.load_policy = timed_load
     rank = os.environ.get("RANK", "0")
     try:
         app(cli_args, prog_name="tpgrpo")

@@ -1,9 +1,9 @@
 """Cost of the tree rollout (issue 35) against a Flow-GRPO chain, on the embedded tiny model.
 
-    python bench/tree_cost.py counts                       # passes / decodes / trained transitions per sample
-    python bench/tree_cost.py arm --shape tree --mode tp   # one timed iteration (rollout, probe, credit, update)
-    python bench/tree_cost.py side-by-side                 # chain flow_grpo and tree tp at once, 1 thread each
-    python bench/tree_cost.py sweep                        # (split steps, m, R): counts and a timed iteration each
+    python -m bench.tree_cost counts                       # passes / decodes / trained transitions per sample
+    python -m bench.tree_cost arm --shape tree --mode tp   # one timed iteration (rollout, probe, credit, update)
+    python -m bench.tree_cost side-by-side                 # chain flow_grpo and tree tp at once, 1 thread each
+    python -m bench.tree_cost sweep                        # (split steps, m, R): counts and a timed iteration each
 
 Each timed arm builds a fresh project in a temporary folder from this checkout's params.yaml (the defaults: 8
 prompts, T = 10, window 9, G = 8) and ``data/base``, with only the given overrides, and runs iteration 1's
@@ -15,7 +15,6 @@ load average before and after, and the CPU model.
 from __future__ import annotations
 
 import argparse
-import importlib
 import json
 import os
 import shutil
@@ -25,7 +24,8 @@ import tempfile
 import time
 from pathlib import Path
 
-REPO = Path(__file__).resolve().parents[1]
+from bench.common import REPO, run_stage
+
 STAGES = ("rollout", "probe", "credit", "update")
 SWEEP = [("0,3,6", 1, 1), ("0,4", 1, 2), ("0,2,4", 1, 1), ("0", 7, 1), ("0,5", 2, 1), ("2,5", 1, 2), ("0,3,6", 1, 2)]
 
@@ -38,7 +38,6 @@ def children_value(m: int | str) -> int | str:
 def counts(num_steps: int, window: int, group: int, split: str, m: int | str, roots: int) -> dict:
     """Per-prompt and per-sample counts (transformer rows without CFG's doubling) for the chain and a tree;
     ``m``: one child count for every split, or one per split (``"3,1"``)."""
-    sys.path.insert(0, str(REPO))
     from tpgrpo.algo.tree_shape import TreeShape, parse_children, parse_split_steps
 
     shape = TreeShape(parse_split_steps(split), parse_children(children_value(m)), roots)
@@ -77,7 +76,6 @@ def make_project(folder: Path, overrides: dict) -> Path:
 
 def run_arm(overrides: dict) -> dict:
     """Iteration 1's stages in this process; per-stage walls (s) and the stages' own counts."""
-    sys.path.insert(0, str(REPO))
     from tpgrpo.config import load_config
 
     with tempfile.TemporaryDirectory() as tmp:
@@ -86,7 +84,7 @@ def run_arm(overrides: dict) -> dict:
         walls, logs = {}, {}
         for name in STAGES:
             start = time.perf_counter()
-            logs[name] = importlib.import_module(f"stages.{name}").run(cfg, 1, root)
+            logs[name] = run_stage(name, cfg, 1, root)
             walls[name] = round(time.perf_counter() - start, 2)
     keep = ("forward_passes", "decodes", "trajectories", "sde_edges", "leaves", "num_transitions", "mean_reward")
     return {"walls": walls, "total": round(sum(walls.values()), 2),
@@ -109,7 +107,7 @@ def cpu_model() -> str:
 
 def spawn(args: list[str]) -> subprocess.Popen:
     env = {**os.environ, "OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1"}
-    return subprocess.Popen([sys.executable, __file__, "arm", *args], env=env, cwd=REPO, stdout=subprocess.PIPE,
+    return subprocess.Popen([sys.executable, "-m", "bench.tree_cost", "arm", *args], env=env, cwd=REPO, stdout=subprocess.PIPE,
                             text=True)
 
 

@@ -1,7 +1,7 @@
 """Equal-wall pass for tree-tp, stopped at ITER iterations to fit the session (the plan asks for more).
 
-Usage: python bench/tree_extend.py ITER [OUT]. Ran as runs/tree_extend.py for docs/replication/runs/tree_jpeg
-(its commands.txt quotes that path; the same file).
+Usage: python -m bench.tree_extend ITER [OUT]. Ran as runs/tree_extend.py for the archive
+results/tree_jpeg (its commands.txt quotes that path; the same file).
 
 Computes and records the pass exactly as `tpgrpo compare equal-wall --reference flow_grpo --target tree-tp`
 (tpgrpo.comparison.runs.equal_wall_plan), then lowers each tree-tp run's train.iterations to ITER, notes it in

@@ -7,8 +7,8 @@ scratch (reference runs cached by params + code in ``--cache``), ``dvc status`` 
 what the action affects. Prints how many sequences held and, per failure, the sequence and its first
 failed assertion.
 
-    OMP_NUM_THREADS=1 python bench/up_to_date.py --sequences 50 --seed 0
-    python bench/up_to_date.py --only 7 --seed 0   # re-run sequence 7 alone (its seed is seed * 1000 + 7)
+    OMP_NUM_THREADS=1 python -m bench.up_to_date --sequences 50 --seed 0
+    python -m bench.up_to_date --only 7 --seed 0   # re-run sequence 7 alone (its seed is seed * 1000 + 7)
 """
 
 from __future__ import annotations
@@ -23,9 +23,11 @@ import time
 from collections import Counter
 from pathlib import Path
 
-REPO = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(REPO / "tests"))
+from bench.common import REPO, reexec_with_tests_helpers
 
+# The harness's modules are tests helpers that import each other by bare name (tests/ first, as under pytest):
+# this script starts again with tests/ on PYTHONPATH when they do not import here.
+reexec_with_tests_helpers("bench.up_to_date", "up_to_date_harness")
 import up_to_date_actions as ua  # noqa: E402
 import up_to_date_runner as ur  # noqa: E402
 import up_to_date_harness as h  # noqa: E402

@@ -9,10 +9,9 @@ from pathlib import Path
 import pytest
 import yaml
 
-REPO = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(REPO / "bench"))
+from bench import gpu_check
 
-import gpu_check  # noqa: E402
+REPO = Path(__file__).resolve().parents[1]
 
 
 def _project(tmp_path, processes: int) -> Path:

@@ -9,10 +9,9 @@ from pathlib import Path
 
 import pytest
 
-REPO = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(REPO / "bench" / "studies"))
+from bench.studies import look_guard
 
-import look_guard  # noqa: E402
+REPO = Path(__file__).resolve().parents[1]
 
 SECONDS = {48: 580.0, 54: 653.0, 60: 728.0}
 
@@ -34,9 +33,9 @@ def test_no_iteration_within_the_references_seconds_is_an_error():
 
 def test_the_m31c_archive_reads_at_60_and_at_54_with_a_3_percent_tolerance():
     archive = REPO / "results" / "tree_geneval_m31c_issue45"
-    script = [sys.executable, str(REPO / "bench" / "studies" / "look_guard.py"), str(archive)]
-    out = subprocess.run(script, capture_output=True, text=True, check=True).stdout
+    script = [sys.executable, "-m", "bench.studies.look_guard", str(archive)]
+    out = subprocess.run(script, capture_output=True, text=True, check=True, cwd=REPO).stdout
     assert "flow_grpo at 24: 688 s" in out and "60: 728 s" in out
     assert out.strip().splitlines()[-1].startswith("read tree-tp at 60 against flow_grpo at 24")
-    out = subprocess.run([*script, "--tolerance", "0.03"], capture_output=True, text=True, check=True).stdout
+    out = subprocess.run([*script, "--tolerance", "0.03"], capture_output=True, text=True, check=True, cwd=REPO).stdout
     assert out.strip().splitlines()[-1].startswith("read tree-tp at 54 against flow_grpo at 24")

@@ -4,17 +4,15 @@ iteration through the stage commands in their own processes, and what it measure
 from __future__ import annotations
 
 import json
-import sys
 from pathlib import Path
 
 import pytest
 
 REPO = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(REPO / "bench"))
 
 
 def test_stage_flops_follow_the_paper_recipe():
-    from real_size_paper import GPUS, TRAJECTORIES, stage_flops
+    from bench.real_size_paper import GPUS, TRAJECTORIES, stage_flops
 
     flops = stage_flops(row=1.0, decode=0.0)
     per_gpu = TRAJECTORIES / GPUS  # 36 trajectories
@@ -27,7 +25,7 @@ def test_stage_flops_follow_the_paper_recipe():
 def test_real_widths_one_iteration_through_the_stage_commands(tmp_path):
     import zarr
 
-    import real_size
+    from bench import real_size
 
     model = real_size.build_folder(tmp_path / "model", layers=2, text_layers=1)
     transformer = json.loads((model / "transformer" / "config.json").read_text())

@@ -7,7 +7,6 @@
    ``DIR/<pid>.json`` at exit, with the process's argv and wall seconds.
 """
 
-import os
 import sys
 import time
 
@@ -16,10 +15,7 @@ _ARGV = list(getattr(sys, "orig_argv", sys.argv))
 
 
 def _install():
-    here = os.path.dirname(os.path.abspath(__file__))
-    if here not in sys.path:
-        sys.path.append(here)
-    import paper_timers
+    import paper_timers  # beside this file: the folder is on the process's PYTHONPATH, which is how it got here
 
     if paper_timers.is_dvc_argv(_ARGV):
         paper_timers.install_dvc(_T0, _ARGV)

@@ -1,7 +1,8 @@
+# The script that trained the probe study's runs (bench/results/probe_study*.json), kept as it ran then from a
+# worktree's bench/; now: python -m bench.results.probe_study_train REV SEED [SEED ...]
 import sys, json, time
-sys.path.insert(0, "/work/wt-probe/bench")
 from pathlib import Path
-from before_after import project, measure, passes_per_trajectory
+from bench.before_after import project, measure, passes_per_trajectory
 work = Path("/tmp/probe-study/runs")
 work.mkdir(parents=True, exist_ok=True)
 rev = sys.argv[1]

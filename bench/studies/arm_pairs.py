@@ -1,7 +1,7 @@
 """Held-out reward of one arm against another, from any two comparison roots or archives: the controls of issue 45
 (an arm that changes one thing, trained in a root of its own, against the archived arm it changes).
 
-    python bench/studies/arm_pairs.py A_ROOT/ARM B_ROOT/ARM [--at IA:IB ...] [--seeds 0,1,2] [--level 0.975]
+    python -m bench.studies.arm_pairs A_ROOT/ARM B_ROOT/ARM [--at IA:IB ...] [--seeds 0,1,2] [--level 0.975]
 
 Each ``ROOT/ARM`` is a folder of ``seedK`` run folders (a ``tpgrpo compare run`` root's arm, or an archive's
 under ``results/``, compact: :mod:`tpgrpo.comparison.store`). Prints, per evaluated iteration of each, the mean held-out reward over the

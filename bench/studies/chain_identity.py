@@ -4,9 +4,9 @@ tree work this way: the tree keys live in the params' own `tree` section, which 
 
     git archive 11d501c | tar -x -C /tmp/old
     (cd /tmp/old && OMP_NUM_THREADS=1 PYTHONPATH=/tmp/old python $OLDPWD/bench/studies/chain_identity.py /tmp/old /tmp/old.json)
-    OMP_NUM_THREADS=1 PYTHONPATH=. python bench/studies/chain_identity.py . /tmp/new.json && diff /tmp/old.json /tmp/new.json
+    OMP_NUM_THREADS=1 PYTHONPATH=. python -m bench.studies.chain_identity . /tmp/new.json && diff /tmp/old.json /tmp/new.json
 
-argv[1]: the checkout whose params.yaml and prompts to use (its code first on sys.path); argv[2]: the output JSON;
+argv[1]: the checkout whose params.yaml and prompts to use (its code first on PYTHONPATH); argv[2]: the output JSON;
 argv[3] (optional): more ``update`` overrides as JSON, e.g. '{"epochs": 2, "optimizer_steps_per_iter": 4}'. A
 checkout that has ``update.min_transitions_per_step`` (issue 45) gets 1, so its step count is the fixed one
 older checkouts take: the comparison is of the code, not of the step rule.
@@ -17,9 +17,9 @@ the ``config_hash`` of the store and of the probe and credit tables (each stage'
 from __future__ import annotations
 
 import hashlib
-import importlib
 import json
 import shutil
+import subprocess
 import sys
 import tempfile
 from pathlib import Path
@@ -81,9 +81,10 @@ def main() -> None:
     code, output = Path(sys.argv[1]).resolve(), Path(sys.argv[2])
     with tempfile.TemporaryDirectory() as tmp:
         root = make_project(code, Path(tmp) / "project", json.loads(sys.argv[3]) if len(sys.argv) > 3 else None)
-        cfg = load_config(root / "params.yaml")
-        for name in ("rollout", "probe", "credit", "update"):
-            importlib.import_module(f"stages.{name}").run(cfg, 1, root)
+        load_config(root / "params.yaml")  # a bad params.yaml: its one line here
+        for name in ("rollout", "probe", "credit", "update"):  # each as `tpgrpo stage` runs it, with this code
+            subprocess.run([sys.executable, "-m", "tpgrpo", "stage", name, "--iter", "1", "--params",
+                            str(root / "params.yaml")], cwd=root, check=True)
         output.write_text(json.dumps(digests(root / "data" / "iters" / "0001"), indent=1, sort_keys=True))
 
 

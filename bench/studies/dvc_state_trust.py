@@ -1,7 +1,7 @@
 """Does ``dvc repro`` take an md5 that the stage itself wrote into DVC's state database? (issue 47: "hashing while
 writing" would need it.)
 
-    python bench/studies/dvc_state_trust.py
+    python -m bench.studies.dvc_state_trust
 
 Builds a throw-away DVC project (no git) in a temporary folder whose one stage writes three 1 MiB files into
 ``out/`` and then saves an md5 for each into DVC's state database (``Repo.state.save_many``: entries keyed by

@@ -1,6 +1,6 @@
 """The eval stages' text-encoder load before and after the eval-prompt cache (issue 22), side by side.
 
-    python bench/studies/eval_text_load.py --before dacfbc3 --repeats 3 [--model FOLDER] [--threads 2]
+    python -m bench.studies.eval_text_load --before dacfbc3 --repeats 3 [--model FOLDER] [--threads 2]
 
 For each commit (``--before``, and ``--after``, default the working tree): a fresh project with that commit's
 code (``git archive``; the working tree's files for the working tree) on an SD3 pipeline folder (``--model``,
@@ -10,7 +10,7 @@ runs first (not timed: once per run). Then ``tpgrpo stage baseline`` runs under 
 ``bench/stage_timer.py``, alternating before and after ``--repeats`` times, and the bench prints per commit the
 median of ``text_load_s`` (the first load of the text encoders), ``load_s`` (transformer + VAE) and the stage's
 wall seconds, and whether the two baseline tables are byte-identical. The baseline is the eval of the base model:
-every eval stage runs the same code (``stages/eval.py: eval_images``).
+every eval stage runs the same code (``tpgrpo.policy.evaluation.eval_images``).
 """
 
 from __future__ import annotations
@@ -36,10 +36,13 @@ def tiny_sd3(work: Path) -> Path:
     """The tiny random SD3 pipeline of the tests, saved once under ``work``."""
     folder = work / "tiny_sd3"
     if not (folder / "model_index.json").is_file():
-        sys.path.insert(0, str(REPO / "tests"))
-        from tiny_pipelines import build_sd3_pipeline, save_pipeline
+        from bench.common import tests_helpers_env
 
-        save_pipeline(build_sd3_pipeline(seed=0), folder)
+        # tests/tiny_pipelines.py is a tests helper (tests/ on the child's path, as pytest gives it)
+        subprocess.run([sys.executable, "-c", "import sys; from pathlib import Path; "
+                        "from tiny_pipelines import build_sd3_pipeline, save_pipeline; "
+                        "save_pipeline(build_sd3_pipeline(seed=0), Path(sys.argv[1]))", str(folder)],
+                       env=tests_helpers_env(), check=True)
     return folder
 
 

@@ -3,7 +3,7 @@ third test, results/tree_geneval_k8_issue45/plan.txt): the iteration ``compare e
 (its ``equal_wall.json``), unless the target's training seconds there exceed the reference's at its budget by
 more than ``--tolerance``; then the target's largest evaluated iteration whose seconds do not exceed them.
 
-    python bench/studies/look_guard.py ROOT [--reference flow_grpo] [--target tree-tp] [--tolerance 0.10]
+    python -m bench.studies.look_guard ROOT [--reference flow_grpo] [--target tree-tp] [--tolerance 0.10]
 
 ROOT is a comparison root or an archive. Seconds are training seconds (rollout + probe + credit + update, as the
 stages measured them: ``tpgrpo.comparison.runs.train_seconds``), summed over the iterations and averaged over
@@ -13,10 +13,8 @@ the seeds. Prints both arms' seconds, the ratio, and the iteration to read, with
 from __future__ import annotations
 
 import argparse
-import sys
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 
 def mean_seconds_through(arm: Path, iterations: int) -> float:

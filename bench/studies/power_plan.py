@@ -2,7 +2,7 @@
 (issue 45: the equal-wall effect of about +0.012 on `geneval_soft` was not detectable at 6 seeds x 108 prompts
 x 2 images).
 
-    python bench/studies/power_plan.py A_ROOT/ARM B_ROOT/ARM [A2_ROOT/ARM B2_ROOT/ARM ...] --at IA:IB [--effect 0.012]
+    python -m bench.studies.power_plan A_ROOT/ARM B_ROOT/ARM [A2_ROOT/ARM B2_ROOT/ARM ...] --at IA:IB [--effect 0.012]
 
 (several pairs of arms pool their seeds: two archives of the same comparison on other seeds.)
 
@@ -20,20 +20,17 @@ archive's estimates, not a guarantee: the components themselves are estimated fr
 from __future__ import annotations
 
 import argparse
-import sys
 from pathlib import Path
 
 import numpy as np
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
-sys.path.insert(0, str(Path(__file__).resolve().parent))  # arm_pairs
 
 
 def paired_cube(a_arm: Path, b_arm: Path, ia: int, ib: int, seeds: list[int],
                 column: str = "eval_reward") -> np.ndarray:
     """(S, P, K) paired differences of ``column``, A at ``ia`` - B at ``ib``, prompts and images in one order for
     every seed."""
-    from arm_pairs import paired_row
+    from bench.studies.arm_pairs import paired_row
 
     from tpgrpo.comparison.store import read_eval_table
 

@@ -1,6 +1,6 @@
 """Training runs of several probe / credit settings, side by side: held-out reward and cost per iteration.
 
-Usage: ``python bench/studies/probe_mode_runs.py LABEL=RUN_FOLDER,RUN_FOLDER,... [...] [--reference LABEL]
+Usage: ``python -m bench.studies.probe_mode_runs LABEL=RUN_FOLDER,RUN_FOLDER,... [...] [--reference LABEL]
 [--iteration 12] [--n-boot 10000]``: each label names run folders of one setting, one per training seed, in
 the same seed order for every label (seed i pairs with seed i). Prints, per label, the held-out reward at
 ``--iteration`` per seed and pooled over seeds, its paired difference against the base model and against
@@ -12,14 +12,11 @@ update (each stage's own ``wall_seconds``, mean over iterations and seeds).
 from __future__ import annotations
 
 import argparse
-import sys
 from pathlib import Path
 
-REPO = Path(__file__).resolve().parents[2]
-sys.path.insert(0, str(REPO))
-
-from tpgrpo.comparison.results import paired_difference, seed_scores  # noqa: E402
-from tpgrpo.io.stage_logs import log_seconds  # noqa: E402
+from bench.common import REPO
+from tpgrpo.comparison.results import paired_difference, seed_scores
+from tpgrpo.io.stage_logs import log_seconds
 
 STAGES = ("rollout", "probe", "credit", "update")
 

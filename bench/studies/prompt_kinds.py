@@ -1,7 +1,7 @@
 """Held-out reward by the kind of held-out prompt (position, two_objects, counting, single), per arm and iteration:
 where a tree gains or loses against Flow-GRPO on ``geneval_soft`` (issue 45).
 
-    python bench/studies/prompt_kinds.py ROOT/ARM@ITER [ROOT/ARM@ITER ...] [--seeds 0,1,2]
+    python -m bench.studies.prompt_kinds ROOT/ARM@ITER [ROOT/ARM@ITER ...] [--seeds 0,1,2]
 
 Each ``ROOT/ARM`` is a folder of ``seedK`` run folders (a ``tpgrpo compare run`` root's arm or an archive's);
 ``@0`` is the base model (``baseline_eval.parquet``). Prints one column per argument: the mean ``eval_reward``
@@ -12,13 +12,10 @@ field (``data/prompts/compositional_eval.jsonl`` unless ``--prompts``). No model
 from __future__ import annotations
 
 import argparse
-import sys
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from arm_pairs import eval_tables, seed_list  # noqa: E402
-
-REPO = Path(__file__).resolve().parents[2]
+from bench.common import REPO
+from bench.studies.arm_pairs import eval_tables, seed_list
 
 
 def prompt_kinds(path: Path) -> dict[str, str]:

@@ -1,6 +1,6 @@
 """Issue 45 item 5: a tree shape's short training pass, summarised per variant root.
 
-    python bench/studies/shape_pass.py ROOT [ROOT ...]
+    python -m bench.studies.shape_pass ROOT [ROOT ...]
 
 Each ROOT is a `tpgrpo compare run --tree-modes tp` output (one arm, ``tree-tp``, seeds under it). Prints per
 root: the tree's counts (leaves, trained SDE edges and transformer rows per prompt), the update's transitions

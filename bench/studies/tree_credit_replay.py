@@ -1,7 +1,7 @@
 """Offline replay of a tree's credit under both edge returns (issue 35): the stage's ``mean`` against ``ode``.
 
-    python bench/studies/tree_credit_replay.py data/iters/0001/probe.parquet   # a tree run's probe table
-    python bench/studies/tree_credit_replay.py                                 # makes one: tree rollout + probe, tiny model
+    python -m bench.studies.tree_credit_replay data/iters/0001/probe.parquet   # a tree run's probe table
+    python -m bench.studies.tree_credit_replay                                 # makes one: tree rollout + probe, tiny model
 
 No model runs for a given table: ``tpgrpo.algo.tree_credit.tree_credit_table`` is called on it for every credit
 mode with ``edge_return`` mean (the credit stage's choice) and ode (F = Q(child): B = d, so the TP modes equal
@@ -18,24 +18,20 @@ from pathlib import Path
 import numpy as np
 import pandas as pd
 
-REPO = Path(__file__).resolve().parents[2]
-sys.path.insert(0, str(REPO))
 MODES = ("flow_grpo", "incremental", "tp", "tp_unconstrained")
 
 
 def make_probe_table(folder: Path) -> Path:
     """A tree rollout and probe of iteration 1 with this checkout's params and tree_cost's tree arm (split steps
     0,3,6, m 1: its own shape, not the params' default tree) in ``folder``."""
-    import importlib
-
-    sys.path.insert(0, str(REPO / "bench"))
-    from tree_cost import arm_overrides, make_project
+    from bench.common import run_stage
+    from bench.tree_cost import arm_overrides, make_project
     from tpgrpo.config import load_config
 
     root = make_project(folder / "project", arm_overrides("tree", "tp"))
     cfg = load_config(root / "params.yaml")
     for name in ("rollout", "probe"):
-        importlib.import_module(f"stages.{name}").run(cfg, 1, root)
+        run_stage(name, cfg, 1, root)
     return root / "data" / "iters" / "0001" / "probe.parquet"
 
 

@@ -1,6 +1,6 @@
 """Did one update move each trained transition's log-prob the way its advantage says? (issue 35's geneval question)
 
-    python bench/studies/update_direction.py RUN_FOLDER [ITERATION]    # a trained run folder (chain or tree), default 1
+    python -m bench.studies.update_direction RUN_FOLDER [ITERATION]    # a trained run folder (chain or tree), default 1
 
 Re-scores iteration i's stored transitions that have a non-zero advantage under the policy that sampled them
 (policy i - 1) and under the one its update wrote (policy i), with the update's own scoring
@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import importlib.util
 import os
+import subprocess
 import sys
 from pathlib import Path
 
@@ -41,8 +42,13 @@ def rescore(cfg, root: Path, policy_iteration: int, iteration: int, batch, attrs
 
 
 def main(folder: Path, iteration: int) -> None:
+    found = importlib.util.find_spec("tpgrpo")  # which tpgrpo would import here (nothing is imported)
+    if found is None or Path(found.origin).parent.parent != folder:  # not the run's own code: run again with it
+        repo = Path(__file__).resolve().parents[2]
+        env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(folder), str(repo)])}
+        sys.exit(subprocess.run([sys.executable, "-m", "bench.studies.update_direction", str(folder), str(iteration)],
+                                cwd=folder, env=env).returncode)
     os.chdir(folder)
-    sys.path.insert(0, str(folder))
     import pandas as pd
     import torch
 
@@ -78,5 +84,5 @@ def main(folder: Path, iteration: int) -> None:
 
 if __name__ == "__main__":
     if len(sys.argv) not in (2, 3):
-        sys.exit("usage: python bench/studies/update_direction.py RUN_FOLDER [ITERATION]")
+        sys.exit("usage: python -m bench.studies.update_direction RUN_FOLDER [ITERATION]")
     main(Path(sys.argv[1]).resolve(), int(sys.argv[2]) if len(sys.argv) == 3 else 1)

@@ -1,7 +1,7 @@
 """The update stage's peak memory and wall time with every state in memory (before) and with the states
 read per micro-batch (after, ``tpgrpo.policy.states``), side by side in one run (issue 22).
 
-    python bench/studies/update_memory.py --prompts 64 --group-size 16 --micro-batch 8 --json .cache/update_memory/run.json
+    python -m bench.studies.update_memory --prompts 64 --group-size 16 --micro-batch 8 --json .cache/update_memory/run.json
 
 Builds a tiny-model project under ``--workdir`` (``data/base``, ``credit.mode: flow_grpo`` so the probe loads no
 model), runs iteration 1's rollout, probe and credit once, then runs ``tpgrpo stage update --iter 1``
