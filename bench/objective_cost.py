@@ -20,9 +20,8 @@ import subprocess
 import sys
 from pathlib import Path
 
-BENCH = Path(__file__).resolve().parent
-sys.path.insert(0, str(BENCH))
-from tree_cost import cpu_model, run_arm  # noqa: E402
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the checkout: bench.* and tpgrpo
+from bench.tree_cost import cpu_model, run_arm  # noqa: E402
 
 ARMS = {
     "flow_grpo": {"tree": {"enabled": False}, "credit": {"mode": "flow_grpo"}, "update": {"objective": "grpo"}},
