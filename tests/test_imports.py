@@ -134,7 +134,8 @@ def test_module_names_are_not_confusable():
     assert SHARED_NAMES.keys() <= repeated, "SHARED_NAMES lists only names that do repeat"
     assert repeated <= SHARED_NAMES.keys(), f"tpgrpo/ names used twice: {sorted(repeated - SHARED_NAMES.keys())}"
     stages = {p.stem for p in (ROOT / "stages").glob("*.py")}
-    bench = {p.stem for p in (ROOT / "bench").rglob("*.py")}  # bench/studies/ and helper folders too
+    bench = {p.stem for p in (ROOT / "bench").rglob("*.py")  # bench/studies/ and helper folders too
+             if p.name != "__init__.py"}  # a package marker, not a script
     assert bench, "bench/ has scripts"
     clash = bench & (set(names) | stages)
     assert not clash, f"bench/ scripts named like library or stage modules: {sorted(clash)}"
