@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
-from typing import Callable, Sequence
+from typing import TYPE_CHECKING, Callable, Sequence
 
 import torch
 
@@ -29,6 +29,10 @@ from tpgrpo.errors import PipelineError
 from tpgrpo.policy.lora import LoraEMA, lora_parameters
 from tpgrpo.policy.transitions import (TransitionBatch, optimizer_steps, rescore, select_transitions,  # noqa: F401
                                        validate_inputs)
+
+if TYPE_CHECKING:  # annotations only: the update runs on whatever backend the stage loaded
+    from tpgrpo.config import SamplingConfig, UpdateConfig
+    from tpgrpo.models.base import FlowBackend, PromptEmbeddings
 
 # Largest max |rho - 1| the first pass may show on fresh data (the rollout's own policy and sampler
 # re-scoring its own transitions). Measured on honest runs here: exactly 0.0 in fp32, bf16 and fp16, with 1
@@ -55,13 +59,57 @@ class UpdateInputs:
     prompts' ``embeds`` (``PromptEmbeddings``), the stored ``batch``, ``advantages`` ``(N, K)`` float32 on
     the CPU, the sampler (``SamplingConfig``) and update (``UpdateConfig``) params, and the processes."""
 
-    backend: object
-    embeds: object
+    backend: FlowBackend
+    embeds: PromptEmbeddings
     batch: TransitionBatch
     advantages: torch.Tensor
-    sampling: object
-    update: object
+    sampling: SamplingConfig
+    update: UpdateConfig
     dist: Dist = field(default_factory=Dist)
+
+
+@dataclass
+class FirstPass:
+    """The first optimizer step's check, made before any weight moves: on fresh data the policy re-scoring its
+    own rollout gives ratio rho = 1, so |rho - 1| measures damaged log-probs or a policy or sampler that is not
+    the rollout's.
+
+    ``max_dev``: max |rho - 1| over the step's transitions (0.0 when nothing is trained); ``per_step``
+    ``(K,)`` float32: the max per window step, -1.0 where the step had no transition (below any |rho - 1|,
+    so the max over processes keeps the figure of a process that had one)."""
+
+    max_dev: float
+    per_step: torch.Tensor
+
+    @classmethod
+    def empty(cls, num_steps: int) -> FirstPass:
+        """Before the first step: nothing measured (``num_steps`` window steps, K)."""
+        return cls(0.0, torch.full((num_steps,), -1.0))
+
+    def reduced(self, dist: Dist) -> FirstPass:
+        """The max over processes of both fields (one all-reduce), so every process stops or none."""
+        packed = dist.reduce(torch.cat([torch.tensor([self.max_dev], dtype=torch.float32), self.per_step]), "max",
+                             "update metrics")
+        return FirstPass(float(packed[0]), packed[1:])
+
+    def check(self, tolerance: float | None, optimizer, ctx: str) -> None:
+        """Stop (weights unchanged, gradients cleared) when ``max_dev`` exceeds ``tolerance`` (None: never;
+        a NaN deviation stops too)."""
+        if tolerance is None or self.max_dev <= tolerance:
+            return
+        optimizer.zero_grad(set_to_none=True)
+        step = int(torch.argmax(self.per_step))
+        raise PipelineError(
+            f"update{ctx}: the stored log-probs do not match the policy that sampled them: first-pass "
+            f"max |ratio - 1| = {self.max_dev:.3g} (window step {step}; tolerance {tolerance:g}); "
+            "trajectories.zarr's log_probs are damaged, or the previous policy or the sampler is not the "
+            "rollout's; weights left unchanged")
+
+    def as_log(self) -> dict:
+        """``update.json``'s ``first_pass_ratio_max_dev`` and ``first_pass_ratio_dev_per_step`` (None where
+        the window step had no transition)."""
+        return {"first_pass_ratio_max_dev": float(self.max_dev),
+                "first_pass_ratio_dev_per_step": [None if v < 0 else float(v) for v in self.per_step.tolist()]}
 
 
 class LossStats:
@@ -93,14 +141,14 @@ class UpdateMetrics:
     """What one iteration's update measured (``update.json``: :meth:`as_log`, keys in docs/metrics.md).
 
     ``epochs``: per epoch, ``LOSS_KEYS`` (means over its transitions, each before its step) and
-    ``grad_norm`` (mean pre-clip norm); ``first_pass_dev`` ``(K + 1,)``: max |rho - 1| over the first
-    step's transitions before any step, then per window step (-1 where absent); ``after``: the ``*_after``
+    ``grad_norm`` (mean pre-clip norm); ``first_pass``: the first step's check (:class:`FirstPass`);
+    ``after``: the ``*_after``
     figures measured once after the last step."""
 
     num_transitions: int
     num_samples: int
     steps_per_epoch: int
-    first_pass_dev: torch.Tensor
+    first_pass: FirstPass
     epochs: list[dict[str, float]] = field(default_factory=list)
     after: dict[str, float] = field(default_factory=dict)
     forward_passes: int = 0
@@ -114,9 +162,7 @@ class UpdateMetrics:
         log.update(self.after, epochs=len(self.epochs), optimizer_steps=self.steps_per_epoch * len(self.epochs),
                    num_transitions=self.num_transitions, num_samples=self.num_samples,
                    transitions_per_step=self.num_transitions / self.steps_per_epoch if self.steps_per_epoch else 0.0,
-                   first_pass_ratio_max_dev=float(self.first_pass_dev[0]),
-                   first_pass_ratio_dev_per_step=[None if v < 0 else float(v) for v in self.first_pass_dev[1:].tolist()],
-                   forward_passes=self.forward_passes, processes=self.processes)
+                   **self.first_pass.as_log(), forward_passes=self.forward_passes, processes=self.processes)
         return log
 
 
@@ -136,7 +182,7 @@ def train_iteration(inputs: UpdateInputs, optimizer, seeds: Sequence[int], ema: 
     total = orders[0][0].numel() if orders else 0
     steps = optimizer_steps(total, cfg.optimizer_steps_per_iter // len(seeds), cfg.min_transitions_per_step)
     metrics = UpdateMetrics(total, int(orders[0][0].unique().numel()) if orders else 0, steps if total else 0,
-                            torch.cat([torch.zeros(1), torch.full((batch.num_steps,), -1.0)]), processes=dist.world)
+                            FirstPass.empty(batch.num_steps), processes=dist.world)
     counter = _MicroBatches(progress, len(seeds) * sum(_micro_batches(c.numel(), dist, cfg.micro_batch)
                                                        for c in torch.tensor_split(orders[0][0], steps)) if total else 0)
     optimizer.zero_grad(set_to_none=True)
@@ -148,12 +194,11 @@ def train_iteration(inputs: UpdateInputs, optimizer, seeds: Sequence[int], ema: 
         for step, (n_step, k_step) in enumerate(zip(torch.tensor_split(n_idx, steps), torch.tensor_split(k_idx, steps))):
             ctx = _context(iteration, f"optimizer step {step + 1}/{steps}")
             first = epoch == 0 and step == 0
-            per_step_dev = metrics.first_pass_dev[1:] if first else torch.full((batch.num_steps,), -1.0)
+            per_step_dev = metrics.first_pass.per_step if first else torch.full((batch.num_steps,), -1.0)
             dev = accumulate_step(inputs, n_step, k_step, stats, per_step_dev, ctx, counter)
             if first:  # before any step: every process sees the same reduced figure, so all stop or none
-                metrics.first_pass_dev[0] = dev
-                metrics.first_pass_dev = dist.reduce(metrics.first_pass_dev, "max", "update metrics")
-                _check_first_pass(metrics.first_pass_dev, ratio_tolerance, optimizer, _context(iteration))
+                metrics.first_pass = FirstPass(dev, per_step_dev).reduced(dist)
+                metrics.first_pass.check(ratio_tolerance, optimizer, _context(iteration))
             norms.append(_apply_step(inputs, optimizer, ema, ctx))
         stats.reduce(dist)
         metrics.epochs.append({**stats.means(), "grad_norm": sum(norms) / len(norms)})
@@ -287,20 +332,6 @@ def _after_stats(inputs: UpdateInputs, n_idx, k_idx, counter: _MicroBatches) -> 
     return {**stats.means(suffix="_after"), "ratio_max_dev_after": max_dev}
 
 
-def _check_first_pass(first: torch.Tensor, tolerance: float | None, optimizer, ctx: str) -> None:
-    """Stop (weights unchanged) when the first pass's max |rho - 1| (``first[0]``; per window step in
-    ``first[1:]``, -1 where absent) exceeds ``tolerance``."""
-    if tolerance is None or float(first[0]) <= tolerance:  # (a NaN deviation stops too)
-        return
-    optimizer.zero_grad(set_to_none=True)
-    step = int(torch.argmax(first[1:]))
-    raise PipelineError(
-        f"update{ctx}: the stored log-probs do not match the policy that sampled them: first-pass "
-        f"max |ratio - 1| = {float(first[0]):.3g} (window step {step}; tolerance {tolerance:g}); "
-        "trajectories.zarr's log_probs are damaged, or the previous policy or the sampler is not the "
-        "rollout's; weights left unchanged")
-
-
-__all__ = ["FIRST_PASS_RATIO_TOLERANCE", "LOSS_KEYS", "LossStats", "TransitionBatch", "UpdateInputs", "UpdateMetrics",
+__all__ = ["FIRST_PASS_RATIO_TOLERANCE", "FirstPass", "LOSS_KEYS", "LossStats", "TransitionBatch", "UpdateInputs", "UpdateMetrics",
            "accumulate_step", "make_optimizer", "optimizer_steps", "rescore", "select_transitions", "train_iteration",
            "update_policy", "validate_inputs"]
