@@ -1,7 +1,7 @@
 """Cost per iteration of update.objective nft / awm against Flow-GRPO (grpo, flow_grpo credit), on the tiny model.
 
-    python bench/objective_cost.py                     # pairs at once, 1 thread each: flow_grpo with nft, with awm
-    python bench/objective_cost.py --arms nft,tree-tp-nft   # other arms beside flow_grpo (names below)
+    python -m bench.objective_cost                     # pairs at once, 1 thread each: flow_grpo with nft, with awm
+    python -m bench.objective_cost --arms nft,tree-tp-nft   # other arms beside flow_grpo (names below)
 
 Each arm is iteration 1's rollout, probe, credit and update in a fresh project built from this checkout's
 params.yaml and ``data/base`` (``bench/tree_cost.py``'s ``run_arm``; eval left out: the same for every arm).
@@ -20,8 +20,8 @@ import subprocess
 import sys
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the checkout: bench.* and tpgrpo
-from bench.tree_cost import cpu_model, run_arm  # noqa: E402
+from bench.common import REPO
+from bench.tree_cost import cpu_model, run_arm
 
 ARMS = {
     "flow_grpo": {"tree": {"enabled": False}, "credit": {"mode": "flow_grpo"}, "update": {"objective": "grpo"}},
@@ -37,7 +37,7 @@ ARMS = {
 
 def spawn(arm: str) -> subprocess.Popen:
     env = {**os.environ, "OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1"}
-    return subprocess.Popen([sys.executable, __file__, "--one", arm], env=env, stdout=subprocess.PIPE, text=True)
+    return subprocess.Popen([sys.executable, "-m", "bench.objective_cost", "--one", arm], cwd=REPO, env=env, stdout=subprocess.PIPE, text=True)
 
 
 def pair(arm: str, baseline: str = "flow_grpo") -> None:
