@@ -18,7 +18,6 @@ import json
 import os
 import subprocess
 import sys
-from pathlib import Path
 
 from bench.common import REPO
 from bench.tree_cost import cpu_model, run_arm
