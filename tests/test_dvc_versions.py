@@ -1,4 +1,4 @@
-"""tpgrpo's patches of DVC's internals run only on the DVC they were verified on (tpgrpo.pipeline.dvc_versions).
+"""tpgrpo's patches of DVC's internals run only on the DVC they were verified on (tpgrpo.io.dvc_versions).
 
 - The source of every DVC and dvc-data function the patches replace, copy, wrap or rely on is pinned by hash:
   a DVC whose functions changed fails here, even under the same version string.
@@ -17,8 +17,8 @@ from pathlib import Path
 
 import pytest
 
-from tpgrpo.pipeline import dvc_versions
-from tpgrpo.pipeline.dvc_versions import SOURCES, VERIFIED, DvcVersionError
+from tpgrpo.io import dvc_versions
+from tpgrpo.io.dvc_versions import SOURCES, VERIFIED, DvcVersionError
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -33,13 +33,13 @@ def test_verified_versions_are_the_pinned_ones():
 
 def test_sources_of_the_patched_dvc_functions_are_the_verified_ones():
     # a fresh interpreter: in this one a test may have installed the patches over the originals
-    code = ("import json; from tpgrpo.pipeline.dvc_versions import SOURCES, source_digest; "
+    code = ("import json; from tpgrpo.io.dvc_versions import SOURCES, source_digest; "
             "print(json.dumps({name: source_digest(name) for name in SOURCES}))")
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     found = json.loads(done.stdout)
     changed = {name: digest for name, digest in found.items() if digest != SOURCES[name]}
     assert not changed, (f"DVC's source changed in {sorted(changed)}: read the diff, port tpgrpo's copies, then "
-                         f"set these hashes in tpgrpo/pipeline/dvc_versions.py: {changed}")
+                         f"set these hashes in tpgrpo/io/dvc_versions.py: {changed}")
 
 
 def test_source_digest_sees_a_change(monkeypatch):

@@ -101,7 +101,7 @@ def run_command(params: ParamsOpt = Path("params.yaml")) -> None:
     from tpgrpo.errors import PipelineError
     from tpgrpo.pipeline.blocks import read_as_dvc
     from tpgrpo.pipeline.dvc_atomic import dvc_env, sweep_stale_temps
-    from tpgrpo.pipeline.dvc_versions import require_verified
+    from tpgrpo.io.dvc_versions import require_verified
 
     root = Path(params).resolve().parent
     try:

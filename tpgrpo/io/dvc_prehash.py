@@ -172,10 +172,10 @@ def _dvc_repo(path: Path):
     where DVC cannot open it (then no ``dvc repro`` can use the md5s either).
     Not resolved: DVC keys its state on the path as it was given (from the working directory, as here).
     Refused (one line) on a DVC or dvc-data other than the one verified: the trust in state entries and cache
-    modes above is that release's (:mod:`tpgrpo.pipeline.dvc_versions`)."""
+    modes above is that release's (:mod:`tpgrpo.io.dvc_versions`)."""
     for folder in Path(os.path.abspath(path)).parents:
         if (folder / ".dvc").is_dir():
-            from tpgrpo.pipeline.dvc_versions import require_verified
+            from tpgrpo.io.dvc_versions import require_verified
 
             require_verified()
             from dvc.exceptions import DvcException

@@ -90,11 +90,11 @@ def _edit_rwlock(lock_dir, fs, hardlink):
 
 def install() -> None:
     """Patch this process's DVC so that its lock, pipeline and rwlock files are written atomically. Refused
-    (:class:`tpgrpo.pipeline.dvc_versions.DvcVersionError`, one line) on a DVC other than the one verified."""
+    (:class:`tpgrpo.io.dvc_versions.DvcVersionError`, one line) on a DVC other than the one verified."""
     import importlib
 
     from tpgrpo.pipeline import lock_blocks
-    from tpgrpo.pipeline.dvc_versions import require_verified
+    from tpgrpo.io.dvc_versions import require_verified
 
     require_verified()  # before DVC is imported: a refusal costs no DVC start-up
     from dvc import rwlock
@@ -137,7 +137,7 @@ def run_dvc(root: Path, *args: str) -> None:
 
 
 def main(argv: list[str]) -> int:
-    from tpgrpo.pipeline.dvc_versions import DvcVersionError
+    from tpgrpo.io.dvc_versions import DvcVersionError
 
     try:
         install()

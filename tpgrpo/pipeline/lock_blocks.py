@@ -89,8 +89,8 @@ def install(write_text: Callable[[str, Callable], None]) -> None:
     """Replace ``dvc.dvcfile.Lockfile.dump_stages`` in this process by one that writes through
     :func:`updated_text` and ``write_text(path, write)`` (the atomic writer), falling back to DVC's own
     method for a missing file, another file system or another shape. Refused (one line) on a DVC other than
-    the one verified (:mod:`tpgrpo.pipeline.dvc_versions`)."""
-    from tpgrpo.pipeline.dvc_versions import require_verified
+    the one verified (:mod:`tpgrpo.io.dvc_versions`)."""
+    from tpgrpo.io.dvc_versions import require_verified
 
     require_verified()
     from dvc import dvcfile
