@@ -93,9 +93,9 @@ def test_a_sealed_file_rewritten_during_the_repro_is_not_vouched_for(tmp_path, m
         monkeypatch.setattr(f"{module}.{name}", value)
     monkeypatch.setattr(repro.subprocess, "run", fake_dvc)
     assert repro.repro_args(root, 4) == ["repro"]  # never vouched for: the full check
-    repro._repro(root, cfg, 4, {})
+    repro._repro(root, cfg, 4, {}, lambda line: None)
     assert not seal_cache.unchanged(root, [BLOCK])  # before: vouched for with the rewritten file's stamp
     monkeypatch.setattr(repro.subprocess, "run", lambda args, **kwargs: subprocess.CompletedProcess(args, 0))
-    repro._repro(root, cfg, 4, {})
+    repro._repro(root, cfg, 4, {}, lambda line: None)
     assert seal_cache.unchanged(root, [BLOCK]) and repro.repro_args(root, 4)[-1] == "dvc.yaml"
     assert checked == []
