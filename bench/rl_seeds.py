@@ -89,8 +89,7 @@ def train_seeds(args) -> tuple[dict, dict]:
             running.remove(item)
             if proc.returncode != 0:
                 sys.exit(f"seed {seed} failed (exit {proc.returncode}); see {folder / 'run.log'}")
-            summary = json.loads((folder / "data" / "metrics" / "summary.json").read_text())
-            results[seed] = {**summary, "wall_minutes": round((time.time() - start) / 60, 1)}
+            results[seed] = {**run_result(folder), "wall_minutes": round((time.time() - start) / 60, 1)}
             print(f"seed {seed}: {json.dumps(results[seed])}", flush=True)
     return results, folders
 
@@ -101,8 +100,7 @@ def collect(workdirs: list[Path]) -> tuple[dict, dict]:
     for workdir in workdirs:
         for folder in sorted(workdir.glob("seed-*")):
             seed = int(folder.name.split("-")[1])
-            summary = json.loads((folder / "data" / "metrics" / "summary.json").read_text())
-            results[seed], folders[seed] = {**summary, "wall_minutes": None}, folder
+            results[seed], folders[seed] = {**run_result(folder), "wall_minutes": None}, folder
     return results, folders
 
 
@@ -130,6 +128,20 @@ def extra_evaluations(results: dict, folders: dict, eval_seeds: list[int]) -> No
             extra[eval_seed] = [base[eval_seed], final]
             print(f"seed {seed}, eval seed {eval_seed}: base {base[eval_seed]:.3f} final {final:.3f}", flush=True)
         results[seed]["extra_eval"] = extra
+
+
+def run_result(folder: Path) -> dict:
+    """A finished run's summary plus base and final held-out numbers read from its eval logs:
+    ``{base,final}_{eval_reward,train_reward,strict_accuracy}`` (``train_reward``: the training reward on
+    the held-out prompts), the base from ``baseline_eval.json``, the final from the last ``eval.json``."""
+    iters = folder / "data" / "iters"
+    summary = json.loads((folder / "data" / "metrics" / "summary.json").read_text())
+    base = json.loads((iters / "baseline_eval.json").read_text())
+    final = json.loads(sorted(iters.glob("[0-9]*/eval.json"))[-1].read_text())
+    flat = {f"{side}_{key}": log[name] for side, log in (("base", base), ("final", final))
+            for key, name in (("eval_reward", "eval_reward"), ("train_reward", "train_reward"),
+                              ("strict_accuracy", "eval_strict_accuracy"))}
+    return {**summary, **flat}
 
 
 def gain_over_eval_seeds(run: dict) -> float:
