@@ -188,7 +188,7 @@ def test_lowering_the_iteration_count_into_a_sealed_block_re_runs_nothing(run_co
 def test_a_params_edit_after_a_code_change_re_runs_only_the_stages_it_touches(run_copy):
     root = run_copy
     with open(root / "stages/eval.py", "a") as f:
-        f.write("\n# a code change only the eval stages import\n")
+        f.write("\n_code_change = 1  # code (a comment alone changes no manifest) only the eval stages import\n")
     out = _tpgrpo(root, "run").stdout
     # before: the sealed block re-ran whole (`tpgrpo block`: rollouts, probes, updates included)
     assert "unsealed iters-0001-0002 (code changed: data/code/eval.json)" in out, out
@@ -286,7 +286,7 @@ def test_a_run_refused_for_a_code_edit_leaves_the_code_manifests_as_they_were(ru
     before = [(p.read_bytes(), p.stat().st_mtime_ns) for p in files]
     code = root / "tpgrpo/algo/credit.py"
     source = code.read_text()
-    code.write_text(source + "\n# an edit\n")
+    code.write_text(source + "\n_an_edit = 1  # code: a comment alone changes no manifest\n")
     refused = _tpgrpo(root, "run", ok=False)
     lines = refused.stderr.strip().splitlines()
     assert refused.returncode == 2 and len(lines) == 1, refused.stderr
