@@ -188,6 +188,24 @@ def pretrain(out_dir, *, seed: int = 0, minutes: float | None = None, steps: int
     if ckpt.exists():
         run.resume_from(load_checkpoint(run, rng, ckpt, change_budget))
         print(f"pretrain: resumed from {ckpt} at step {run.n_steps}", flush=True)
+    if not _train_until_done(run, draw, rng, ckpt, batch_size, log_every, save_every_minutes, piece_minutes,
+                             stop_at_step):
+        return run.info(complete=False)
+    if run.window:
+        run.log()
+    info = run.save(complete=True)
+    ckpt.unlink(missing_ok=True)
+    print(f"pretrain: saved {out_dir} after {info['steps']} steps, {info['minutes']} min, "
+          f"final loss {info['final_loss']}", flush=True)
+    return info
+
+
+def _train_until_done(run, draw, rng, ckpt: Path, batch_size: int, log_every: int, save_every_minutes,
+                      piece_minutes, stop_at_step) -> bool:
+    """Train ``run`` to the end of its budget (True) or to the end of this piece (False, checkpoint written),
+    writing the resumable checkpoint every ``save_every_minutes``."""
+    from tpgrpo.models.pretrain_checkpoint import save_checkpoint
+
     piece_start = last_save = time.monotonic()
     while run.progress() < 1.0:
         prompts, images = draw(rng, batch_size)
@@ -202,14 +220,8 @@ def pretrain(out_dir, *, seed: int = 0, minutes: float | None = None, steps: int
         if (piece_over or (stop_at_step and run.n_steps >= stop_at_step)) and run.progress() < 1.0:
             save_checkpoint(run, rng, ckpt, run.elapsed())
             print(f"pretrain: piece over at step {run.n_steps}; resume with the same command", flush=True)
-            return run.info(complete=False)
-    if run.window:
-        run.log()
-    info = run.save(complete=True)
-    ckpt.unlink(missing_ok=True)
-    print(f"pretrain: saved {out_dir} after {info['steps']} steps, {info['minutes']} min, "
-          f"final loss {info['final_loss']}", flush=True)
-    return info
+            return False
+    return True
 
 
 class _Run:
