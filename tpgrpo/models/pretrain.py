@@ -167,7 +167,7 @@ def pretrain(out_dir, *, seed: int = 0, minutes: float | None = None, steps: int
     """
     import torch
 
-    from tpgrpo.models.pretrain_checkpoint import default_checkpoint_path, load_checkpoint, save_checkpoint
+    from tpgrpo.models.pretrain_checkpoint import default_checkpoint_path, load_checkpoint
     from tpgrpo.models.tiny import TinyBackend, TinyConfig, build_tiny
 
     if minutes is None and steps is None:
