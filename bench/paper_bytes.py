@@ -167,7 +167,7 @@ def per_iteration(records: list[dict], root: Path, i: int) -> dict[str, float]:
 
 
 def _is_dvc(record: dict) -> bool:
-    from paper_standin.paper_timers import is_dvc_argv
+    from bench.paper_standin.paper_timers import is_dvc_argv
 
     return is_dvc_argv(record["argv"])
 

@@ -85,7 +85,7 @@ def build_folder(folder: Path, layers: int, text_layers: int | None = None) -> P
     from diffusers import AutoencoderKL, FlowMatchEulerDiscreteScheduler, SD3Transformer2DModel, StableDiffusion3Pipeline
     from transformers import CLIPTextConfig, CLIPTextModelWithProjection
 
-    from bench_sd3 import SD35_MEDIUM_TRANSFORMER, SD3_VAE
+    from bench.bench_sd3 import SD35_MEDIUM_TRANSFORMER, SD3_VAE
 
     tok = clip_tokenizer()
     eos = tok.convert_tokens_to_ids("<|endoftext|>")

@@ -32,7 +32,7 @@ def transformer_row_flops(resolution: int = 512) -> float:
     import torch
     from diffusers import SD3Transformer2DModel
 
-    from bench_sd3 import SD35_MEDIUM_TRANSFORMER
+    from bench.bench_sd3 import SD35_MEDIUM_TRANSFORMER
 
     side = resolution // 8
     inputs = dict(hidden_states=torch.zeros(1, 16, side, side, dtype=torch.bfloat16),
@@ -50,7 +50,7 @@ def vae_decode_flops(resolution: int = 512) -> float:
     import torch
     from diffusers import AutoencoderKL
 
-    from bench_sd3 import SD3_VAE
+    from bench.bench_sd3 import SD3_VAE
 
     vae = AutoencoderKL(**SD3_VAE).eval()
     return _count(vae.decode, torch.zeros(1, 16, resolution // 8, resolution // 8))
