@@ -61,6 +61,8 @@ def folder_with(tmp_path: Path, name: str, machines, code) -> Path:
     ([FAKE_MACHINE], {**FAKE_CODE, "libraries": {"torch": "2.14.0"}}, "differ", "(torch)"),
     (None, FAKE_CODE, "unknown", "no machine.json"),
     ([FAKE_MACHINE], None, "unknown", "no code manifests"),
+    # md5s of stripped code (the code hash) against bytes (older manifests, no "hashes"): not evidence either way
+    ([FAKE_MACHINE], {**FAKE_CODE, "hashes": "code"}, "unknown", "hashed their code differently (bytes vs code)"),
 ])
 def test_mismatch_names_what_differs(tmp_path, machines_b, code_b, status, words):
     a = folder_with(tmp_path, "a", [FAKE_MACHINE], FAKE_CODE)

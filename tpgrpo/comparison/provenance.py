@@ -99,7 +99,8 @@ def run_machine(folder: Path) -> tuple[tuple | None, str]:
 
 
 def code_record(folder: Path) -> dict | None:
-    """``{kind: {"files": {path: md5}, "libraries": {...}}}`` of the run's numeric kinds, None without manifests."""
+    """``{kind: {"files": {path: md5}, "libraries": {...}, "hashes": what a md5 is of}}`` of the run's numeric
+    kinds, None without manifests. ``hashes`` is "bytes" for manifests older than the code hash (they lack it)."""
     from tpgrpo.comparison import store
 
     out = {}
@@ -108,7 +109,8 @@ def code_record(folder: Path) -> dict | None:
         if not store.is_file(path):
             return None
         record = store.read_json(path)
-        out[kind] = {"files": record.get("files", {}), "libraries": record.get("libraries", {})}
+        out[kind] = {"files": record.get("files", {}), "libraries": record.get("libraries", {}),
+                     "hashes": record.get("hashes", "bytes")}
     return out
 
 
@@ -140,6 +142,10 @@ def mismatch(folders: list[Path]) -> tuple[str, str]:
     missing = [f for f, c in codes if c is None]
     if missing:
         return "unknown", f"{missing[0]}: no code manifests (data/code/*.json)"
+    formats = sorted({(code[kind]["hashes"], str(folder)) for folder, code in codes for kind in NUMERIC_KINDS})
+    if formats[0][0] != formats[-1][0]:  # md5s of bytes and of stripped code never agree: no evidence either way
+        (x, a), (y, b) = formats[0], formats[-1]
+        return "unknown", f"{a} and {b} hashed their code differently ({x} vs {y}): the files cannot be compared"
     for folder, code in codes[1:]:
         differ = code_difference(codes[0][1], code)
         if differ:
