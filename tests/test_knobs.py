@@ -193,3 +193,21 @@ def test_dvc_sees_no_change_when_every_knob_changes_after_a_run(tiny_project):
     set_params(root, {"update.micro_batch": 8})
     set_params(root, {"probe.batch_size": 4})
     assert changed() == {"probe-0001"}
+
+
+def test_a_knob_is_a_flag_on_its_params_declaration():
+    """``param(..., knob=KIND)`` is the one place a key is said to change how the work runs and no number:
+    EXECUTION_KNOBS (stage-read, unrecorded) and the comparison's NEUTRAL_KEYS derive from it."""
+    from tpgrpo.comparison.runs import NEUTRAL_KEYS
+    from tpgrpo.config import param, param_fields
+
+    with pytest.raises(ValueError, match="param knob 'fast'"):
+        param(0, "a key", knob="fast")
+    kinds = {key: f.metadata["knob"] for key, f in param_fields().items() if f.metadata["knob"]}
+    assert {k for k, kind in kinds.items() if kind != "bookkeeping"} == set(EXECUTION_KNOBS)
+    bookkeeping = {k for k, kind in kinds.items() if kind == "bookkeeping"}
+    assert {"train.block_size", "launch.stage_server", "retention.keep_trajectories"} <= bookkeeping
+    for stage, keys in STAGE_PARAMS.items():  # orchestration reads them; no stage does
+        assert not any(covered(key, keys) for key in bookkeeping), stage
+    assert NEUTRAL_KEYS == {k for k, kind in kinds.items() if kind != "placement"}
+    assert "model.device" not in NEUTRAL_KEYS  # another device rounds differently: runs are not pooled across it

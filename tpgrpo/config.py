@@ -22,7 +22,10 @@ import yaml
 from tpgrpo.config_rules import check_consistency
 from tpgrpo.config_values import RANGE_TEXT, RANGES, ConfigError, build_section  # noqa: F401 - re-exported
 
-# Execution knobs (tpgrpo.stage_params.EXECUTION_KNOBS): read by the stages, recorded by none.
+# Keys that change how the work runs, never a number. The stages read the first four kinds and record none
+# (tpgrpo.stage_params.EXECUTION_KNOBS); only orchestration reads "bookkeeping" keys. Every kind but placement
+# (another device rounds differently) leaves every byte as it was (tpgrpo.comparison.runs.NEUTRAL_KEYS).
+KNOB_KINDS = ("placement", "memory", "hashing", "caching", "bookkeeping")
 KNOB = "An execution knob: not recorded, changing it re-runs nothing (docs/long-runs.md)"
 # The batch sizes are recorded: at some batch shapes a batched pass rounds differently (measured on a CPU).
 BATCH_INPUT = "Recorded, not a mere memory knob: at some sizes batched passes round differently"
@@ -31,13 +34,16 @@ SPECIAL_BOUNDS = ("reward", "completion", "steps", "children")  # a reward spec;
 
 
 def param(default: Any, doc: str, unit: str = "", bounds: str | tuple[str, ...] = "", rule: str = "",
-          note: str = "") -> Any:
+          note: str = "", knob: str = "") -> Any:
     """A params key: its code default and, written once, what it means (``doc``), its ``unit``, its
     ``bounds`` (checked at load: a tuple of choices, a key of :data:`RANGES` or of :data:`SPECIAL_BOUNDS`),
-    a cross-key ``rule`` (checked by :func:`tpgrpo.config_rules.check_consistency`) and a ``note`` (why this value, the paper's)."""
+    a cross-key ``rule`` (checked by :func:`tpgrpo.config_rules.check_consistency`), a ``note`` (why this value, the paper's)
+    and, for a key that changes how the work runs but no number, its ``knob`` kind (one of :data:`KNOB_KINDS`)."""
+    if knob not in ("", *KNOB_KINDS):
+        raise ValueError(f"param knob {knob!r}: expected one of {list(KNOB_KINDS)}")
     if bounds and not isinstance(bounds, tuple) and bounds not in RANGES and bounds not in SPECIAL_BOUNDS:
         raise ValueError(f"param bounds {bounds!r}: expected choices, one of {list(RANGES)} or {SPECIAL_BOUNDS}")
-    meta = {"doc": doc, "unit": unit, "bounds": bounds, "rule": rule, "note": note}
+    meta = {"doc": doc, "unit": unit, "bounds": bounds, "rule": rule, "note": note, "knob": knob}
     return field(default=default, metadata=meta)
 
 
@@ -47,7 +53,7 @@ class ModelConfig:
 
     kind: str = param("tiny", "model backend; tiny = the embedded model", bounds=("tiny", "sd3", "flux"))
     path: str = param("data/base", "local model folder in the diffusers save_pretrained layout", "path")
-    device: str = param("cpu", "torch device of every model stage (cpu, cuda, cuda:1)",
+    device: str = param("cpu", "torch device of every model stage (cpu, cuda, cuda:1)", knob="placement",
                         note=f"{KNOB}. cuda -> cuda:1 on the same GPU kind: the same numbers; cpu <-> cuda or another "
                         "GPU kind rounds differently")
     dtype: str = param("fp32", "dtype of the weights; the step maths and log-probs always run in fp32",
@@ -77,6 +83,7 @@ class RewardModelsConfig:
     """Local folders of the reward models (nothing is downloaded) and how they run; "" = not configured."""
 
     device: str = param("cpu", "torch device of the reward models (cuda on a GPU machine); they run in fp32",
+                        knob="placement",
                         note=f"{KNOB}, as model.device; with several processes, cuda and cuda:N mean each "
                              "process's own GPU")
     batch_size: int = param(32, "images per reward-model forward pass", "images", "> 0",
@@ -227,7 +234,7 @@ class UpdateConfig:
     ema: bool = param(False, "keep an EMA of the LoRA weights for eval and export")
     gradient_checkpointing: bool = param(False, "recompute transformer blocks in backward: less memory, about "
                                          "30% slower", note=f"SD3.5 / FLUX at 512 px on one GPU. {KNOB}; the adapter "
-                                         "byte-identical at equal thread counts (CPU)")
+                                         "byte-identical at equal thread counts (CPU)", knob="memory")
     objective: str = param(
         "grpo", "the update's objective: grpo (PPO-clip on the stored SDE transitions' log-probs), nft "
         "(DiffusionNFT) or awm (Advantage Weighted Matching), both on forward noisings of the clean samples, with "
@@ -287,7 +294,7 @@ class TrainConfig:
     block_size: int = param(25, "finished iterations recorded as ONE sealed DVC stage per block of this many "
                             "(their five stages per iteration leave dvc.yaml); 0 = never seal", "iterations",
                             ">= 0", note="Keeps DVC's work bounded at 1,000 iterations; a param change a sealed "
-                            "block read unseals it first (exact re-runs)")
+                            "block read unseals it first (exact re-runs)", knob="bookkeeping")
 
 
 @dataclass(frozen=True)
@@ -296,9 +303,9 @@ class RetentionConfig:
     artifact; no stage reads it."""
 
     keep_trajectories: int = param(0, "trajectories.zarr + prompt embeddings of the last k finished iterations "
-                                   "(0 = keep all)", "iterations", ">= 0")
+                                   "(0 = keep all)", "iterations", ">= 0", knob="bookkeeping")
     keep_adapter_every: int = param(0, "policy adapters of every m-th iteration, plus each block's last "
-                                    "(0 = keep all)", "iterations", ">= 0")
+                                    "(0 = keep all)", "iterations", ">= 0", knob="bookkeeping")
 
 
 @dataclass(frozen=True)
@@ -324,17 +331,19 @@ class LaunchConfig:
     stage_server: bool = param(True, "on the CPU (on a GPU too with launch.resident_model) with one process per "
                                "stage (Linux), stages fork from a server "
                                "that imported torch/diffusers/transformers/peft once "
-                               "(tpgrpo.pipeline.stage_server); false = each imports its own")
+                               "(tpgrpo.pipeline.stage_server); false = each imports its own", knob="bookkeeping")
     resident_model: bool = param(False, "the stage server loads the base model once, on the CPU, for the stages "
                                  "to fork with (tpgrpo.models.resident); with model.device cuda it also starts "
                                  "the server for GPU stages, each of which moves its forked copy to the GPU (not "
-                                 "yet run on a GPU); false = each stage loads it")
+                                 "yet run on a GPU); false = each stage loads it", knob="bookkeeping")
     hash_while_writing: bool = param(True, "the rollout takes the md5 of each trajectory-store file while writing "
                                      "it and hands it to DVC's state database, so `dvc repro` does not read the "
-                                     "store again to hash it (tpgrpo.io.dvc_prehash); false = DVC hashes it")
+                                     "store again to hash it (tpgrpo.io.dvc_prehash); false = DVC hashes it",
+                                     knob="hashing")
     cache_while_writing: bool = param(True, "with hash_while_writing, the rollout also writes each trajectory-store "
                                       "file into DVC's cache under its md5, so `dvc repro` does not copy the store "
-                                      "there (tpgrpo.io.dvc_prehash); false = DVC copies it")
+                                      "there (tpgrpo.io.dvc_prehash); false = DVC copies it",
+                                      knob="caching")
 
 
 @dataclass(frozen=True)

@@ -10,29 +10,20 @@ import dataclasses
 from dataclasses import dataclass
 from typing import get_type_hints
 
-from tpgrpo.config import Config
+from tpgrpo.config import Config, param_fields
 
 # Execution knobs: params the stages read that say where and in what memory the work runs, not what it
-# computes. No stage declares them, so DVC does not record them (changing one re-runs nothing) and no
-# artifact's config_hash carries them (tpgrpo.stage_common.provenance); docs/long-runs.md ("Execution
-# knobs") has the measurements. A key belongs here only if, on one machine, changing it leaves every table
-# byte-identical at equal torch thread counts and moves the adapter by float round-off at most
-# (tests/test_knobs.py); moving to another kind of device rounds differently, as another machine does.
-# The batch sizes are not here: batched passes round differently at some batch shapes on a CPU (measured),
-# so they stay inputs. Nor is update.micro_batch (issue 46): it sums the same mean gradient in another order,
-# and AdamW's per-weight step amplifies that round-off (the shipped model's adapter: 1.9e-3 apart at 8 vs 1,
-# more than update.lr), so it is an input of the update. `launch` (the process count) is not read by stage code.
-EXECUTION_KNOBS = {
-    # Where the model runs. On one GPU kind (cuda -> cuda:1) the same numbers; cpu <-> cuda round differently.
-    "model.device": "placement",
-    "reward_models.device": "placement",  # where the reward models run: as model.device
-    # Recomputes each transformer block in the backward pass: the same ops, less memory; the same bytes.
-    "update.gradient_checkpointing": "memory",
-    # Who hashes the trajectory store for DVC: the rollout while writing it, or DVC after; the same bytes.
-    "launch.hash_while_writing": "hashing",
-    # Who copies the trajectory store into DVC's cache: the rollout while writing it, or DVC after; the same bytes.
-    "launch.cache_while_writing": "caching",
-}
+# computes: each declared with its kind in tpgrpo.config (``param(..., knob=...)``). No stage declares them, so
+# DVC does not record them (changing one re-runs nothing) and no artifact's config_hash carries them
+# (tpgrpo.stage_common.provenance); docs/long-runs.md ("Execution knobs") has the measurements. A key is one only
+# if, on one machine, changing it leaves every table byte-identical at equal torch thread counts and moves the
+# adapter by float round-off at most (tests/test_knobs.py); another kind of device rounds differently, as another
+# machine does. The batch sizes are not knobs: batched passes round differently at some batch shapes on a CPU
+# (measured). Nor is update.micro_batch: it sums the same mean gradient in another order, and AdamW's per-weight
+# step amplifies that round-off (the shipped model's adapter: 1.9e-3 apart at 8 vs 1, more than update.lr).
+STAGE_KNOB_KINDS = ("placement", "memory", "hashing", "caching")  # "bookkeeping": no stage reads it
+EXECUTION_KNOBS = {key: f.metadata["knob"] for key, f in param_fields().items()
+                   if f.metadata["knob"] in STAGE_KNOB_KINDS}
 
 
 def section_keys(section: str) -> list[str]:

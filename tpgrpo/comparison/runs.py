@@ -37,7 +37,7 @@ import yaml
 from tpgrpo.io.artifacts import atomic_path
 from tpgrpo.comparison.store import stage_seconds  # noqa: F401 - read here by results, studies and tests
 from tpgrpo.comparison.variants import BASELINE_MODE, RunSpec, Variant
-from tpgrpo.config import ConfigError, config_from_dict
+from tpgrpo.config import ConfigError, config_from_dict, param_fields
 from tpgrpo.errors import PipelineError
 from tpgrpo.pipeline.status import dvc_up_to_date
 from tpgrpo.stage_params import COMPARE, DONE, TREE_SHAPE, outputs_read_by
@@ -50,11 +50,10 @@ TRAIN_STAGES = ("rollout", "probe", "credit", "update")  # the training cost; ev
 SUMMARY = Path("data") / "metrics" / "summary.json"
 # Keys a run folder may differ in from a re-planned comparison: the equal-wall pass raises train.iterations.
 MUTABLE_KEYS = {"train.iterations"}
-# Keys that change how a run executes or what it keeps, not what it computes (tests/test_stage_server.py and
-# tests/test_sealing.py: the same bytes): an existing folder keeps its own value, or its lack of the key (it
-# may predate the key, and so may the code it was made with).
-NEUTRAL_KEYS = {"launch.stage_server", "launch.resident_model", "train.block_size", "retention.keep_trajectories",
-                "retention.keep_adapter_every", "launch.hash_while_writing", "launch.cache_while_writing"}
+# Keys that change how a run executes or what it keeps, not what it computes: the knobs of tpgrpo.config but the
+# placement ones (tests/test_knobs.py, test_stage_server.py, test_sealing.py: the same bytes). An existing folder
+# keeps its own value, or its lack of the key (it may predate the key, and so may the code it was made with).
+NEUTRAL_KEYS = {key for key, f in param_fields().items() if f.metadata["knob"] not in ("", "placement")}
 
 
 def flatten(raw: dict, prefix: str = "") -> dict[str, Any]:
