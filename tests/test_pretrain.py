@@ -162,3 +162,31 @@ def test_a_budget_change_on_resume_is_recorded_and_reproducible(tmp_path):
         assert torch.equal(pa, pb)
     straight = _run(tmp_path / "straight", steps=6)  # the lr schedule differs from step 4 on: other weights
     assert straight["budget_changes"] == [] and straight["final_loss"] != info["final_loss"]
+
+
+def test_a_second_phase_starts_from_a_saved_model_and_records_it(tmp_path):
+    """``init_from``: the second phase's step 0 is the first phase's saved (EMA) weights, its own schedule runs
+    from there, and ``pretrain.json`` says what it started from; the same two phases give the same weights."""
+    _run(tmp_path / "first", steps=8)
+    info = _run(tmp_path / "second", steps=4, init_from=tmp_path / "first")
+    again = _run(tmp_path / "again", steps=4, init_from=tmp_path / "first")
+    start = info["hparams"]["init_from"]
+    assert start["path"] == str(tmp_path / "first") and start["steps"] == 8 and len(start["weights_md5"]) == 32
+    assert again["hparams"]["init_from"] == start and info["steps"] == 4
+    second, first = load_tiny(tmp_path / "second"), load_tiny(tmp_path / "first")
+    assert all(torch.equal(a, b) for a, b in zip(second.transformer.state_dict().values(),
+                                                 load_tiny(tmp_path / "again").transformer.state_dict().values()))
+    moved = [float((a - b).abs().max()) for a, b in zip(second.transformer.state_dict().values(),
+                                                        first.transformer.state_dict().values())]
+    assert 0 < max(moved) < 0.5  # trained on from the parent, not from fresh weights
+    fresh = build_tiny(CONFIG, seed=3).transformer.state_dict()
+    assert max(float((a - b).abs().max()) for a, b in zip(second.transformer.state_dict().values(),
+                                                          fresh.values())) > max(moved)
+
+
+def test_a_second_phase_refuses_another_configuration(tmp_path):
+    _run(tmp_path / "first", steps=4)
+    other = TinyConfig(**{**CONFIG.__dict__, "num_layers": 2})
+    with pytest.raises(ValueError, match="--init-from .*first: its configuration differs"):
+        pretrain(tmp_path / "second", seed=3, steps=2, batch_size=8, config=other, data=_standin_data,
+                 save_every_minutes=None, init_from=tmp_path / "first")

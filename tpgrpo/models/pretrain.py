@@ -135,7 +135,7 @@ def pretrain(out_dir, *, seed: int = 0, minutes: float | None = None, steps: int
              save_every_minutes: float | None = 10.0, data: DataFn | None = None,
              num_threads: int | None = None, device: str = "cpu", checkpoint: Path | None = None,
              piece_minutes: float | None = None, stop_at_step: int | None = None,
-             change_budget: bool = False) -> dict:
+             change_budget: bool = False, init_from: Path | None = None) -> dict:
     """Train a tiny model from scratch and save it (EMA weights) atomically to ``out_dir``.
 
     Args:
@@ -163,6 +163,9 @@ def pretrain(out_dir, *, seed: int = 0, minutes: float | None = None, steps: int
         stop_at_step: stop (as a piece does) once this many steps are done: a reproducible piece boundary.
         change_budget: resume a checkpoint written under another ``steps`` budget; the lr schedule
             follows the new budget from there, recorded as ``budget_changes`` in ``pretrain.json``.
+        init_from: a saved tiny model folder to start from (a second phase with its own schedule) instead of
+            fresh weights; its configuration is the run's, and what it was (its ``pretrain.json`` and weights'
+            md5) is recorded as ``hparams.init_from``.
     Returns: the ``pretrain.json`` dict (steps, minutes, seed, final_loss, config, ...).
     """
     import torch
@@ -175,12 +178,16 @@ def pretrain(out_dir, *, seed: int = 0, minutes: float | None = None, steps: int
     if num_threads:
         torch.set_num_threads(num_threads)
     torch.manual_seed(seed)
-    config = config or TinyConfig()
+    config = config or (None if init_from is not None else TinyConfig())
     hparams = {"batch_size": batch_size, "lr": lr, "warmup": warmup, "weight_decay": weight_decay,
                "tasks": list(tasks), "ema_decay": ema_decay, "dropout": dropout,
                "t_sampling": "logit_normal(0,1)", "grad_clip": 1.0, "custom_data": data is not None}
-    built = build_tiny(config, seed=seed)  # initialised on the CPU: the same weights on any device
-    backend = TinyBackend(built.transformer, built.text_encoder, built.tokenizer, config, device=device)
+    if init_from is not None:
+        backend, hparams["init_from"] = _start_from(Path(init_from), config, device)
+        config = backend.config
+    else:
+        built = build_tiny(config, seed=seed)  # initialised on the CPU: the same weights on any device
+        backend = TinyBackend(built.transformer, built.text_encoder, built.tokenizer, config, device=device)
     run = _Run(backend, Path(out_dir), seed, hparams, steps, minutes)
     draw = data or task_data(tasks, image_size=config.image_size)
     rng = np.random.default_rng(seed)
@@ -198,6 +205,26 @@ def pretrain(out_dir, *, seed: int = 0, minutes: float | None = None, steps: int
     print(f"pretrain: saved {out_dir} after {info['steps']} steps, {info['minutes']} min, "
           f"final loss {info['final_loss']}", flush=True)
     return info
+
+
+def _start_from(folder: Path, config, device: str):
+    """The tiny model saved in ``folder`` as this run's starting weights, and what to record of it: its
+    ``pretrain.json`` (less the loss log) and the md5 of its weight files. ``config``, when given, must be its."""
+    import hashlib
+
+    from tpgrpo.models.tiny import TinyBackend, load_tiny
+
+    parent = load_tiny(folder)  # names the folder when it holds no tiny model
+    if config is not None and asdict(config) != asdict(parent.config):
+        raise ValueError(f"--init-from {folder}: its configuration differs from the one asked for")
+    weights = sorted(folder.glob("*/*.safetensors"))
+    digest = hashlib.md5(b"".join(hashlib.md5(w.read_bytes()).digest() for w in weights)).hexdigest()
+    info = json.loads((folder / "pretrain.json").read_text()) if (folder / "pretrain.json").is_file() else {}
+    record = {"path": str(folder), "weights_md5": digest,
+              **{k: info.get(k) for k in ("seed", "steps", "minutes", "final_loss", "hparams", "budget_changes",
+                                          "cpu", "threads")}}
+    backend = TinyBackend(parent.transformer, parent.text_encoder, parent.tokenizer, parent.config, device=device)
+    return backend, record
 
 
 def _train_until_done(run, draw, rng, ckpt: Path, batch_size: int, log_every: int, save_every_minutes,
@@ -331,13 +358,17 @@ def pretrain_command(
                                                         "a checkpoint (a reproducible piece boundary)")] = None,
     change_budget: Annotated[bool, typer.Option(help="resume a checkpoint of another --steps budget; the lr "
                                                 "schedule follows the new one from there (recorded)")] = False,
+    init_from: Annotated[Optional[Path], typer.Option(help="start from this saved tiny model's weights (a second "
+                                                      "phase; recorded) instead of fresh ones")] = None,
+    lr: Annotated[float, typer.Option(help="AdamW peak learning rate")] = 1e-3,
 ) -> None:
     """Pretrain the embedded tiny text-to-image model on rendered task images (resumable)."""
     if minutes is None and steps is None:
         raise typer.BadParameter("give --minutes or --steps")
     pretrain(out_dir, seed=seed, minutes=minutes, steps=steps, batch_size=batch_size, device=device,
              tasks=tuple(t.strip() for t in tasks.split(",") if t.strip()), piece_minutes=piece_minutes,
-             num_threads=threads, stop_at_step=stop_at_step, change_budget=change_budget)
+             num_threads=threads, stop_at_step=stop_at_step, change_budget=change_budget, init_from=init_from,
+             lr=lr)
 
 
 def _cpu_model() -> str:
