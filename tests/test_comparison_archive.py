@@ -118,3 +118,25 @@ def test_an_archive_keeps_the_stages_seconds_from_their_timing_sidecars(tmp_path
     write_archive(root, dest)
     assert store.is_file(dest / "tp" / "seed0" / "data" / "iters" / "0001" / "rollout.timing.json")
     assert train_seconds(dest / "tp" / "seed0", 4) == before
+
+
+def test_the_results_pages_are_an_index_and_one_page_per_archive(tmp_path):
+    """``tpgrpo compare page``: the index links each archive's own page (its folder's README.md) and names its
+    base model; each page holds that archive's section, links back, and its figures resolve from there."""
+    from tpgrpo.comparison.page import write_page
+
+    roots = []
+    for name in ("a", "b"):
+        comparison_with_artifacts(tmp_path / f"src-{name}")
+        write_archive(tmp_path / f"src-{name}", tmp_path / "results" / name)
+        roots.append(tmp_path / "results" / name)
+    index = write_page(roots, tmp_path / "results" / "README.md", n_boot=200)
+    text = index.read_text()
+    assert "[a](a/README.md)" in text and "[b](b/README.md)" in text and "## How the numbers are made" in text
+    assert "### Paired differences" not in text  # the sections live on the archives' pages
+    for root in roots:
+        page = (root / "README.md").read_text()
+        assert page.startswith("[All results](../README.md)") and f"## `{root}`" in page
+        assert "### Paired differences" in page and "Base model: `" in page
+        figures = [line[line.index("](") + 2:-1] for line in page.splitlines() if line.startswith("![")]
+        assert figures and all((root / f).is_file() for f in figures), figures
