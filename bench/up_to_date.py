@@ -28,7 +28,6 @@ from bench.common import REPO, reexec_with_tests_helpers
 # The harness's modules are tests helpers that import each other by bare name (tests/ first, as under pytest):
 # this script starts again with tests/ on PYTHONPATH when they do not import here.
 reexec_with_tests_helpers("bench.up_to_date", "up_to_date_harness")
-import up_to_date_actions as ua  # noqa: E402
 import up_to_date_runner as ur  # noqa: E402
 import up_to_date_harness as h  # noqa: E402
 
@@ -50,7 +49,7 @@ def main() -> None:
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--length", type=int, default=6, help="actions per sequence")
     parser.add_argument("--only", type=int, default=None, help="run only this sequence index")
-    parser.add_argument("--actions", default=",".join(ua.ACTIONS), help="comma-separated action names")
+    parser.add_argument("--actions", default=",".join(ur.ACTIONS), help="comma-separated action names")
     parser.add_argument("--code", choices=("head", "worktree"), default="head",
                         help="the code projects copy: the last commit (default) or the working tree")
     parser.add_argument("--cache", type=Path, default=Path(tempfile.gettempdir()) / "tpgrpo_up_to_date",
@@ -60,9 +59,9 @@ def main() -> None:
                         "(its path is printed) to look into")
     args = parser.parse_args()
     actions = args.actions.split(",")
-    unknown = [a for a in actions if a not in ua.ACTIONS]
+    unknown = [a for a in actions if a not in ur.ACTIONS]
     if unknown:
-        parser.error(f"unknown actions {unknown}; known: {', '.join(ua.ACTIONS)}")
+        parser.error(f"unknown actions {unknown}; known: {', '.join(ur.ACTIONS)}")
     work = Path(tempfile.mkdtemp(prefix="up_to_date_"))
     code_src = h.export_code(work / "code", args.code)
     model = build_model(args.cache / "model" / "base")

@@ -28,8 +28,9 @@ import up_to_date_runner as ur
 #   in an untracked sidecar); in CI again.
 # - edit_during_run, edit_then_interrupt: timing-dependent by nature (an edit lands in a random stage); bench only.
 # - kill_unsealing: the kill lands at a seeded file-system change of the unsealing, not at a moment: in CI.
+# - edit_dependency: a library shadowed by a copy in the project, then edited there: in CI.
 CI_ACTIONS = ["edit_upstream", "edit_leaf", "edit_code", "edit_knob", "touch", "rerun_same", "rerun_other", "delete",
-              "damage", "retain", "iterations", "sigkill", "yaml12", "kill_unsealing"]
+              "damage", "retain", "iterations", "sigkill", "yaml12", "kill_unsealing", "edit_dependency"]
 CHEAP_ACTIONS = ["touch", "edit_leaf", "yaml12"]
 
 
@@ -146,6 +147,21 @@ def test_damage_is_in_place(tmp_path):
     assert path.stat().st_size == 32
 
 
+def test_a_shadowed_library_entry_reads_as_its_version_while_its_md5_is_the_copy_now(tmp_path):
+    """The harness's check (a) against a reference without the shadowing copy: a manifest entry
+    ``VERSION shadowed MD5`` reads as VERSION while MD5 is the copy's now, STALE once the copy changes."""
+    from tpgrpo.pipeline.libraries import sources_md5
+
+    copy = tmp_path / "zarr"
+    copy.mkdir()
+    (copy / "__init__.py").write_text("x = 1\n")
+    entry = f"3.1.0 shadowed {sources_md5([copy])}"
+    assert h._library_now(tmp_path, "zarr", entry) == "3.1.0" == h._library_now(tmp_path, "zarr", "3.1.0")
+    (copy / "__init__.py").write_text("x = 2\n")
+    assert h._library_now(tmp_path, "zarr", entry) == "3.1.0 STALE"
+    assert h._library_now(tmp_path / "elsewhere", "zarr", entry) == "3.1.0 STALE"
+
+
 @pytest.fixture(scope="session")
 def references(tmp_path_factory, tiny_model_dir) -> h.References:
     return h.References(tmp_path_factory.mktemp("up_to_date_refs"), tiny_model_dir)
@@ -186,6 +202,17 @@ def test_switching_among_the_scored_credit_modes_re_runs_no_probe(tmp_path, temp
     if iteration 1's probe runs."""
     monkeypatch.setattr(ua, "LEAF", {"credit.mode": ["tp", "incremental", "tp_unconstrained"]})
     _sequence(tmp_path, template, references, seed=70, length=2, actions=["edit_leaf"])
+
+
+@pytest.mark.slow
+def test_a_library_edited_where_its_version_does_not_say_so_re_runs_the_stages_that_import_it(
+        tmp_path, template, references):
+    """zarr shadowed by a copy in the project root, then that copy edited twice: each time the stages whose
+    manifests record zarr re-run (the rollout and update at least, check (c)) and nothing else does; the
+    artifacts equal a run from scratch and `dvc status` is clean after."""
+    result = ur.run_sequence(tmp_path / "project", template, references, 5, 2, ["edit_dependency"])
+    assert result.held, ur.describe(result)
+    assert len(result.steps) == 2 and all("zarr" in step for step in result.steps), result.steps
 
 
 def test_a_stage_that_ran_is_seen_by_its_timing_sidecar_when_its_log_is_the_same_bytes(tmp_path):

@@ -12,9 +12,7 @@ import os
 import random
 import re
 import shutil
-import signal
 import subprocess
-import sys
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -163,14 +161,15 @@ def edit_leaf(seq: Seq) -> Plan:
     return _edit(seq, LEAF, "edit leaf param")
 
 
-def manifest_kinds(root: Path, path: str) -> set[str]:
+def manifest_kinds(root: Path, path: str, part: str = "files") -> set[str]:
     """The stage kinds whose code manifest (``data/code/<kind>.json``, as the project's code stage wrote it)
-    lists ``path``, as stage kinds of this harness (the eval manifest also serves the baseline)."""
+    lists ``path`` among its ``part`` (``"files"``, or ``"libraries"``: a distribution's name), as stage kinds
+    of this harness (the eval manifest also serves the baseline)."""
     import json
 
     kinds = set()
     for manifest in sorted((root / "data" / "code").glob("*.json")):
-        if path in json.loads(manifest.read_text()).get("files", {}):
+        if path in json.loads(manifest.read_text()).get(part, {}):
             kinds |= {"eval", "baseline"} if manifest.stem == "eval" else {manifest.stem}
     return kinds
 
@@ -203,6 +202,34 @@ def edit_knob(seq: Seq) -> Plan:
     """Change an execution knob: nothing may run but the code stage (which reads reward_models' keys)."""
     _, _, key, old, new = _change(seq, KNOBS)
     return Plan(f"edit execution knob {key}: {old!r} -> {new!r}", {"code"})
+
+
+# A pure-Python library that the rollout, probe, credit and update import and eval and summary do not; a copy of it
+# in the project root (first on every run's PYTHONPATH: h.env) shadows the installed one, as a user's patched
+# checkout on PYTHONPATH or an editable install would.
+LIBRARY, LIBRARY_CERTAIN = "zarr", {"rollout", "update"}  # those two write and read the trajectory store with it
+
+
+def edit_dependency(seq: Seq) -> Plan:
+    """Edit a library where its version does not say so: the first time, put a copy of it in the project root
+    (it shadows the installed one), and append a fresh statement to the copy's ``__init__.py``. The stages whose
+    manifests record the library must re-run (at least LIBRARY_CERTAIN's), and nothing but them, what reads
+    their outputs, the code stage and the summary."""
+    import importlib
+
+    raw = h.read_params(seq.root)
+    kinds, copy = manifest_kinds(seq.root, LIBRARY, "libraries"), seq.root / LIBRARY
+    what = "edit the shadowing copy of"
+    if not copy.is_dir():
+        installed = Path(importlib.import_module(LIBRARY).__file__).parent
+        shutil.copytree(installed, copy, ignore=shutil.ignore_patterns("__pycache__"))
+        what = "shadow the installed library with a copy in the project root and edit"
+    token = f"{seq.rng.getrandbits(48):012x}"
+    with open(copy / "__init__.py", "a") as f:
+        f.write(f"\n_up_to_date_harness_edit = '{token}'\n")
+    allowed = downstream(raw, stages_of(raw, kinds)) | ALWAYS
+    return Plan(f"{what} {LIBRARY} ({token}; in the manifests of {sorted(kinds)})", allowed,
+                stages_of(raw, LIBRARY_CERTAIN), may_refuse=seq.retained)
 
 
 def touch(seq: Seq) -> Plan:
@@ -373,110 +400,6 @@ def iterations(seq: Seq) -> Plan:
     return Plan(f"train.iterations {old} -> {new}", allowed, may_refuse=seq.retained, restore=before)
 
 
-def _kill_during(seq: Seq, plan: Plan) -> Plan:
-    """Start ``tpgrpo run`` after ``plan``'s change, SIGKILL its process group at a random moment, wait
-    for it to be reaped; nothing it started may run on."""
-    marks = h.stage_marks(seq.root)
-    proc = subprocess.Popen([sys.executable, "-m", "tpgrpo", "run"], cwd=seq.root, env=h.env(seq.root),
-                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
-    delay = seq.rng.uniform(1.0, 25.0)
-    try:
-        proc.wait(timeout=delay)
-        outcome = f"run ended by itself before {delay:.1f} s"
-    except subprocess.TimeoutExpired:
-        os.killpg(proc.pid, signal.SIGKILL)
-        proc.wait()
-        outcome = f"SIGKILL at {delay:.1f} s"
-    deadline = time.time() + GRACE_S  # a server polling for its parent's death may take a moment
-    while (left := h.processes_in(seq.root)) and time.time() < deadline:
-        time.sleep(0.5)
-    plan.marks, plan.required = marks, set()
-    plan.what = f"{plan.what}; run, {outcome}"
-    if left:
-        plan.failure = f"still running in the project {GRACE_S} s after the group kill: {left[:3]}"
-        h.end_processes(seq.root)
-    return plan
-
-
-def sigkill(seq: Seq) -> Plan:
-    change = seq.rng.choice([edit_upstream, edit_leaf, delete, edit_code, iterations])
-    return _kill_during(seq, change(seq))
-
-
-def edit_during_run(seq: Seq) -> Plan:
-    """Start a run after an upstream edit and edit another param while it runs (items 2 and 6): the run
-    after must still give the current params' artifacts."""
-    plan = edit_upstream(seq)
-    marks = h.stage_marks(seq.root)
-    proc = subprocess.Popen([sys.executable, "-m", "tpgrpo", "run"], cwd=seq.root, env=h.env(seq.root),
-                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
-    time.sleep(seq.rng.uniform(1.0, 20.0))
-    second = _edit(seq, {**UPSTREAM, **LEAF}, "during the run:")
-    proc.wait()
-    return Plan(f"{plan.what}; run; {second.what} (run rc {proc.returncode})", None, marks=marks,
-                may_refuse=seq.retained)
-
-
-KILLER = Path(__file__).resolve().parent / "kill_points.py"  # SIGKILL at the k-th file-system change
-
-
-def _dvc_works(root: Path) -> str | None:
-    """None when `dvc status` and `dvc dag` (the whole graph, as `dvc repro` builds it) work in ``root``."""
-    for args in (("status", "--json"), ("dag",)):
-        done = h.sh(root, sys.executable, "-m", "dvc", *args)
-        if done.returncode != 0:
-            return f"dvc {args[0]} fails right after: {done.stderr.strip()[-400:]}"
-    return None
-
-
-def kill_unsealing(seq: Seq) -> Plan:
-    """Edit a param the sealed block's stages read, then `tpgrpo run`, SIGKILLed at a random file-system change
-    (1-8) its unsealing makes (tests/kill_points.py): DVC must work right after, and the next run finish clean."""
-    plan = _edit(seq, {**UPSTREAM, **LEAF}, "edit param")
-    marks, at = h.stage_marks(seq.root), seq.rng.randint(1, 8)
-    done = h.sh(seq.root, sys.executable, str(KILLER), "--at", str(at), "--within",
-                "tpgrpo.pipeline.sealing:unseal_changed", "-m", "tpgrpo", "run")
-    outcome = "SIGKILL" if done.returncode == -signal.SIGKILL else f"ended by itself (rc {done.returncode})"
-    h.end_processes(seq.root)
-    plan.marks, plan.required = marks, set()
-    plan.what = f"{plan.what}; run, {outcome} at unsealing's change {at}"
-    plan.failure = _dvc_works(seq.root)
-    return plan
-
-
-def edit_then_interrupt(seq: Seq) -> Plan:
-    """Start a run after an upstream edit, edit another param while it runs, then interrupt it: Ctrl-C (SIGINT to
-    its process group) or SIGKILL, at a random moment. An edit DVC recorded after its stage read params.yaml must
-    not stay recorded as what the stage ran with: the next run gives the current params' artifacts."""
-    plan = edit_upstream(seq)
-    marks = h.stage_marks(seq.root)
-    proc = subprocess.Popen([sys.executable, "-m", "tpgrpo", "run"], cwd=seq.root, env=h.env(seq.root),
-                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
-    time.sleep(seq.rng.uniform(1.0, 20.0))
-    second = _edit(seq, {**UPSTREAM, **LEAF}, "during the run:")
-    how = seq.rng.choice([signal.SIGINT, signal.SIGKILL])
-    try:
-        proc.wait(timeout=seq.rng.uniform(0.0, 8.0))
-        outcome = f"run ended by itself (rc {proc.returncode})"
-    except subprocess.TimeoutExpired:
-        os.killpg(proc.pid, how)
-        try:
-            proc.wait(timeout=60)
-        except subprocess.TimeoutExpired:  # a Ctrl-C the run did not act on is a finding: kill, then report
-            os.killpg(proc.pid, signal.SIGKILL)
-            proc.wait()
-            return Plan(f"{plan.what}; {second.what}; SIGINT not acted on in 60 s", None,
-                        failure="tpgrpo run went on 60 s after Ctrl-C")
-        outcome = f"{signal.Signals(how).name} (rc {proc.returncode})"
-    deadline = time.time() + GRACE_S
-    while (left := h.processes_in(seq.root)) and time.time() < deadline:
-        time.sleep(0.5)
-    failure = f"still running {GRACE_S} s after the interruption: {left[:3]}" if left else _dvc_works(seq.root)
-    h.end_processes(seq.root)
-    return Plan(f"{plan.what}; run; {second.what}; {outcome}", None, marks=marks, may_refuse=seq.retained,
-                failure=failure)
-
-
 def yaml12(seq: Seq) -> Plan:
     """Write params.yaml's floats as YAML 1.2 reads them (``1e-02``; a string for YAML 1.1): same values,
     nothing may run (item 5)."""
@@ -491,6 +414,7 @@ def yaml12(seq: Seq) -> Plan:
     return Plan("rewrite params.yaml floats as 1e-02 (YAML 1.2)", {"code"})  # the code stage reads params.yaml
 
 
-ACTIONS = {f.__name__: f for f in (edit_upstream, edit_leaf, edit_code, edit_knob, touch, rerun_same, rerun_other, delete,
-                                   damage, retain, iterations, sigkill, edit_during_run, yaml12, kill_unsealing,
-                                   edit_then_interrupt)}
+# The actions that change the project without interrupting a run; tests/up_to_date_interrupts.py adds the
+# kills and the edits during a run, and tests/up_to_date_runner.py's ACTIONS holds both.
+CHANGES = {f.__name__: f for f in (edit_upstream, edit_leaf, edit_code, edit_knob, edit_dependency, touch, rerun_same,
+                                   rerun_other, delete, damage, retain, iterations, yaml12)}

@@ -270,7 +270,22 @@ def _manifest_digest(path: Path, h) -> None:
     now = {name: file_md5((root / name).read_bytes(), recorded.get("kind"), how) if (root / name).is_file()
            else None for name in recorded.get("files", {})}
     files = {name: "matches" if now[name] == md5 else "STALE" for name, md5 in recorded.get("files", {}).items()}
-    h.update(json.dumps({**recorded, "files": files}, sort_keys=True).encode())
+    libraries = {name: _library_now(root, name, entry) for name, entry in recorded.get("libraries", {}).items()}
+    h.update(json.dumps({**recorded, "files": files, "libraries": libraries}, sort_keys=True).encode())
+
+
+def _library_now(root: Path, name: str, entry: str) -> str:
+    """A manifest's library entry as the reference records it: ``"3.1.0 shadowed <md5>"`` reads ``"3.1.0"`` when
+    the md5 is that of the harness's shadowing copy now (a folder of the library's name in the project root,
+    which the from-scratch reference does not have: up_to_date_actions.edit_dependency), ``"3.1.0 STALE"``
+    otherwise; a plain version stays as it is."""
+    from tpgrpo.pipeline.libraries import sources_md5
+
+    version, _, rest = entry.partition(" ")
+    if not rest:
+        return entry
+    copy = root / name.replace("-", "_")
+    return version if copy.is_dir() and sources_md5([copy]) == rest.rpartition(" ")[2] else f"{version} STALE"
 
 
 def digest(path: Path) -> str:

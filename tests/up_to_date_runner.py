@@ -14,7 +14,10 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import up_to_date_harness as h
-from up_to_date_actions import ACTIONS, BASE_TRAIN, Plan, Seq
+from up_to_date_actions import BASE_TRAIN, CHANGES, Plan, Seq
+from up_to_date_interrupts import INTERRUPTS
+
+ACTIONS = {**CHANGES, **INTERRUPTS}  # every action a sequence may draw, by name
 
 def _undo(seq: Seq, plan: Plan) -> bool:
     """After an accepted refusal: put the edit back, or delete the damaged artifact. False: nothing to undo
