@@ -76,6 +76,12 @@ class IterationStage:
     inputs: tuple[str, ...]  # outputs of the same iteration's earlier stages that it reads
     previous_policy: bool  # reads iteration i - 1's adapter (policy 0 is the base model: no dep at i = 1)
     outputs: tuple[Output, ...]
+    multi_process: bool = True  # runs on the processes the launch params ask for (else one: the credit)
+
+    @property
+    def kind(self) -> str:
+        """The code manifest it depends on: its own (``data/code/<name>.json``)."""
+        return self.name
 
 
 # The params each stage reads in every configuration (DVC re-runs a stage when one of these changes); with
@@ -102,7 +108,7 @@ ITERATION_STAGES = (
     IterationStage(
         "credit", ("stages/credit.py",), ("credit",), external=(), inputs=("probe.parquet",), previous_policy=False,
         outputs=(Output("credit.parquet", "credit", read_by=(SUMMARY,)),
-                 Output("credit.json", "credit_metrics", read_by=(SUMMARY, DONE)))),
+                 Output("credit.json", "credit_metrics", read_by=(SUMMARY, DONE))), multi_process=False),
     IterationStage(
         "update", ("stages/update.py",),
         (*MODEL_PARAMS, *(k for k in inputs("update") if k not in OBJECTIVE_KEYS), "train.seed"),
@@ -110,8 +116,8 @@ ITERATION_STAGES = (
         previous_policy=True,
         outputs=(Output("policy", "policy", droppable="adapter"),
                  Output("update.json", "update_metrics", read_by=(SUMMARY, DONE)))),
-    IterationStage(  # its manifest also covers the baseline (the base model's eval, stages/baseline.py)
-        "eval", ("stages/eval.py", "stages/baseline.py"),
+    IterationStage(  # its manifest also covers the baseline (the base model's eval: RUN_STAGES)
+        "eval", ("stages/eval.py",),
         (*MODEL_PARAMS, "task", "sampling", "eval", "rollout.batch_size", "update.lora_rank", "update.lora_alpha",
          "update.ema", "train.seed", *REWARD_PARAMS),
         external=("eval_scorers", "model", "eval_prompts", "eval_embeds"), inputs=("policy",),
@@ -128,17 +134,76 @@ def outputs_read_by(*readers: str) -> tuple[str, ...]:
     return tuple(out.name for out in ITERATION_OUTPUTS.values() if set(out.read_by) & set(readers))
 
 
-STAGE_PARAMS = {
-    **{stage.name: list(stage.params) for stage in ITERATION_STAGES},
-    # The held-out prompts' embeddings, once per run (tpgrpo.policy.eval_embeds): the chunks eval encodes,
-    # cut by rollout.batch_size (so it changes this stage's files, not only floats).
-    "eval_prompts": [*MODEL_PARAMS, "task.eval_prompts", "eval.num_prompts", "eval.samples_per_prompt",
-                     "rollout.batch_size"],
-    "baseline": [*MODEL_PARAMS, "task", "sampling", "eval", "rollout.batch_size", "update.lora_rank",
-                 "update.lora_alpha", *REWARD_PARAMS],
-    "summary": [*MODEL_PARAMS, "task.eval_prompts", "sampling", "eval", "rollout.batch_size", "update.lora_rank",
-                "update.lora_alpha", "credit.mode", "train.iterations"],
-}
+# The run-level stages' files, beside the iterations' folders: each path is spelt here only.
+EVAL_EMBEDS = "data/iters/eval_prompt_embeds"  # the eval_prompts stage's output (a folder, DVC-cached)
+EVAL_EMBEDS_LOG = "data/iters/eval_prompts.json"  # its log (an output too, uncached like the baseline's log)
+BASELINE_TABLE = "data/iters/baseline_eval.parquet"  # the base model's eval table (eval.parquet's rows)
+BASELINE_LOG = "data/iters/baseline_eval.json"  # its metrics (eval.json's)
+EVAL_CURVE = "data/metrics/eval_curve.csv"  # base model + every evaluated iteration
+TRAIN_CURVE = "data/metrics/train_curve.csv"  # one row per iteration
+
+
+@dataclass(frozen=True)
+class RunOutput:
+    """A file or folder a run-level stage writes (its path from the project root)."""
+
+    path: str
+    cached: bool = True  # False: DVC hashes it and git keeps it, DVC's cache does not (small tables, logs)
+
+
+@dataclass(frozen=True)
+class RunStage:
+    """A stage that runs once per run (``tpgrpo stage NAME``, no ``--iter``), declared once: its command
+    (tpgrpo.pipeline.stage_runner), dvc.yaml's entry (tpgrpo.pipeline.dvcfile; the summary's deps on the
+    iterations are added there, as they grow with the run), its params and its code manifest derive from it.
+    The ``code`` stage, which writes the manifests from all of the code, is no record: it runs no stage module
+    and lists the params dvc.yaml's rendering reads (tpgrpo.pipeline.code_manifest.code_stage)."""
+
+    name: str  # `tpgrpo stage NAME`; NAME in dvc.yaml
+    help: str  # the help line of `tpgrpo stage NAME` (help text: in no manifest's hash, tpgrpo.pipeline.code_hash)
+    code: tuple[str, ...]  # its scripts, in its kind's code manifest
+    params: tuple[str, ...]  # the params it reads in every configuration (with UNREAD_PARAMS below)
+    external: tuple[str, ...]  # deps from outside the run's stages, in dvc.yaml's order (dvcfile.EXTERNAL)
+    inputs: tuple[str, ...]  # outputs of other run-level stages it reads (paths), after ``external``
+    outputs: tuple[RunOutput, ...]
+    multi_process: bool  # runs on the processes the launch params ask for
+    manifest: str = ""  # the kind whose code manifest covers it; "": its own (named after it)
+    after_iterations: bool = False  # reads every iteration: dvc.yaml lists it last, and only with the whole run
+
+    @property
+    def kind(self) -> str:
+        """The code manifest it depends on (``data/code/<kind>.json``)."""
+        return self.manifest or self.name
+
+
+RUN_STAGES = (  # in dvc.yaml's order
+    # The held-out prompts' embeddings, once per run (tpgrpo.policy.eval_embeds): every eval and the baseline
+    # read them (their text encoders never load); a DVC-cached folder, large at real size (T5-XXL). The chunks
+    # eval encodes are cut by rollout.batch_size (so it changes this stage's files, not only floats).
+    RunStage(
+        "eval_prompts", f"Encode the held-out prompts once ({EVAL_EMBEDS}), for every eval and the baseline.",
+        ("stages/eval_prompts.py",),
+        (*MODEL_PARAMS, "task.eval_prompts", "eval.num_prompts", "eval.samples_per_prompt", "rollout.batch_size"),
+        external=("model", "eval_prompts"), inputs=(),
+        outputs=(RunOutput(EVAL_EMBEDS), RunOutput(EVAL_EMBEDS_LOG, cached=False)), multi_process=False),
+    RunStage(  # the eval's work with no adapter: the eval's manifest covers it
+        "baseline", "Evaluate the base model (the curves' starting point).", ("stages/baseline.py",),
+        (*MODEL_PARAMS, "task", "sampling", "eval", "rollout.batch_size", "update.lora_rank", "update.lora_alpha",
+         *REWARD_PARAMS),
+        external=("eval_scorers", "model", "eval_prompts", "eval_embeds"), inputs=(),
+        outputs=(RunOutput(BASELINE_TABLE, cached=False), RunOutput(BASELINE_LOG, cached=False)),
+        multi_process=True, manifest="eval"),
+    RunStage(
+        "summary", "Collect every iteration's metrics into data/metrics/history.csv and summary.json.",
+        ("stages/summary.py",),
+        (*MODEL_PARAMS, "task.eval_prompts", "sampling", "eval", "rollout.batch_size", "update.lora_rank",
+         "update.lora_alpha", "credit.mode", "train.iterations"),
+        external=(), inputs=(BASELINE_LOG, BASELINE_TABLE),
+        outputs=tuple(RunOutput(path, cached=False) for path in (
+            "data/metrics/summary.json", "data/metrics/history.csv", EVAL_CURVE, TRAIN_CURVE)),
+        multi_process=False, after_iterations=True),
+)
+STAGE_PARAMS = {stage.name: list(stage.params) for stage in (*ITERATION_STAGES, *RUN_STAGES)}
 # Keys a stage reads only in some configurations, each group with the switch that says when. With the switch
 # off the stage never reads them, so they are not inputs: editing them re-runs nothing, and a key added to the
 # section leaves every existing stage's recorded params and config_hash as they were (a long run's history
@@ -274,6 +339,6 @@ def _without(keys: list[str], unread: set[str]) -> list[str]:
     return kept
 
 
-# Stages that run on the processes the launch params ask for; credit and summary stay single.
-MULTI_PROCESS_STAGES = ("rollout", "probe", "update", "eval", "baseline")
+# Stages that run on the processes the launch params ask for (their records' multi_process).
+MULTI_PROCESS_STAGES = tuple(stage.name for stage in (*ITERATION_STAGES, *RUN_STAGES) if stage.multi_process)
 GLANCE = ("held_out", "strict", "train_reward", "tp_rate", "approx_kl_x1e6", "seconds_per_iter")  # dvc metrics

@@ -33,14 +33,13 @@ from typing import Any
 from tpgrpo.errors import PipelineError
 from tpgrpo.io.atomic import atomic_path, recover, swap_in  # noqa: F401 - re-exported: the writers' home
 from tpgrpo.io.schemas import EMBEDDING_CHECKSUM, ArtifactError, TableSchema, check_embeddings, check_table
+from tpgrpo.stage_params import EVAL_EMBEDS, EVAL_EMBEDS_LOG  # noqa: F401 - re-exported: declared with its stage
 
 # The DVC cache's link types in every project this code creates (and the repo's .dvc/config): never hardlink
 # or symlink. A linked output IS its cache object, so damage in place (root ignores DVC's read-only bits)
 # damages the object named after the old md5 and DVC checks the damage out as "cached". A reflink is
 # copy-on-write and a copy is a copy: damage is a changed output, and its stage re-runs (or is restored).
 DVC_CACHE_TYPE = "reflink,copy"
-EVAL_EMBEDS = "data/iters/eval_prompt_embeds"  # the eval_prompts stage's output (a folder, DVC-cached)
-EVAL_EMBEDS_LOG = "data/iters/eval_prompts.json"  # its log (an output too, uncached like baseline_eval.json)
 MANIFEST_FILE = "sha256.json"  # in a folder a stage writes for later stages: {file name: sha256 of its bytes}
 
 

@@ -1,15 +1,15 @@
 """The eval stages' per-image table: its file names, columns and the empty table of an iteration not evaluated.
 
-The eval stage writes ``eval.parquet`` and the baseline ``baseline_eval.parquet``: one row per (held-out
-prompt, eval seed), prompt order then sample order. Two runs evaluated with the same ``eval`` params share
-every (prompt, seed), so :mod:`tpgrpo.comparison.stats` pairs them image by image; it reads these columns from
-here (the comparison depends on the eval's table, never the other way round).
+The eval stage writes ``eval.parquet`` and the baseline the same table for the base model
+(:data:`tpgrpo.stage_params.BASELINE_TABLE`): one row per (held-out prompt, eval seed), prompt order then
+sample order. Two runs evaluated with the same ``eval`` params share every (prompt, seed), so
+:mod:`tpgrpo.comparison.stats` pairs them image by image; it reads these columns from here (the comparison
+depends on the eval's table, never the other way round).
 """
 
 from __future__ import annotations
 
 EVAL_TABLE = "eval.parquet"  # beside eval.json: one row per (held-out prompt, eval seed)
-BASELINE_TABLE = "baseline_eval.parquet"  # beside baseline_eval.json, the same rows for the base model
 
 # Column -> pandas dtype, in the table's order.
 EVAL_TABLE_COLUMNS = {

@@ -12,12 +12,14 @@ syntax tree (``ast.dump``: no comments, no layout, no line numbers) with three t
   the module that defines :func:`tpgrpo.config.param` or imports it. They go into the field's metadata, which
   stage code reads only for ``bounds`` (the loader's check, kept); the docs generator that reads the rest is
   in no manifest. The default and the bounds stay: they change what a stage computes or accepts.
-- **other stages' declarations**: in the module that defines ``IterationStage`` (``tpgrpo/stage_params.py``),
-  each ``IterationStage(...)`` call of another stage is reduced to its name. A stage computes with its own
-  declaration (its params, hence its ``config_hash``, and its outputs); another stage's declaration reaches
-  it only through what DVC records itself (that stage's outputs, which are its inputs; its paths in
-  dvc.yaml). So an edit of eval's declaration changes eval's manifest only. The rest of the module (the
-  shared tables and functions) counts for every stage.
+- **other stages' declarations**: in the module that defines ``IterationStage`` and ``RunStage``
+  (``tpgrpo/stage_params.py``), each ``IterationStage(...)`` or ``RunStage(...)`` call of another kind's stage
+  is reduced to its name. A stage computes with its own declaration (its params, hence its ``config_hash``,
+  and its outputs); another stage's declaration reaches it only through what DVC records itself (that stage's
+  outputs, which are its inputs; its paths in dvc.yaml). So an edit of eval's declaration changes eval's
+  manifest only; an edit of the baseline's too (its ``manifest`` is the eval's). The rest of the module (the
+  shared tables and functions) counts for every stage. A ``RunStage``'s help line (``help``: what
+  ``tpgrpo stage NAME --help`` prints) counts for none, as a param's help text.
 
 Anything else that changes the tree changes the hash, so a code change is never missed; a new Python version
 may dump the same code differently, which re-runs stages (never the reverse). Files that do not parse are
@@ -33,6 +35,8 @@ CODE = "code"  # a manifest's "hashes": its file entries are code_md5s; absent (
 BYTES = "bytes"
 HELP_ARGS = {1: "doc", 2: "unit", 4: "rule", 5: "note"}  # tpgrpo.config.param's help text: position -> name
 DECLARATION = "IterationStage"  # the class whose calls declare the iteration stages
+RUN_DECLARATION = "RunStage"  # the class whose calls declare the run-level stages
+RUN_HELP = (1, "help")  # a RunStage's help line: its position and keyword
 
 # raw md5 -> (the dump of everything but the declarations, {stage name: the dump of its declaration}); content-
 # addressed, so never stale (a stage server's forked stages find it warm)
@@ -61,7 +65,7 @@ def _parts(data: bytes) -> tuple[str, dict[str, str]]:
     defined = {n.name for n in tree.body if isinstance(n, (ast.FunctionDef, ast.ClassDef))}
     imported = {a.asname or a.name for n in tree.body if isinstance(n, ast.ImportFrom) and n.module == "tpgrpo.config"
                 for a in n.names}
-    helps, declares = "param" in defined | imported, DECLARATION in defined
+    helps, declares = "param" in defined | imported, DECLARATION in defined or RUN_DECLARATION in defined
     calls = []
     for node in ast.walk(tree):  # in place (a NodeTransformer took 4x as long as the parse)
         for name in ("body", "orelse", "finalbody"):
@@ -75,8 +79,12 @@ def _parts(data: bytes) -> tuple[str, dict[str, str]]:
         if helps and call.func.id == "param":
             call.args = [ast.Constant(None) if i in HELP_ARGS else a for i, a in enumerate(call.args)]
             call.keywords = [k for k in call.keywords if k.arg not in HELP_ARGS.values()]
-        elif declares and call.func.id == DECLARATION and (stage := _declared_name(call)) is not None:
-            declarations[stage] = ast.dump(call)
+        elif declares and call.func.id in (DECLARATION, RUN_DECLARATION) and (kind := _declared_kind(call)):
+            stage = _declared_name(call)
+            if call.func.id == RUN_DECLARATION:  # its help line: printed by the command line, never computed with
+                call.args = [ast.Constant(None) if i == RUN_HELP[0] else a for i, a in enumerate(call.args)]
+                call.keywords = [k for k in call.keywords if k.arg != RUN_HELP[1]]
+            declarations[kind] = declarations.get(kind, "") + ast.dump(call)  # the eval's, then the baseline's
             call.args, call.keywords = [ast.Constant(stage)], []
     return ast.dump(tree), declarations
 
@@ -87,7 +95,17 @@ def _is_string_statement(node: ast.AST) -> bool:
 
 
 def _declared_name(node: ast.Call) -> str | None:
-    """The stage an ``IterationStage(...)`` call declares: its first argument or ``name=``, if a string literal
-    (else None: the call then counts for every stage)."""
+    """The stage an ``IterationStage(...)`` or ``RunStage(...)`` call declares: its first argument or ``name=``,
+    if a string literal (else None: the call then counts for every stage)."""
     first = node.args[0] if node.args else next((k.value for k in node.keywords if k.arg == "name"), None)
     return first.value if isinstance(first, ast.Constant) and isinstance(first.value, str) else None
+
+
+def _declared_kind(node: ast.Call) -> str | None:
+    """The manifest kind a declaration counts for: a ``RunStage``'s ``manifest=`` (the baseline's is
+    ``"eval"``) when given, else the stage's name; None (the call counts for every stage) where either is
+    not a string literal."""
+    given = next((k.value for k in node.keywords if k.arg == "manifest"), None)
+    if given is None:
+        return _declared_name(node)
+    return given.value if isinstance(given, ast.Constant) and isinstance(given.value, str) and given.value else None

@@ -30,19 +30,27 @@ from pathlib import Path
 
 from tpgrpo.pipeline.code_hash import BYTES, CODE, file_md5
 from tpgrpo.pipeline.libraries import library_entries, library_versions, warm_library_caches
-from tpgrpo.stage_params import CONDITIONAL_PARAMS, ITERATION_STAGES, PATH_SWITCHES, UNREAD_PARAMS, code_path, inputs
+from tpgrpo.stage_params import (CONDITIONAL_PARAMS, ITERATION_STAGES, PATH_SWITCHES, RUN_STAGES, UNREAD_PARAMS,
+                                 code_path, inputs)
 
 CODE_DIR = "data/code"
 REPO = Path(__file__).resolve().parents[2]  # the checkout this package runs from
-# The stage modules each kind of stage runs (the iteration stages: tpgrpo.stage_params.ITERATION_STAGES); its
-# code is what they import (tpgrpo.pipeline.code_graph).
-KIND_STAGES: dict[str, list[str]] = {
-    **{stage.name: list(stage.code) for stage in ITERATION_STAGES},  # the eval's covers the baseline too
-    "eval_prompts": ["stages/eval_prompts.py"],
-    "summary": ["stages/summary.py"],
-}
+
+
+def _kind_stages() -> dict[str, list[str]]:
+    """Each manifest kind's stage modules, from the stages' records (tpgrpo.stage_params.ITERATION_STAGES, then
+    RUN_STAGES): a record whose kind is another stage's adds its scripts to that kind's (the baseline's to the
+    eval's)."""
+    kinds: dict[str, list[str]] = {}
+    for stage in (*ITERATION_STAGES, *RUN_STAGES):
+        kinds.setdefault(stage.kind, []).extend(stage.code)
+    return kinds
+
+
+# The stage modules each kind of stage runs; its code is what they import (tpgrpo.pipeline.code_graph).
+KIND_STAGES = _kind_stages()
 # `tpgrpo stage NAME` -> the manifest it depends on
-STAGE_KIND = {**{kind: kind for kind in KIND_STAGES}, "baseline": "eval"}
+STAGE_KIND = {stage.name: stage.kind for stage in (*ITERATION_STAGES, *RUN_STAGES)}
 # The code stage depends on all of the code, folders whole (a new module is seen; .dvcignore drops byte code).
 ALL_CODE = ["stages", "tpgrpo"]
 # The params dvc.yaml's rendering reads (tpgrpo.pipeline.dvcfile.render; a test checks the list): the stages,

@@ -19,9 +19,9 @@ from tpgrpo.config import Config, ConfigError
 from tpgrpo.reports import figure_names  # not .figures: it imports stage_common, which imports this
 from tpgrpo.pipeline.blocks import (Block, full_blocks, read_lock, seal_files, sealed_outs,
                                     write_text_atomic)
-from tpgrpo.io.artifacts import EVAL_EMBEDS, EVAL_EMBEDS_LOG
-from tpgrpo.stage_params import (GLANCE, MULTI_PROCESS_STAGES, REWARD_PARAMS, STAGE_LOGS,  # noqa: F401 - re-exported
-                                 ITERATION_STAGES, PATH_SWITCHES, STAGE_PARAMS, stage_inputs)
+from tpgrpo.stage_params import (EVAL_CURVE, EVAL_EMBEDS, GLANCE, MULTI_PROCESS_STAGES, REWARD_PARAMS,  # noqa: F401
+                                 STAGE_LOGS, ITERATION_STAGES, PATH_SWITCHES, RUN_STAGES, STAGE_PARAMS,  # re-exported
+                                 TRAIN_CURVE, RunOutput, RunStage, stage_inputs)
 
 HEADER = ("# Generated from params.yaml by `tpgrpo dvc-yaml` (`tpgrpo run` does it before `dvc repro`).\n"
           "# Edit params.yaml, not this file.\n")
@@ -44,8 +44,8 @@ def reward_folders(cfg: Config, *specs) -> list[str]:
     return list(dict.fromkeys(f for spec in specs for f in folders_of(spec, cfg)))
 
 
-# The deps from outside an iteration's folder that tpgrpo.stage_params.ITERATION_STAGES name, each the paths
-# it stands for under a config.
+# The deps from outside an iteration's folder that tpgrpo.stage_params.ITERATION_STAGES and RUN_STAGES name,
+# each the paths it stands for under a config.
 EXTERNAL = {
     "scorers": lambda cfg: reward_folders(cfg, cfg.task.reward),  # the training reward's model folders
     "eval_scorers": lambda cfg: reward_folders(cfg, cfg.task.reward, cfg.task.eval_reward),
@@ -61,9 +61,6 @@ def _uncached(path: str) -> dict:
     return {path: {"cache": False}}
 
 
-SUMMARY = "data/metrics/summary.json"
-EVAL_CURVE = "data/metrics/eval_curve.csv"    # base model + every evaluated iteration
-TRAIN_CURVE = "data/metrics/train_curve.csv"  # one row per iteration
 # `dvc plots show`: named charts with chosen axes (top-level `plots:` in dvc.yaml).
 PLOTS = [
     {"held_out_reward": {"title": "Held-out reward (eval reward, ODE at eval.num_steps)", "x": "iteration",
@@ -170,12 +167,8 @@ def render(cfg: Config, root: Path | None = None, upto: int | None = None) -> di
     last = cfg.train.iterations if upto is None else upto
     manifests = not (root and uses_code_files(read_lock(root)))  # an older project keeps its layout
     stages: dict[str, dict] = {"code": code_stage()} if manifests else {}
-    stages["eval_prompts"] = eval_prompts_stage(cfg, manifests)
-    stages["baseline"] = {
-        "cmd": stage_command(cfg, "baseline"), "params": stage_inputs("baseline", cfg),
-        "deps": [*code_deps("eval", manifests), *reward_folders(cfg, cfg.task.reward, cfg.task.eval_reward),
-                 cfg.model.path, cfg.task.eval_prompts, EVAL_EMBEDS],
-        "outs": [_uncached("data/iters/baseline_eval.parquet"), _uncached("data/iters/baseline_eval.json")]}
+    stages.update({stage.name: run_stage_entry(cfg, stage, manifests) for stage in RUN_STAGES
+                   if not stage.after_iterations})  # the held-out prompts' embeddings, the baseline
     blocks = [b for b in full_blocks(cfg.train.block_size, cfg.train.iterations) if b.last <= last]
     if root:
         _refuse_misfit_seals(cfg, root, last)
@@ -189,12 +182,23 @@ def render(cfg: Config, root: Path | None = None, upto: int | None = None) -> di
     return {"stages": stages, "plots": PLOTS}
 
 
-def eval_prompts_stage(cfg: Config, manifests: bool = True) -> dict:
-    """The held-out prompts' text embeddings, encoded once per run; every eval and the baseline read them
-    (their text encoders never load). A DVC-cached folder: at real size (T5-XXL) it is large."""
-    return {"cmd": stage_command(cfg, "eval_prompts"), "params": stage_inputs("eval_prompts", cfg),
-            "deps": [*code_deps("eval_prompts", manifests), cfg.model.path, cfg.task.eval_prompts],
-            "outs": [EVAL_EMBEDS, _uncached(EVAL_EMBEDS_LOG)]}
+def _run_output(out: RunOutput) -> str | dict:
+    return out.path if out.cached else _uncached(out.path)
+
+
+def run_stage_entry(cfg: Config, stage: RunStage, manifests: bool = True) -> dict:
+    """dvc.yaml's entry of a run-level stage, from its record (:data:`tpgrpo.stage_params.RUN_STAGES`): its
+    command, params, deps (its kind's code manifest, its external deps, the other run-level stages' outputs it
+    reads) and outputs."""
+    deps = [*code_deps(stage.kind, manifests), *(p for name in stage.external for p in EXTERNAL[name](cfg)),
+            *stage.inputs]
+    return {"cmd": stage_command(cfg, stage.name), "params": path_params(stage.name, cfg, manifests),
+            "deps": deps, "outs": [_run_output(out) for out in stage.outputs]}
+
+
+def _record(name: str) -> RunStage:
+    """The run-level stage ``name``'s record."""
+    return next(stage for stage in RUN_STAGES if stage.name == name)
 
 
 def summary_stage(cfg: Config, open_iters: list[int], sealed: list[Block], manifests: bool = True) -> dict:
@@ -202,19 +206,17 @@ def summary_stage(cfg: Config, open_iters: list[int], sealed: list[Block], manif
     as DVC deps it lists them for open iterations only and, per sealed block, the block's log digest (the md5
     of each of those files, rewritten whenever the block runs), so its dependency count does not grow with the
     run."""
+    entry = run_stage_entry(cfg, _record("summary"), manifests)  # its record's parts, then the run's
     # The stage JSONs: outputs of their stages (see iteration_stages).
     per_iter = [f"{_iter_dir(i)}/{name}.json" for i in open_iters for name in STAGE_LOGS]
     evals = [f"{_iter_dir(i)}/eval.parquet" for i in open_iters]
     blocks = [digest_path(b) for b in sealed]  # every log and table of the block, through its digest
     last = _iter_dir(cfg.train.iterations)  # the figures draw its tables and its policy's images
     last_iteration = [f"{last}/{name}" for name in ("probe.parquet", "credit.parquet", "policy")]
-    deps = [*code_deps("summary", manifests), "data/iters/baseline_eval.json",
-            "data/iters/baseline_eval.parquet", *per_iter, *evals, *blocks, *last_iteration]
-    return {
-        "cmd": "tpgrpo stage summary", "params": stage_inputs("summary", cfg), "deps": list(dict.fromkeys(deps)),
-        "outs": [_uncached(SUMMARY), _uncached("data/metrics/history.csv"), _uncached(EVAL_CURVE),
-                 _uncached(TRAIN_CURVE), *[_uncached(f"data/reports/{name}") for name in figure_names(cfg)]],
-        "metrics": [{f"data/metrics/{name}.json": {"cache": False}} for name in GLANCE]}
+    deps = [*entry["deps"], *per_iter, *evals, *blocks, *last_iteration]
+    return {**entry, "deps": list(dict.fromkeys(deps)),
+            "outs": [*entry["outs"], *[_uncached(f"data/reports/{name}") for name in figure_names(cfg)]],
+            "metrics": [{f"data/metrics/{name}.json": {"cache": False}} for name in GLANCE]}
 
 
 class _NoAliasDumper(yaml.SafeDumper):

@@ -22,7 +22,7 @@ from typing import Annotated
 
 import typer
 
-from tpgrpo.stage_params import STAGE_LOGS
+from tpgrpo.stage_params import RUN_STAGES, STAGE_LOGS
 
 # Idle OpenMP threads sleep instead of spinning: on a shared 2-core machine spinning threads of
 # concurrent processes slowed a training step from 1.2 s to 17 s. Must be set before torch loads.
@@ -124,28 +124,21 @@ def _make_stage_command(name: str):
     return command
 
 
+def _make_run_stage_command(name: str, help_text: str):
+    def command(params: ParamsOpt = Path("params.yaml")) -> None:
+        run_stage(name, None, params)
+
+    command.__doc__ = help_text
+    return command
+
+
 for _name in STAGES:
     stage_app.command(_name)(_make_stage_command(_name))
+for _stage in RUN_STAGES:  # once per run, no --iter: tpgrpo.stage_params.RUN_STAGES
+    stage_app.command(_stage.name)(_make_run_stage_command(_stage.name, _stage.help))
 
 
-@stage_app.command("baseline")
-def baseline_stage(params: ParamsOpt = Path("params.yaml")) -> None:
-    """Evaluate the base model (the curves' starting point)."""
-    run_stage("baseline", None, params)
-
-
-@stage_app.command("eval_prompts")
-def eval_prompts_stage(params: ParamsOpt = Path("params.yaml")) -> None:
-    """Encode the held-out prompts once (data/iters/eval_prompt_embeds), for every eval and the baseline."""
-    run_stage("eval_prompts", None, params)
-
-
-@stage_app.command("summary")
-def summary_stage(params: ParamsOpt = Path("params.yaml")) -> None:
-    """Collect every iteration's metrics into data/metrics/history.csv and summary.json."""
-    run_stage("summary", None, params)
-
-
+# The code stage runs no stage module: it writes the manifests the other stages depend on (no record).
 @stage_app.command("code")
 def code_stage(params: ParamsOpt = Path("params.yaml")) -> None:
     """Write data/code/<kind>.json: the md5 of every code file each kind of stage runs (its dependency)."""

@@ -18,7 +18,7 @@ from tpgrpo.io.artifacts import IterationPaths
 from tpgrpo.pipeline.dvclock import pid_state
 from tpgrpo.errors import PipelineError
 from tpgrpo.pipeline.blocks import seal_files
-from tpgrpo.stage_params import DONE, outputs_read_by
+from tpgrpo.stage_params import BASELINE_LOG, DONE, outputs_read_by
 
 ITERATION_FILES = outputs_read_by(DONE)  # the stage logs that make an iteration done
 LAST_STAGE = Path("data") / ".last_stage.json"
@@ -238,7 +238,7 @@ def _last_stage_line(root: Path) -> str:
 
 
 def _reward_line(root: Path, states: list[IterationState]) -> str:
-    base_file = root / "data" / "iters" / "baseline_eval.json"
+    base_file = root / BASELINE_LOG
     base = json.loads(base_file.read_text()) if base_file.is_file() else None
     evaluated = []  # the latest evaluated iteration, if any
     for s in reversed(states):

@@ -18,10 +18,11 @@ import numpy as np
 from tpgrpo.config import Config
 from tpgrpo.distributed import chunk_bar, current, run_chunks, warn_if_idle
 from tpgrpo.io.artifacts import IterationPaths, require, write_parquet
-from tpgrpo.io.eval_table import BASELINE_TABLE, EVAL_TABLE, EVAL_TABLE_COLUMNS, empty_table
+from tpgrpo.io.eval_table import EVAL_TABLE, EVAL_TABLE_COLUMNS, empty_table
 from tpgrpo.io.stage_logs import write_log
 from tpgrpo.policy.loading import load_policy, policy_to_score
 from tpgrpo.stage_common import check_finite, provenance, stopwatch
+from tpgrpo.stage_params import BASELINE_LOG, BASELINE_TABLE
 
 
 def eval_images(cfg: Config, root: Path, backend, label: str, artifact: Path):
@@ -123,12 +124,12 @@ def run_eval(cfg: Config, iteration: int, root: Path) -> dict:
 def run_baseline(cfg: Config, root: Path) -> dict:
     """The same evaluation for the base model (no adapter): the curve's starting point."""
     metrics: dict = {"iteration": -1}
-    out = root / "data" / "iters" / "baseline_eval.json"
+    out = root / BASELINE_LOG
     with stopwatch(metrics):
         frame = eval_images(cfg, root, load_policy(cfg, root, 1), "base", out)  # iteration 1 samples the base model
     if frame is None:  # not the main process
         return metrics
     metrics.update(summarize(cfg, frame))
-    write_table(cfg, out.with_name(BASELINE_TABLE), frame, -1, "baseline", "base")
+    write_table(cfg, root / BASELINE_TABLE, frame, -1, "baseline", "base")
     write_log(out, metrics)
     return metrics

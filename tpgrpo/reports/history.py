@@ -15,6 +15,7 @@ import pandas as pd
 from tpgrpo.config import Config
 from tpgrpo.io.artifacts import IterationPaths
 from tpgrpo.io.stage_logs import read_log
+from tpgrpo.stage_params import BASELINE_LOG
 
 COLUMNS = {
     "rollout": ["mean_reward", "strict_accuracy", "wall_seconds", "forward_passes"],
@@ -28,7 +29,7 @@ STAGES = tuple(COLUMNS)
 
 
 def baseline_path(root: Path) -> Path:
-    return root / "data" / "iters" / "baseline_eval.json"
+    return root / BASELINE_LOG
 
 
 def summary_log_path(root: Path) -> Path:
