@@ -2,7 +2,8 @@
 
 Writes ``policy/`` (the LoRA adapter, loadable by peft and by a diffusers pipeline, plus the optimizer
 and EMA state so the next iteration resumes exactly) and ``update.json`` (approx KL, clip fraction, the
-first-pass ratio check, wall time, forward passes).
+first-pass ratio check, wall time, forward passes). The store's shape (its attributes) picks what reads its
+states and clean samples: :mod:`tpgrpo.rollout_shape.chain_update` or :mod:`tpgrpo.rollout_shape.tree_update`.
 """
 
 from __future__ import annotations
@@ -22,10 +23,10 @@ from tpgrpo.distributed import current
 from tpgrpo.policy.loading import load_policy, prompt_embeddings, sampling_from_attrs
 from tpgrpo.stage_common import stopwatch
 from tpgrpo.policy.lora import LoraEMA
-from tpgrpo.policy.states import store_states
 from tpgrpo.io.schemas import CREDIT
 from tpgrpo.algo.seeds import sample_seed
 from tpgrpo.policy.checkpoint import load_training_state, save_policy
+from tpgrpo.rollout_shape import chain_update, tree_update
 from tpgrpo.policy.update import TransitionBatch, UpdateInputs, make_optimizer, train_iteration
 
 
@@ -38,6 +39,14 @@ def advantage_matrix(credit, n: int, k: int) -> torch.Tensor:
     if len(table) != n * k:
         raise ValueError(f"credit.parquet has {len(table)} rows; expected {n} trajectories x {k} steps")
     return torch.tensor(table["advantage"].to_numpy().reshape(n, k), dtype=torch.float32)
+
+
+def read_store(cfg: Config, paths: IterationPaths):
+    """``(arrays, attrs, reads)``: the iteration's trajectory store (states and the probe's arrays lazy) and its
+    shape's update reads (``chain_update`` / ``tree_update``), picked once from the store's attributes."""
+    arrays, attrs = read_trajectories(paths.trajectories, lazy=UNREAD)
+    reads = rollout_shape.implementation("update", cfg, paths, chain=chain_update, tree=tree_update, attrs=attrs)
+    return arrays, attrs, reads
 
 
 def _tick(bar, done: int, total: int) -> None:
@@ -53,9 +62,8 @@ def run(cfg: Config, iteration: int, root: Path) -> dict:
     dist = current()
     with stopwatch(metrics):
         # x0_estimates, velocities: the probe's, never read here; a tree's edges read its node_states
-        arrays, attrs = read_trajectories(paths.trajectories, lazy=UNREAD)
-        shape = rollout_shape.of_store_attrs(attrs, str(paths.trajectories))
-        states = store_states(arrays, len(attrs["prompts"]), shape).verify()  # checked a file at a time; read per micro-batch
+        arrays, attrs, reads = read_store(cfg, paths)
+        states = reads.states(arrays, len(attrs["prompts"])).verify()  # checked a file at a time; read per micro-batch
         N, K1 = states.shape[:2]
         metas = attrs["prompts"]
         credit = read_table(  # rows must be this store's trajectories x window steps, in its prompt groups
@@ -92,22 +100,21 @@ def _run_objective(cfg: Config, iteration: int, root: Path) -> dict:
     """The update under ``update.objective`` nft / awm: the credit table's advantages on the store's clean
     samples (``tpgrpo.algo.objective_units``), trained by ``tpgrpo.policy.objective_update``; the policy folder
     gains ``slow/`` (NFT's old adapter / AWM's EMA)."""
-    from tpgrpo.policy.objective_update import ObjectiveInputs, train_objective, units_of_store
+    from tpgrpo.policy.objective_update import ObjectiveInputs, train_objective
     from tpgrpo.policy.slow_adapter import previous_slow
 
     paths = IterationPaths(root, iteration)
     metrics: dict = {"iteration": iteration}
     dist = current()
     with stopwatch(metrics):
-        arrays, attrs = read_trajectories(paths.trajectories, lazy=UNREAD)
-        shape = rollout_shape.of_store_attrs(attrs, str(paths.trajectories))
+        arrays, attrs, reads = read_store(cfg, paths)
         N, K = arrays["log_probs"].shape
         metas = attrs["prompts"]
         credit = read_table(
             paths.credit, CREDIT, "credit.parquet: run the credit stage first", trajectories=N, steps=K,
             expect={"sample": arrays["sample"], "prompt_id": [metas[p]["id"] for p in arrays["prompt_index"]]})
-        units, latents = units_of_store(arrays, attrs, shape, advantage_matrix(credit, N, K), cfg.update.split_levels,
-                                        str(paths.trajectories))
+        units, latents = reads.units(arrays, attrs, advantage_matrix(credit, N, K), cfg.update.split_levels,
+                                     str(paths.trajectories))
         backend = load_policy(cfg, root, iteration, trainable=True)
         optimizer = make_optimizer(backend, cfg.update)
         ema = LoraEMA(backend) if cfg.update.ema else None

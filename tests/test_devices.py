@@ -400,14 +400,15 @@ def test_one_iteration_of_every_stage_on_a_gpu_backend(tiny_project, monkeypatch
     import stages.update
     from tpgrpo.policy import evaluation, probe_scoring
     from tpgrpo.policy import loading as pipeline
+    from tpgrpo.rollout_shape import chain_rollout
 
     original = pipeline.load_policy
 
     def load_on_gpu(cfg, root, iteration, trainable=False):
         return FakeCudaBackend(original(cfg, root, iteration, trainable=trainable))
 
-    # where each stage's code calls load_policy (the probe's and eval's live in the library)
-    for module in (stages.rollout, probe_scoring, stages.update, evaluation):
+    # where each stage's code calls load_policy (the rollout's, probe's and eval's live in the library)
+    for module in (chain_rollout, probe_scoring, stages.update, evaluation):
         monkeypatch.setattr(module, "load_policy", load_on_gpu)
     root = tiny_project
     cfg = load_config(root / "params.yaml")

@@ -59,7 +59,9 @@ def _update(root: Path, monkeypatch, materialise: bool) -> dict:
 
     monkeypatch.setattr(stage, "train_iteration", spy)
     if materialise:  # the code before: every state in memory, one tensor
-        monkeypatch.setattr(stage, "store_states", lambda arrays, num_prompts, shape: _Materialised(arrays["states"]))
+        from tpgrpo.rollout_shape import chain_update
+
+        monkeypatch.setattr(chain_update, "states", lambda arrays, num_prompts: _Materialised(arrays["states"]))
     policy = root / "data" / "iters" / "0001" / "policy"
     shutil.rmtree(policy, ignore_errors=True)
     result = _stage(root, "update")

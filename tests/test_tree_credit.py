@@ -214,7 +214,7 @@ def test_the_probe_assembles_q_parent_from_the_leaves_and_refuses_a_damaged_tree
     import numpy as np
 
     from tpgrpo.io.schemas import ArtifactError
-    from tpgrpo.io.tree_probe import tree_probe_table
+    from tpgrpo.rollout_shape.tree_probe import tree_probe_table
 
     metas = [{"id": "p0", "prompt": "a red circle"}]
     table = tree_probe_table(_store_arrays(), metas, "store")

@@ -20,7 +20,7 @@ from conftest import tiny_params
 from tpgrpo import rollout_shape
 from tpgrpo.io.artifacts import write_table
 from tpgrpo.io.schemas import PROBE_COMPLETION_KEY, PROBE_TREE, ArtifactError
-from tpgrpo.io.tree_probe import tree_probe_table
+from tpgrpo.rollout_shape.tree_probe import tree_probe_table
 
 TREE = {"enabled": True, "split_steps": "0,1", "children": 1, "roots": 2}  # as tests/test_tree_pipeline.py
 
@@ -61,12 +61,15 @@ def config(root: Path):
 
 
 def test_an_intact_tree_table_reads_as_a_tree(tmp_path):
-    from tpgrpo.io.probe_table import read_probe
     from tpgrpo.io.artifacts import IterationPaths
+    from tpgrpo.rollout_shape import chains, trees
 
     root = project(tmp_path, tree_enabled=True)
-    shape, table = read_probe(config(root), IterationPaths(root, 1))
-    assert shape == rollout_shape.TREE and len(table) == 12 and table["sde"].sum() == 8
+    paths = IterationPaths(root, 1)
+    assert rollout_shape.shape_for("credit", config(root), paths) == rollout_shape.TREE
+    tables = rollout_shape.implementation("credit", config(root), paths, chain=chains, tree=trees)
+    table = tables.read_probe(paths.probe)
+    assert tables is trees and len(table) == 12 and table["sde"].sum() == 8
 
 
 def test_a_tree_table_without_its_metadata_is_refused_in_one_line(tmp_path):

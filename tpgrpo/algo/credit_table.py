@@ -1,7 +1,8 @@
-"""The credit table (``credit.parquet``) from a probe table: the credit stage's pure function (spec sections 5-6).
+"""The credit table (``credit.parquet``) of a chain's probe table, and ``credit.json``'s numbers (spec sections 5-6).
 
 DataFrames in, a DataFrame out; no model and no file. A chain's table has one row per (trajectory, window step)
-(``schemas.CREDIT``); a tree's one row per edge (:func:`tpgrpo.algo.tree_credit.tree_credit_table`).
+(``schemas.CREDIT``); a tree's, one row per edge, is :func:`tpgrpo.algo.tree_credit.tree_credit_table`'s (the
+credit stage picks one through :mod:`tpgrpo.rollout_shape`: ``chains`` / ``trees``).
 """
 
 from __future__ import annotations
@@ -10,20 +11,14 @@ import numpy as np
 import pandas as pd
 import torch
 
-from tpgrpo import rollout_shape
 from tpgrpo.algo.advantages import group_advantages
 from tpgrpo.algo.credit import compute_credit
 from tpgrpo.config import Config
 
 
-def credit_table(probe: pd.DataFrame, cfg: Config, shape: str = rollout_shape.CHAIN) -> pd.DataFrame:
-    """From the long probe table (rows (trajectory, step 0..K), checked against ``schemas.PROBE``, or
-    ``PROBE_TREE`` for ``shape`` tree) to the credit table (steps 0..K-1, ``schemas.CREDIT``)."""
-    if shape == rollout_shape.TREE:  # one row per edge, K = 1
-        from tpgrpo.algo.tree_credit import tree_credit_table
-
-        c = cfg.credit
-        return tree_credit_table(probe, c.mode, c.balance, c.global_std, c.adv_clip, baseline=cfg.tree.baseline)
+def credit_table(probe: pd.DataFrame, cfg: Config) -> pd.DataFrame:
+    """From a chain's long probe table (rows (trajectory, step 0..K), checked against ``schemas.PROBE``) to the
+    credit table (steps 0..K-1, ``schemas.CREDIT``) under ``cfg.credit``."""
     probe = probe.sort_values(["trajectory", "step"], kind="stable")
     N = probe["trajectory"].nunique()
     K1 = len(probe) // N
@@ -46,20 +41,10 @@ def credit_table(probe: pd.DataFrame, cfg: Config, shape: str = rollout_shape.CH
     })
 
 
-def trained_rows(table: pd.DataFrame, probe: pd.DataFrame, shape: str) -> pd.DataFrame:
-    """The credit rows the metrics count: every row of a chain; a tree's SDE edges only (an ODE edge has no
-    policy: its increment is 0 by construction and it is never trained, so counting it would halve the rates
-    at m = 1 and fill zero_increment_fraction with zeros that say nothing about the reward)."""
-    if shape == rollout_shape.CHAIN:
-        return table
-    sde = probe.groupby("trajectory")["sde"].first()
-    return table[table["trajectory"].map(sde).to_numpy(dtype=bool)]
-
-
-def credit_metrics(cfg: Config, table: pd.DataFrame, probe: pd.DataFrame, shape: str) -> dict:
-    """``credit.json``'s numbers from the credit table (the rows :func:`trained_rows` counts): turning-point
-    rates (overall and per window step), the fraction of zero increments, trends, mean |increment|."""
-    counted = trained_rows(table, probe, shape)
+def credit_metrics(cfg: Config, counted: pd.DataFrame) -> dict:
+    """``credit.json``'s numbers from the credit rows the update trains (``counted``: the shape's
+    ``trained_rows`` of the credit table): turning-point rates (overall and per window step), the fraction of
+    zero increments, trends, mean |increment|."""
     tp_by_step = counted.groupby("step")["turning_point"].mean()
     return {
         "mode": cfg.credit.mode, "turning_point_rate": float(counted["turning_point"].mean()),

@@ -1,20 +1,14 @@
-"""The probe table (``probe.parquet``): a chain's rows built from its scores, and either shape read back checked.
+"""The probe table (``probe.parquet``) of a chain, built from its scores.
 
 A chain's table has one row per (trajectory, step), step 0..K (``schemas.PROBE``); a tree's, built by
-:mod:`tpgrpo.io.tree_probe`, two rows per edge (``schemas.PROBE_TREE``). No model is loaded here: the credit
-stage reads the table with :func:`read_probe` (this module reads no trajectory store, so the credit stage's
-code stays free of Zarr).
+:mod:`tpgrpo.rollout_shape.tree_probe`, two rows per edge (``schemas.PROBE_TREE``). The credit stage reads
+either back through its shape's ``read_probe`` (:mod:`tpgrpo.rollout_shape`: ``chains`` / ``trees``).
 """
 
 from __future__ import annotations
 
 import numpy as np
 import pandas as pd
-
-from tpgrpo import rollout_shape
-from tpgrpo.config import Config
-from tpgrpo.io.artifacts import IterationPaths, read_table
-from tpgrpo.io.schemas import PROBE, PROBE_TREE
 
 
 def probe_table(arrays: dict, metas: list[dict], rewards: np.ndarray, strict: np.ndarray) -> pd.DataFrame:
@@ -36,13 +30,3 @@ def probe_table(arrays: dict, metas: list[dict], rewards: np.ndarray, strict: np
         "strict": strict_all.reshape(-1),
     })
 
-
-def read_probe(cfg: Config, paths: IterationPaths) -> tuple[str, pd.DataFrame]:
-    """``(shape, table)``: the rollout's shape as the probe table declares it, checked against its columns and
-    ``tree.enabled`` (``rollout_shape.checked_probe_table``), and the table, checked against that shape's
-    schema (``PROBE``, or ``PROBE_TREE`` with its two steps per edge); for Flow-GRPO the probe stage wrote
-    ``Q_k = R_fin`` from the rollout."""
-    shape = rollout_shape.checked_probe_table(paths.probe, cfg)
-    if shape == rollout_shape.TREE:
-        return shape, read_table(paths.probe, PROBE_TREE, "probe.parquet: run the probe stage first", steps=2)
-    return shape, read_table(paths.probe, PROBE, "probe.parquet: run the probe stage first")

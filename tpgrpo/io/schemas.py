@@ -214,7 +214,7 @@ TRAJECTORY_ARRAYS = (
               "the rollout's guided velocity v_k at z_k, latent units per unit of sigma; each probe completion's "
               "first step (probe.completion exact and ode:M only; attribute velocities_kept)", optional=True,
               finite=True, bound=LATENT_BOUND),
-    # tree.enabled (tpgrpo.policy.tree_rollout): a row is an edge, indices are within its prompt group
+    # tree.enabled (tpgrpo.rollout_shape.tree_rollout): a row is an edge, indices are within its prompt group
     ArraySpec("tree_parent", ("trajectory",), "int32", "sample of the edge into the parent node; -1 below a root",
               optional=True),
     ArraySpec("tree_depth", ("trajectory",), "int32", "split index of the edge (0..L-1)", optional=True),

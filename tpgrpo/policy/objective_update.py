@@ -62,29 +62,16 @@ class ObjectiveResult:
     slow: dict[str, torch.Tensor]
 
 
-def units_of_store(arrays: dict, attrs: dict, shape: str, advantages: torch.Tensor, split_levels: bool,
-                   source: str) -> tuple[Units, torch.Tensor]:
-    """The units (``tpgrpo.algo.objective_units``) of a trajectory store read by ``read_trajectories`` and its
-    credit ``advantages`` ``(N, K)``, with the clean latents they index (``final_latents`` of a chain,
-    ``leaf_latents`` of a tree). A store without them (sampled under grpo) is one line naming it."""
-    from tpgrpo.algo.objective_units import chain_units, tree_units
+def clean_latents(arrays: dict, name: str, source: str) -> torch.Tensor:
+    """The clean latents ``(rows, C, H, W)`` the nft / awm units index: array ``name`` of a trajectory store read
+    by ``read_trajectories`` (``final_latents`` of a chain, ``leaf_latents`` of a tree: each shape's ``units``,
+    :mod:`tpgrpo.rollout_shape`). A store without them (sampled under grpo) is one line naming it (``source``)."""
     from tpgrpo.io.schemas import ArtifactError
-    from tpgrpo.rollout_shape import TREE
 
-    name = "leaf_latents" if shape == TREE else "final_latents"
     if name not in arrays:
         raise ArtifactError(f"{source}: no array '{name}' (the rollout keeps the clean samples only under "
                             "update.objective nft or awm): re-run the rollout")
-    latents = torch.from_numpy(arrays[name])
-    prompt_index = torch.from_numpy(arrays["prompt_index"]).long()
-    sigmas = torch.from_numpy(arrays["sigmas"])
-    if shape == TREE:
-        units = tree_units(advantages[:, 0], torch.from_numpy(arrays["tree_sde"]), sigmas[:, 0],
-                           torch.from_numpy(arrays["tree_leaf"]), prompt_index,
-                           latents.shape[0] // len(attrs["prompts"]), split_levels)
-    else:
-        units = chain_units(advantages, sigmas[:, 1:] > 0, prompt_index)
-    return units, latents
+    return torch.from_numpy(arrays[name])
 
 
 def epoch_items(inputs: ObjectiveInputs, seed: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:

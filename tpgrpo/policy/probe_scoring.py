@@ -8,8 +8,9 @@ reward (that state was completed by the rollout itself and is not scored twice).
 with the rollout's stored velocity ``v_k`` (K passes per trajectory saved; a store written before the rollout
 kept them is completed with that pass, as before), ``x0`` scores the rollout's one-step estimates (decodes and
 reward calls only). With ``credit.mode: flow_grpo`` the probe loads no model: that credit needs only R_fin, so
-the table is the rollout's final reward at every step (``final_reward_table``). A tree's probe is
-:mod:`tpgrpo.io.tree_probe`'s. Every mode has the same stages, so ``dvc exp run -S credit.mode=...`` needs no
+the table is the rollout's final reward at every step (``final_reward_table``). This is the chain's probe
+(:func:`run_chain_probe`); a tree's is :mod:`tpgrpo.rollout_shape.tree_probe`'s, and :func:`run_probe` picks
+one from the store's shape. Every mode has the same stages, so ``dvc exp run -S credit.mode=...`` needs no
 other dvc.yaml.
 """
 
@@ -33,6 +34,7 @@ from tpgrpo.io.stage_logs import write_log
 from tpgrpo.io.trajectories import read_trajectories
 from tpgrpo.models import load_backend  # light: the backends import torch and diffusers when one loads
 from tpgrpo.policy.loading import load_policy, prompt_embeddings
+from tpgrpo.rollout_shape import tree_probe
 from tpgrpo.stage_common import check_finite, provenance, resolve, stopwatch
 
 LAZY = ("states", "x0_estimates", "velocities")  # read a chunk at a time
@@ -69,12 +71,17 @@ def run_final_reward(cfg: Config, iteration: int, root: Path) -> dict:
 
 
 def run_probe(cfg: Config, iteration: int, root: Path) -> dict:
-    """The probe stage of ``iteration``: a tree's, Flow-GRPO's final-reward table, or a chain's states scored
-    under ``probe.completion`` into ``probe.parquet`` and ``probe.json`` (the main process writes)."""
-    if rollout_shape.of_store(IterationPaths(root, iteration).trajectories) == rollout_shape.TREE:
-        from tpgrpo.io import tree_probe  # every node's Q is a leaf's reward: no model
+    """The probe stage of ``iteration``: the chain's (:func:`run_chain_probe`) or the tree's
+    (:mod:`tpgrpo.rollout_shape.tree_probe`: every node's Q is a leaf's reward, no model), as the store's
+    ``shape`` attribute says."""
+    paths = IterationPaths(root, iteration)
+    probe = rollout_shape.implementation("probe", cfg, paths, chain=run_chain_probe, tree=tree_probe.run)
+    return probe(cfg, iteration, root)
 
-        return tree_probe.run(cfg, iteration, root)
+
+def run_chain_probe(cfg: Config, iteration: int, root: Path) -> dict:
+    """The probe of a chain: Flow-GRPO's final-reward table, or the states scored under ``probe.completion``
+    into ``probe.parquet`` and ``probe.json`` (the main process writes)."""
     if cfg.credit.mode == "flow_grpo":
         return run_final_reward(cfg, iteration, root)
     paths = IterationPaths(root, iteration)

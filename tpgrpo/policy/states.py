@@ -10,7 +10,8 @@ same values, decoding every chunk a micro-batch's trajectories fall in. The valu
 float32 bytes, so the update computes the same numbers as on the materialised tensor.
 
 A tree store keeps each distinct state once (``node_states``) and each edge its two node indices:
-:class:`NodeStates` shows it as the same ``(E, 2, C, H, W)`` states (:func:`store_states` picks the class).
+:class:`NodeStates` shows it as the same ``(E, 2, C, H, W)`` states. The update gets one or the other from its
+shape's ``states`` (:mod:`tpgrpo.rollout_shape.chain_update` / ``tree_update``; :func:`store_states` by name).
 """
 
 from __future__ import annotations
@@ -18,6 +19,7 @@ from __future__ import annotations
 import numpy as np
 import torch
 
+from tpgrpo import rollout_shape
 from tpgrpo.errors import PipelineError
 from tpgrpo.io.trajectories import CheckedArray
 
@@ -34,6 +36,12 @@ class LazyStates:
     def __init__(self, array: CheckedArray):
         self.array, self.shape, self.ndim = array, tuple(array.shape), len(array.shape)
         self.verified, self.reads, self.peak_read_bytes = False, 0, 0
+
+    @classmethod
+    def from_store(cls, arrays: dict, num_prompts: int) -> "LazyStates":
+        """A chain store's ``states`` (``arrays`` read by ``read_trajectories`` with ``states`` lazy);
+        ``num_prompts`` unused (the same signature as :meth:`NodeStates.from_store`)."""
+        return cls(arrays["states"])
 
     def verify(self) -> "LazyStates":
         """Check every stored state (one chunk file of ``array`` in memory at a time); idempotent."""
@@ -72,6 +80,16 @@ class NodeStates(LazyStates):
         self.nodes = nodes
         self.shape, self.ndim = (nodes.shape[0], 2, *array.shape[1:]), 5
 
+    @classmethod
+    def from_store(cls, arrays: dict, num_prompts: int) -> "NodeStates":
+        """A tree store's edges mapped onto its ``node_states`` (read lazy): ``node_states`` rows / ``num_prompts``
+        nodes per prompt, each edge's prompt-local ``tree_parent_node`` / ``tree_child_node`` made global
+        (indices checked in range by ``read_trajectories``)."""
+        per_prompt = arrays["node_states"].shape[0] // num_prompts
+        base = arrays["prompt_index"].astype(np.int64)[:, None] * per_prompt
+        nodes = np.stack([arrays["tree_parent_node"], arrays["tree_child_node"]], 1).astype(np.int64) + base
+        return cls(arrays["node_states"], nodes)
+
     def verify(self) -> "NodeStates":
         """Check every stored node (one chunk file of ``array`` in memory at a time); idempotent."""
         if not self.verified:
@@ -92,16 +110,11 @@ class NodeStates(LazyStates):
         return torch.from_numpy(out[:len(n)]), torch.from_numpy(out[len(n):])
 
 
-def store_states(arrays: dict, num_prompts: int, shape: str = "chain") -> LazyStates:
-    """The lazy states of a store of ``num_prompts`` prompts read with ``states`` / ``node_states`` lazy: a
-    chain's ``states``, or (``shape`` ``"tree"``, :mod:`tpgrpo.rollout_shape`) a tree's edges mapped onto its
-    ``node_states`` (node_states rows / prompts per prompt; indices checked in range by ``read_trajectories``)."""
-    if shape == "chain":
-        return LazyStates(arrays["states"])
-    per_prompt = arrays["node_states"].shape[0] // num_prompts
-    base = arrays["prompt_index"].astype(np.int64)[:, None] * per_prompt
-    nodes = np.stack([arrays["tree_parent_node"], arrays["tree_child_node"]], 1).astype(np.int64) + base
-    return NodeStates(arrays["node_states"], nodes)
+def store_states(arrays: dict, num_prompts: int, shape: str = rollout_shape.CHAIN) -> LazyStates:
+    """The lazy states of a store of ``num_prompts`` prompts read with ``states`` / ``node_states`` lazy, for a
+    caller holding the store's ``shape`` name (:mod:`tpgrpo.rollout_shape`): a chain's ``states``
+    (:meth:`LazyStates.from_store`) or a tree's edges on its ``node_states`` (:meth:`NodeStates.from_store`)."""
+    return rollout_shape.pick(shape, LazyStates, NodeStates).from_store(arrays, num_prompts)
 
 
 def _check_block(block: np.ndarray, array: CheckedArray, where) -> None:

@@ -1,10 +1,11 @@
-"""The probe stage for a tree store (``tree.enabled``, issue 35): every Q from the leaves, no model.
+"""The probe stage for a tree store (``tree.enabled``): every Q from the leaves, no model.
 
 Each edge's child already has its exact ``Q(child)`` in the store (``final_reward``: the reward of the leaf its
 ODE children reach). ``Q(parent)`` is the ``final_reward`` of the prompt's edge whose ``tree_leaf`` is the
 edge's ``tree_parent_leaf`` (every leaf is some edge's ODE leaf; a root's leaf is its depth-0 ODE edge's).
 Writes ``probe.parquet`` in the chain's contract with K = 1 (step 0 = Q(parent), step 1 = Q(child) =
-``final_reward``) plus ``schemas.PROBE_TREE``'s tree columns; metadata ``tpgrpo.completion = tree``.
+``final_reward``) plus ``schemas.PROBE_TREE``'s tree columns; metadata ``tpgrpo.completion = tree``. The chain's
+probe is ``tpgrpo.policy.probe_scoring``'s; its ``run_probe`` picks one.
 """
 
 from __future__ import annotations
@@ -19,6 +20,7 @@ from tpgrpo.io.artifacts import IterationPaths, write_table
 from tpgrpo.io.stage_logs import write_log
 from tpgrpo.io.schemas import PROBE_COMPLETION_KEY, PROBE_TREE, ArtifactError
 from tpgrpo.io.trajectories import read_trajectories
+from tpgrpo.rollout_shape import TREE
 from tpgrpo.stage_common import provenance, stopwatch
 
 
@@ -66,16 +68,17 @@ def tree_probe_table(arrays: dict, metas: list[dict], source: str):
 
 
 def run(cfg: Config, iteration: int, root: Path) -> dict:
-    """The probe of a tree (``tpgrpo.policy.probe_scoring.run_probe`` branches here): main process only, no model, no pass."""
+    """The probe of a tree (module docstring): main process only, no model, no pass; returns ``probe.json``'s
+    metrics."""
     paths = IterationPaths(root, iteration)
-    metrics: dict = {"iteration": iteration, "completion": "tree", "forward_passes": 0, "decodes": 0,
+    metrics: dict = {"iteration": iteration, "completion": TREE, "forward_passes": 0, "decodes": 0,
                      "reward_calls": 0}
     if not current().is_main:
         return metrics
     with stopwatch(metrics):
         arrays, attrs = read_trajectories(paths.trajectories, lazy=("node_states",))
         frame = tree_probe_table(arrays, attrs["prompts"], str(paths.trajectories))
-        meta = {**provenance(cfg, iteration, "probe"), PROBE_COMPLETION_KEY: "tree"}
+        meta = {**provenance(cfg, iteration, "probe"), PROBE_COMPLETION_KEY: TREE}
         write_table(paths.probe, frame, PROBE_TREE, meta, trajectories=len(arrays["sample"]), steps=2)
     sde = arrays["tree_sde"].astype(bool)
     d = arrays["final_reward"] - frame.loc[frame.step == 0, "reward"].to_numpy()

@@ -1,4 +1,4 @@
-"""The rollout stage for ``tree.enabled`` (issue 35): sample ODE-anchored trees, decode and score the
+"""The rollout stage for trees (``tree.enabled``): sample ODE-anchored trees, decode and score the
 leaves only, write ``trajectories.zarr`` with one row per EDGE and each distinct state once.
 
 Each edge is a "trajectory" of one window step: ``log_probs (E, 1)`` (0 on ODE edges), ``sigmas (E, 2)``,
@@ -11,7 +11,8 @@ the pairs through :class:`tpgrpo.policy.states.NodeStates`). Attributes: ``group
 Tree arrays, one value per edge: ``tree_parent`` (the parent edge's ``sample`` in the same prompt group, -1
 below a root), ``tree_depth``, ``tree_sde``, ``tree_root`` (root within the prompt), ``tree_leaf`` /
 ``tree_parent_leaf`` (leaf within the prompt reached from the child / parent by ODE children). The probe
-assembles every Q from these with no model (:mod:`tpgrpo.io.tree_probe`).
+assembles every Q from these with no model (:mod:`tpgrpo.rollout_shape.tree_probe`). The chain's rollout is
+:mod:`tpgrpo.rollout_shape.chain_rollout`; ``stages/rollout.py`` picks one.
 """
 
 from __future__ import annotations
@@ -31,6 +32,7 @@ from tpgrpo.io.stage_logs import write_log
 from tpgrpo.io.trajectories import write_zarr
 from tpgrpo.policy.loading import load_policy, prompt_embeddings, sampler_spec, select_prompts, store_attrs
 from tpgrpo.policy.slow_adapter import load_sampling_adapter
+from tpgrpo.rollout_shape import TREE
 from tpgrpo.stage_common import check_finite, stopwatch
 from tpgrpo.tasks.rewards import build_reward
 
@@ -66,9 +68,10 @@ def edge_arrays(tree, leaf_reward: np.ndarray, leaf_strict: np.ndarray, roots_pe
 
 
 def run(cfg: Config, iteration: int, root: Path) -> dict:
-    """The tree rollout stage (``stages.rollout.run`` branches here for ``tree.enabled``)."""
+    """The tree rollout stage of ``iteration`` (module docstring); the main process writes, and returns the
+    metrics (``rollout.json``)."""
     paths = IterationPaths(root, iteration)
-    metrics: dict = {"iteration": iteration, "shape": "tree"}
+    metrics: dict = {"iteration": iteration, "shape": TREE}
     dist = current()
     with stopwatch(metrics):
         metas = select_prompts(cfg, root, iteration)
@@ -134,6 +137,6 @@ def _store(cfg: Config, merged: dict, metas: list[dict], spec, shape: TreeShape,
     arrays.update({"seeds": np.asarray(seeds, dtype=np.int64)[root_row], "prompt_index": prompt_index.astype(np.int32),
                    "sample": np.tile(np.arange(E_prompt), len(metas)).astype(np.int32)})
     children = shape.children if isinstance(shape.children, int) else list(shape.children)  # an int as before
-    attrs = store_attrs(cfg, iteration, spec, metas, E_prompt, shape="tree", tree_split_steps=list(shape.split_steps),
+    attrs = store_attrs(cfg, iteration, spec, metas, E_prompt, shape=TREE, tree_split_steps=list(shape.split_steps),
                         tree_children=children, tree_roots=shape.roots)
     return arrays, attrs
