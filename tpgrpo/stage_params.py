@@ -222,19 +222,19 @@ CONDITIONAL_PARAMS["rollout"].append((("update.objective",), "update.objective")
 CONDITIONAL_PARAMS["update"] = [(OBJECTIVE_KEYS, "update.objective")]
 # A switch that is no bool: on unless it holds this value (update.objective: on under nft and awm).
 OFF_VALUES = {"update.objective": "grpo"}
-# Keys of STAGE_PARAMS' lists that a stage does not read while a switch is on, each group with its switch. The
-# tree rollout samples roots x (children + 1)^splits leaves per prompt at its split steps: it reads neither the
-# chain's group size nor its SDE window (its store records its own group and window, which probe, credit and
-# update read from there: tpgrpo.rollout_shape.tree_rollout._store), nor probe.completion (the chain keeps x0 estimates or
-# velocities for the probe; a tree's probe completes nothing, and the config loader refuses any mode but exact).
-# Listed, an edit of one would re-run every tree rollout and all after it for nothing (issue 46). Eval, baseline
-# and summary list the sampling section whole but never read the window (eval samples by ODE in eval.num_steps):
-# a tree project lists them without it. With the switch off nothing is dropped, so a chain project lists and
-# hashes what it did (its window edits re-run the rollout, and through it every eval, anyway).
+# Keys of STAGE_PARAMS' lists that a stage does not read while a switch is on, each group with its switch. The tree
+# rollout samples roots x (children + 1)^splits leaves per prompt at its split steps: it reads neither the chain's
+# group size nor its SDE window (its store records its own group and window, which probe, credit and update read from
+# there: tpgrpo.rollout_shape.tree_rollout._store), nor probe.completion (the chain keeps x0 estimates or velocities
+# for the probe; a tree's probe completes nothing, and the config loader refuses any mode but exact). Listed, an edit
+# of one would re-run every tree rollout and all after it for nothing. Eval, baseline and summary list the sampling
+# section whole but never read the window (eval samples by ODE in eval.num_steps): a tree project lists them without
+# it. With the switch off nothing is dropped, so a chain project lists and hashes what it did (its window edits re-run
+# the rollout, and through it every eval, anyway).
 CHAIN_WINDOW = ("sampling.window_start", "sampling.window_size")
 CHAIN_ONLY = (*CHAIN_WINDOW, "rollout.group_size", "probe.completion")
-# A tree's probe (tpgrpo.rollout_shape.tree_probe) loads no model, scores nothing and completes nothing: its table is the
-# store's leaf rewards rearranged, so it reads none of the probe's keys (an edit of probe.batch_size re-ran every
+# A tree's probe (tpgrpo.rollout_shape.tree_probe) loads no model, scores nothing and completes nothing: its table is
+# the store's leaf rewards rearranged, so it reads none of the probe's keys (an edit of probe.batch_size re-ran every
 # tree probe, and through its table's config_hash every credit and update after it).
 UNREAD_PARAMS = {  # stage: [(the keys, the switch that drops them)]
     "rollout": [(CHAIN_ONLY, "tree.enabled")],
