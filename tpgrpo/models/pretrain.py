@@ -171,23 +171,19 @@ def pretrain(out_dir, *, seed: int = 0, minutes: float | None = None, steps: int
     import torch
 
     from tpgrpo.models.pretrain_checkpoint import default_checkpoint_path, load_checkpoint
-    from tpgrpo.models.tiny import TinyBackend, TinyConfig, build_tiny
 
     if minutes is None and steps is None:
         raise ValueError("pretrain needs a budget: give minutes and/or steps")
     if num_threads:
         torch.set_num_threads(num_threads)
     torch.manual_seed(seed)
-    config = config or (None if init_from is not None else TinyConfig())
     hparams = {"batch_size": batch_size, "lr": lr, "warmup": warmup, "weight_decay": weight_decay,
                "tasks": list(tasks), "ema_decay": ema_decay, "dropout": dropout,
                "t_sampling": "logit_normal(0,1)", "grad_clip": 1.0, "custom_data": data is not None}
-    if init_from is not None:
-        backend, hparams["init_from"] = _start_from(Path(init_from), config, device)
-        config = backend.config
-    else:
-        built = build_tiny(config, seed=seed)  # initialised on the CPU: the same weights on any device
-        backend = TinyBackend(built.transformer, built.text_encoder, built.tokenizer, config, device=device)
+    backend, start = _starting_model(config, seed, device, init_from)
+    config = backend.config
+    if start is not None:
+        hparams["init_from"] = start
     run = _Run(backend, Path(out_dir), seed, hparams, steps, minutes)
     draw = data or task_data(tasks, image_size=config.image_size)
     rng = np.random.default_rng(seed)
@@ -205,6 +201,18 @@ def pretrain(out_dir, *, seed: int = 0, minutes: float | None = None, steps: int
     print(f"pretrain: saved {out_dir} after {info['steps']} steps, {info['minutes']} min, "
           f"final loss {info['final_loss']}", flush=True)
     return info
+
+
+def _starting_model(config, seed: int, device: str, init_from: Path | None):
+    """The model step 0 trains: fresh weights from ``seed`` (``config``, default the shipped size), or the saved
+    model ``init_from`` (:func:`_start_from`); and the record of that start (None for fresh weights)."""
+    from tpgrpo.models.tiny import TinyBackend, TinyConfig, build_tiny
+
+    if init_from is not None:
+        return _start_from(Path(init_from), config, device)
+    config = config or TinyConfig()
+    built = build_tiny(config, seed=seed)  # initialised on the CPU: the same weights on any device
+    return TinyBackend(built.transformer, built.text_encoder, built.tokenizer, config, device=device), None
 
 
 def _start_from(folder: Path, config, device: str):
