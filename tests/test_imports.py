@@ -102,6 +102,53 @@ def test_no_import_cycle():
     assert cycle is None, "import cycle: " + " -> ".join(cycle)
 
 
+def layer_of(module: str) -> str:
+    """The part of the package a module belongs to: its folder under tpgrpo/ (``tpgrpo.algo.loss`` ->
+    ``tpgrpo.algo``), or the module itself at tpgrpo/'s top level (``tpgrpo.config``) or in stages/."""
+    parts = module.split(".")
+    return ".".join(parts[:2]) if len(parts) > 2 else module
+
+
+def layer_graph(graph: dict[str, set[str]]) -> dict[str, set[str]]:
+    """Folder (or top-level module) -> the folders and top-level modules it imports, itself left out."""
+    layers: dict[str, set[str]] = {}
+    for module, targets in graph.items():
+        here = layer_of(module)
+        layers.setdefault(here, set()).update(layer_of(t) for t in targets if layer_of(t) != here)
+    for targets in list(layers.values()):
+        for t in targets:
+            layers.setdefault(t, set())
+    return layers
+
+
+def drawn_layers(text: str) -> list[set[str]]:
+    """The rows of the drawing between ``<!-- layers: top to bottom -->`` and ``<!-- end layers -->``: each
+    row's names (before its description, comma-separated) as layer names (``__init__`` -> ``tpgrpo``)."""
+    block = text.split("<!-- layers: top to bottom -->")[1].split("<!-- end layers -->")[0]
+    rows = [line for line in block.splitlines() if line.strip() and not line.startswith("```")]
+    names = [line.split("  ")[0].split(", ") for line in rows]
+    return [{"tpgrpo" if n == "__init__" else f"tpgrpo.{n}" for n in row} for row in names]
+
+
+def test_no_arrow_runs_back_up_between_folders():
+    """Between tpgrpo/'s folders and top-level modules every arrow runs down the drawing in
+    docs/development.md (which lists each of them once): none within a row, none back up, so no cycle."""
+    layers = {k: v for k, v in layer_graph(import_graph()).items() if k.split(".")[0] == "tpgrpo"}
+    assert "tpgrpo.algo" in layers["tpgrpo.rollout_shape"] and "tpgrpo.policy" in layers["tpgrpo.rollout_shape"]
+    rows = drawn_layers((ROOT / "docs" / "development.md").read_text())
+    row_of = {name: i for i, row in enumerate(rows) for name in row}
+    assert sorted(row_of) == sorted(layers) and sum(map(len, rows)) == len(row_of), "the drawing's names"
+    upward = [f"{a} -> {b}" for a, targets in layers.items() for b in targets if row_of[b] <= row_of[a]]
+    assert not upward, "arrows that do not run down the drawing: " + ", ".join(sorted(upward))
+
+
+def test_the_drawing_check_finds_an_arrow_back_up():
+    rows = drawn_layers("<!-- layers: top to bottom -->\n```text\npolicy, io   a\nalgo   b\n```\n<!-- end layers -->")
+    assert rows == [{"tpgrpo.policy", "tpgrpo.io"}, {"tpgrpo.algo"}]
+    assert find_cycle(layer_graph({"tpgrpo.algo.x": {"tpgrpo.io.y"}, "tpgrpo.io.y": {"tpgrpo.algo.z"},
+                                   "tpgrpo.algo.z": set()})) is not None
+
+
 def test_find_cycle_names_a_function_level_cycle(tmp_path):
     """The checker itself: a cycle through a function-level ``from pkg import module`` is found and named."""
     graph = {"p.a": {"p.b"}, "p.b": {"p.c"}, "p.c": {"p.a"}, "p.d": {"p.a"}}

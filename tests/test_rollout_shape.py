@@ -113,10 +113,10 @@ def _dispatch_sites(path: Path) -> tuple[int, list[str]]:
 
 
 def test_each_stage_dispatches_once_and_names_no_shape_itself():
-    """rollout, probe (through probe_scoring.run_probe), credit and update each make one call to
-    rollout_shape.implementation (the update one per path, in read_store) and compare no shape of their own."""
-    expected = {"stages/rollout.py": 1, "tpgrpo/policy/probe_scoring.py": 1, "stages/credit.py": 1,
-                "stages/update.py": 1, "stages/probe.py": 0}
+    """rollout, probe, credit and update each make one call to rollout_shape.implementation (the update one
+    per path, in read_store) and compare no shape of their own; the chain's probe code makes none."""
+    expected = {"stages/rollout.py": 1, "stages/probe.py": 1, "stages/credit.py": 1,
+                "stages/update.py": 1, "tpgrpo/policy/probe_scoring.py": 0}
     for name, calls in expected.items():
         assert _dispatch_sites(REPO / name) == (calls, []), name
     for path in sorted((REPO / "stages").glob("*.py")):
@@ -132,7 +132,8 @@ def test_the_checker_finds_a_stage_that_branches_on_a_shape_name(tmp_path):
 
 
 def test_store_states_by_name_is_each_shapes_states_reader():
-    from tpgrpo.policy.states import LazyStates, NodeStates, store_states
+    from tpgrpo.policy.states import LazyStates, NodeStates
+    from tpgrpo.rollout_shape.stored_states import store_states
 
     class _Array:  # the parts of a CheckedArray the constructors read
         shape, chunk_rows = (6, 3, 4, 4), 2

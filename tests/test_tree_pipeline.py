@@ -99,7 +99,8 @@ def _split_step(store, rows):
 def test_the_update_reads_each_edge_pair_from_the_node_store(tree_run):
     """NodeStates: edge e's (parent, child) states are its two node_states rows, each node read once."""
     from tpgrpo.io.trajectories import read_trajectories
-    from tpgrpo.policy.states import NodeStates, store_states
+    from tpgrpo.policy.states import NodeStates
+    from tpgrpo.rollout_shape.stored_states import store_states
 
     arrays, attrs = read_trajectories(iteration_dir(tree_run, 1) / "trajectories.zarr", lazy=("node_states",))
     states = store_states(arrays, len(attrs["prompts"]), "tree").verify()

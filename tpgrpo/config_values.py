@@ -1,6 +1,6 @@
 """Checking one params value against its declaration (:func:`tpgrpo.config.param`): its type, its bounds,
-a reward spec; and the one-line :class:`ConfigError` a bad value raises. Split out of ``tpgrpo.config``, which
-declares the sections and loads them.
+a reward spec; and the one-line ``ConfigError`` (:mod:`tpgrpo.errors`) a bad value raises. Split out of
+``tpgrpo.config``, which declares the sections and loads them.
 """
 
 from __future__ import annotations
@@ -9,9 +9,7 @@ import dataclasses
 import math
 from typing import Any, get_type_hints
 
-
-class ConfigError(ValueError):
-    """A bad ``params.yaml``: the message names the key and what is expected."""
+from tpgrpo.errors import ConfigError  # noqa: F401 - lives in errors, which tpgrpo.algo may import too
 
 
 # Bounds the loader checks: a tuple of choices, one of these ranges, or a value kind checked by its own code.

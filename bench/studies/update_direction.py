@@ -55,7 +55,7 @@ def main(folder: Path, iteration: int) -> None:
     from tpgrpo.config import load_config
     from tpgrpo.io.artifacts import IterationPaths
     from tpgrpo.io.trajectories import read_trajectories
-    from tpgrpo.policy.states import store_states
+    from tpgrpo.rollout_shape.stored_states import store_states
     from tpgrpo.rollout_shape import of_store_attrs
     from tpgrpo.policy.update import TransitionBatch
 

@@ -13,12 +13,12 @@ import torch
 
 from tpgrpo.algo.advantages import group_advantages
 from tpgrpo.algo.credit import compute_credit
-from tpgrpo.config import Config
 
 
-def credit_table(probe: pd.DataFrame, cfg: Config) -> pd.DataFrame:
+def credit_table(probe: pd.DataFrame, cfg) -> pd.DataFrame:
     """From a chain's long probe table (rows (trajectory, step 0..K), checked against ``schemas.PROBE``) to the
-    credit table (steps 0..K-1, ``schemas.CREDIT``) under ``cfg.credit``."""
+    credit table (steps 0..K-1, ``schemas.CREDIT``) under ``cfg.credit`` (``cfg`` a ``tpgrpo.config.Config``:
+    only its section is read, so the maths imports no config)."""
     probe = probe.sort_values(["trajectory", "step"], kind="stable")
     N = probe["trajectory"].nunique()
     K1 = len(probe) // N
@@ -41,7 +41,7 @@ def credit_table(probe: pd.DataFrame, cfg: Config) -> pd.DataFrame:
     })
 
 
-def credit_metrics(cfg: Config, counted: pd.DataFrame) -> dict:
+def credit_metrics(cfg, counted: pd.DataFrame) -> dict:
     """``credit.json``'s numbers from the credit rows the update trains (``counted``: the shape's
     ``trained_rows`` of the credit table): turning-point rates (overall and per window step), the fraction of
     zero increments, trends, mean |increment|."""

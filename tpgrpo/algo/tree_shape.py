@@ -9,7 +9,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from math import prod
 
-from tpgrpo.config_values import ConfigError
+from tpgrpo.errors import ConfigError
 
 
 @dataclass(frozen=True)

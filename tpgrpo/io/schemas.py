@@ -16,11 +16,7 @@ from typing import Any, NoReturn
 
 import numpy as np
 
-from tpgrpo.errors import PipelineError
-
-
-class ArtifactError(PipelineError, ValueError):
-    """An artifact (or input file) that is unreadable or does not follow its schema."""
+from tpgrpo.errors import ArtifactError, PipelineError  # noqa: F401 - ArtifactError lives in errors (tasks read it)
 
 
 @dataclass(frozen=True)

@@ -1,17 +1,16 @@
 """Probe scoring: every stored intermediate state's Q_k (spec section 4), as ``probe.completion`` says.
 
-What the probe stage runs (``stages/probe.py`` calls :func:`run_probe`). Writes ``probe.parquet``: one row per
-(trajectory, step), step 0..K (:mod:`tpgrpo.io.probe_table`); the row with step K holds the rollout's final
-reward (that state was completed by the rollout itself and is not scored twice). The Parquet metadata key
-``tpgrpo.completion`` names the mode that made the table (``tpgrpo.algo.probe_modes``): ``exact`` / ``ode:M`` /
-``grid:M`` / ``heun:M`` / ``heun-grid:M`` complete each state with the model, each completion's first step taken
-with the rollout's stored velocity ``v_k`` (K passes per trajectory saved; a store written before the rollout
-kept them is completed with that pass, as before), ``x0`` scores the rollout's one-step estimates (decodes and
-reward calls only). With ``credit.mode: flow_grpo`` the probe loads no model: that credit needs only R_fin, so
-the table is the rollout's final reward at every step (``final_reward_table``). This is the chain's probe
-(:func:`run_chain_probe`); a tree's is :mod:`tpgrpo.rollout_shape.tree_probe`'s, and :func:`run_probe` picks
-one from the store's shape. Every mode has the same stages, so ``dvc exp run -S credit.mode=...`` needs no
-other dvc.yaml.
+The chain's probe (:func:`run_chain_probe`; ``stages/probe.py`` picks it by the store's shape, a tree's is
+:mod:`tpgrpo.rollout_shape.tree_probe`). Writes ``probe.parquet``: one row per (trajectory, step), step 0..K
+(:mod:`tpgrpo.io.probe_table`); the row with step K holds the rollout's final reward (that state was completed
+by the rollout itself and is not scored twice). The Parquet metadata key ``tpgrpo.completion`` names the mode
+that made the table (``tpgrpo.algo.probe_modes``): ``exact`` / ``ode:M`` / ``grid:M`` / ``heun:M`` /
+``heun-grid:M`` complete each state with the model, each completion's first step taken with the rollout's
+stored velocity ``v_k`` (K passes per trajectory saved; a store written before the rollout kept them is
+completed with that pass, as before), ``x0`` scores the rollout's one-step estimates (decodes and reward calls
+only). With ``credit.mode: flow_grpo`` the probe loads no model: that credit needs only R_fin, so the table is
+the rollout's final reward at every step (``final_reward_table``). Every mode has the same stages, so
+``dvc exp run -S credit.mode=...`` needs no other dvc.yaml.
 """
 
 from __future__ import annotations
@@ -22,7 +21,6 @@ from pathlib import Path
 import numpy as np
 import pandas as pd
 
-from tpgrpo import rollout_shape
 from tpgrpo.algo.probe_modes import Completion, parse_completion
 from tpgrpo.config import Config
 from tpgrpo.distributed import chunk_bar, current, local_device, row_chunks, run_chunks, warn_if_idle
@@ -34,7 +32,6 @@ from tpgrpo.io.stage_logs import write_log
 from tpgrpo.io.trajectories import read_trajectories
 from tpgrpo.models import load_backend  # light: the backends import torch and diffusers when one loads
 from tpgrpo.policy.loading import load_policy, prompt_embeddings
-from tpgrpo.rollout_shape import tree_probe
 from tpgrpo.stage_common import check_finite, provenance, resolve, stopwatch
 
 LAZY = ("states", "x0_estimates", "velocities")  # read a chunk at a time
@@ -68,15 +65,6 @@ def run_final_reward(cfg: Config, iteration: int, root: Path) -> dict:
         write_table(paths.probe, frame, PROBE, meta, trajectories=N, steps=K1)
     write_log(paths.probe_metrics, metrics)
     return metrics
-
-
-def run_probe(cfg: Config, iteration: int, root: Path) -> dict:
-    """The probe stage of ``iteration``: the chain's (:func:`run_chain_probe`) or the tree's
-    (:mod:`tpgrpo.rollout_shape.tree_probe`: every node's Q is a leaf's reward, no model), as the store's
-    ``shape`` attribute says."""
-    paths = IterationPaths(root, iteration)
-    probe = rollout_shape.implementation("probe", cfg, paths, chain=run_chain_probe, tree=tree_probe.run)
-    return probe(cfg, iteration, root)
 
 
 def run_chain_probe(cfg: Config, iteration: int, root: Path) -> dict:

@@ -11,7 +11,8 @@ float32 bytes, so the update computes the same numbers as on the materialised te
 
 A tree store keeps each distinct state once (``node_states``) and each edge its two node indices:
 :class:`NodeStates` shows it as the same ``(E, 2, C, H, W)`` states. The update gets one or the other from its
-shape's ``states`` (:mod:`tpgrpo.rollout_shape.chain_update` / ``tree_update``; :func:`store_states` by name).
+shape's ``states`` (:mod:`tpgrpo.rollout_shape.chain_update` / ``tree_update``;
+``rollout_shape.stored_states.store_states`` by name).
 """
 
 from __future__ import annotations
@@ -19,7 +20,6 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from tpgrpo import rollout_shape
 from tpgrpo.errors import PipelineError
 from tpgrpo.io.trajectories import CheckedArray
 
@@ -108,13 +108,6 @@ class NodeStates(LazyStates):
         self.peak_read_bytes = max(self.peak_read_bytes, block.nbytes)
         out = block[at]
         return torch.from_numpy(out[:len(n)]), torch.from_numpy(out[len(n):])
-
-
-def store_states(arrays: dict, num_prompts: int, shape: str = rollout_shape.CHAIN) -> LazyStates:
-    """The lazy states of a store of ``num_prompts`` prompts read with ``states`` / ``node_states`` lazy, for a
-    caller holding the store's ``shape`` name (:mod:`tpgrpo.rollout_shape`): a chain's ``states``
-    (:meth:`LazyStates.from_store`) or a tree's edges on its ``node_states`` (:meth:`NodeStates.from_store`)."""
-    return rollout_shape.pick(shape, LazyStates, NodeStates).from_store(arrays, num_prompts)
 
 
 def _check_block(block: np.ndarray, array: CheckedArray, where) -> None:

@@ -5,7 +5,7 @@ ODE children reach). ``Q(parent)`` is the ``final_reward`` of the prompt's edge 
 edge's ``tree_parent_leaf`` (every leaf is some edge's ODE leaf; a root's leaf is its depth-0 ODE edge's).
 Writes ``probe.parquet`` in the chain's contract with K = 1 (step 0 = Q(parent), step 1 = Q(child) =
 ``final_reward``) plus ``schemas.PROBE_TREE``'s tree columns; metadata ``tpgrpo.completion = tree``. The chain's
-probe is ``tpgrpo.policy.probe_scoring``'s; its ``run_probe`` picks one.
+probe is ``tpgrpo.policy.probe_scoring.run_chain_probe``; ``stages/probe.py`` picks one.
 """
 
 from __future__ import annotations

@@ -236,7 +236,7 @@ def _validate_compositional(meta: dict) -> None:
 def load_prompts(path: str | os.PathLike) -> list[dict]:
     """Read and validate a prompt JSONL file; a bad row raises ``ArtifactError('<file>:<line>: key ...')``
     (a ValueError, and a PipelineError the CLI prints as one line)."""
-    from tpgrpo.io.schemas import ArtifactError
+    from tpgrpo.errors import ArtifactError
 
     try:
         lines = Path(path).read_text(encoding="utf-8").split("\n")
