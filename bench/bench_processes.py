@@ -50,7 +50,7 @@ def set_processes(root: Path, processes: int) -> None:
 def run_stage(root: Path, name: str, threads: int) -> float:
     """Run the stage's dvc.yaml command for iteration 0; returns the command's wall time (s)."""
     from tpgrpo.config import load_config
-    from tpgrpo.pipeline.dvcfile import stage_command
+    from tpgrpo.pipeline.rendering.dvcfile import stage_command
 
     cmd = shlex.split(stage_command(load_config(root / "params.yaml"), name, 0))
     env = dict(os.environ, OMP_NUM_THREADS=str(threads), OMP_WAIT_POLICY="PASSIVE", DVC_NO_ANALYTICS="1",

@@ -32,8 +32,8 @@ def timed_run(cmd: list[str], **kwargs) -> tuple[float, subprocess.CompletedProc
 
 def run_stage(name: str, cfg, iteration: int | None, root: Path) -> dict:
     """Run stage ``name`` in this process on ``cfg`` (no DVC, no code check): the stage runner's door to the
-    stage modules (:func:`tpgrpo.pipeline.stage_runner.run_stage_module`), so no bench script imports them."""
-    from tpgrpo.pipeline.stage_runner import run_stage_module
+    stage modules (:func:`tpgrpo.pipeline.execution.stage_runner.run_stage_module`), so no bench script imports them."""
+    from tpgrpo.pipeline.execution.stage_runner import run_stage_module
 
     return run_stage_module(name, cfg, iteration, root)
 

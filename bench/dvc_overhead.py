@@ -8,7 +8,8 @@ For each commit: a fresh project of its files with default params, ``train.itera
 8 held-out prompts and no eval (``bench/before_after.py``'s project), DVC initialised, the stage server
 started as ``tpgrpo run`` starts it, then ``dvc repro`` in a process that wraps DVC's functions with wall
 timers (no profiler: its overhead would swamp the YAML parser's many small calls), with DVC patched as
-``tpgrpo run``'s DVC is where the commit has ``tpgrpo.pipeline.dvc_atomic``:
+``tpgrpo run``'s DVC is where the commit has ``tpgrpo.pipeline.dvc_integration.dvc_atomic`` (or, before
+tpgrpo/pipeline/ had wings, ``tpgrpo.pipeline.dvc_atomic``):
 
 - ``stage commands``: the stage processes (``cmd_run``), including each stage's client start, fork and
   whatever the stage does outside its own stopwatch;
@@ -49,7 +50,10 @@ def wrap(obj, name, label):
             cnt[label] += 1
     setattr(obj, name, g)
 try:  # DVC as `tpgrpo run` runs it (atomic writes; since session 20 a stage's lock block only), where the commit has it
-    from tpgrpo.pipeline import dvc_atomic
+    try:
+        from tpgrpo.pipeline.dvc_integration import dvc_atomic
+    except ImportError:  # a commit before tpgrpo/pipeline/ had wings
+        from tpgrpo.pipeline import dvc_atomic
     dvc_atomic.install()
 except ImportError:
     pass
@@ -72,10 +76,16 @@ def measure(folder: Path, threads: int, pure_yaml: bool = False) -> dict:
     env = dict(os.environ, PYTHONPATH=str(folder), OMP_NUM_THREADS=str(threads), DVC_NO_ANALYTICS="1",
                DVC_STUDIO_OFFLINE="true", BENCH_PURE_YAML="1" if pure_yaml else "")
     env["PATH"] = str(Path(sys.executable).parent) + os.pathsep + env["PATH"]
-    code = ("import sys, subprocess, yaml; from pathlib import Path; from tpgrpo.pipeline import stage_server; "
-            "from tpgrpo.config import load_config; from tpgrpo.pipeline.dvcfile import write_dvc_yaml; "
-            "from tpgrpo.pipeline.sealing import dvc_env; root = Path('.').resolve(); cfg = load_config('params.yaml'); "
-            "write_dvc_yaml(cfg, root)\n"
+    code = ("import sys, subprocess, yaml; from pathlib import Path; from tpgrpo.config import load_config\n"
+            "try:\n"
+            "    from tpgrpo.pipeline.execution import stage_server\n"
+            "    from tpgrpo.pipeline.rendering.dvcfile import write_dvc_yaml\n"
+            "    from tpgrpo.pipeline.long_runs.sealing import dvc_env\n"
+            "except ImportError:  # a commit before tpgrpo/pipeline/ had wings\n"
+            "    from tpgrpo.pipeline import stage_server\n"
+            "    from tpgrpo.pipeline.dvcfile import write_dvc_yaml\n"
+            "    from tpgrpo.pipeline.sealing import dvc_env\n"
+            "root = Path('.').resolve(); cfg = load_config('params.yaml'); write_dvc_yaml(cfg, root)\n"
             "with stage_server.running(root, stage_server.wanted(cfg)) as senv:\n"
             "    sys.exit(subprocess.run([sys.executable, '-c', sys.argv[1]], env={**dvc_env(), **senv}).returncode)")
     if not (folder / ".dvc").is_dir():

@@ -35,9 +35,9 @@ import yaml
 from bench.common import REPO
 from tpgrpo.config import load_config
 from tpgrpo.io.artifacts import DVC_CACHE_TYPE
-from tpgrpo.pipeline.blocks import full_blocks, read_lock, write_lock
-from tpgrpo.pipeline.dvcfile import write_dvc_yaml  # noqa: E402
-from tpgrpo.pipeline.sealing import dvc_env, seal_finished  # noqa: E402
+from tpgrpo.pipeline.long_runs.blocks import full_blocks, read_lock, write_lock
+from tpgrpo.pipeline.rendering.dvcfile import write_dvc_yaml  # noqa: E402
+from tpgrpo.pipeline.long_runs.sealing import dvc_env, seal_finished  # noqa: E402
 
 STEMS = ("rollout", "probe", "credit", "update", "eval")
 ONE_MORE = True  # --no-one-more: skip training iteration n + 1 in each project
@@ -97,7 +97,7 @@ def refresh_code(source: Path) -> None:
         shutil.rmtree(source / code)
         shutil.copytree(REPO / code, source / code, ignore=shutil.ignore_patterns("__pycache__"))
     tpgrpo(source, "dvc-yaml")
-    sh(source, sys.executable, "-c", "from pathlib import Path; from tpgrpo.pipeline.code_manifest import "
+    sh(source, sys.executable, "-c", "from pathlib import Path; from tpgrpo.pipeline.rendering.code_manifest import "
                                      "write_manifests; write_manifests(Path('.').resolve())")
     dvc(source, "commit", "--force", "--quiet")
 

@@ -150,11 +150,11 @@ def stage_note(name: str, folder: Path) -> str:
 
 def timed_command(params: Path, name: str, iteration: int | None, timings: Path) -> list[str]:
     """The stage as ``tpgrpo stage ...`` runs it (dvc.yaml's command; a model stage on several processes starts
-    them through ``tpgrpo.pipeline.launch.launch_argv``: ``accelerate launch ... -m tpgrpo stage ...``), with
+    them through ``tpgrpo.pipeline.execution.launch.launch_argv``: ``accelerate launch ... -m tpgrpo stage ...``), with
     ``tpgrpo`` run through ``bench/stage_timer.py`` in every process."""
     from tpgrpo.config import load_config
-    from tpgrpo.pipeline.dvcfile import MULTI_PROCESS_STAGES, stage_command
-    from tpgrpo.pipeline.launch import launch_argv
+    from tpgrpo.pipeline.rendering.dvcfile import MULTI_PROCESS_STAGES, stage_command
+    from tpgrpo.pipeline.execution.launch import launch_argv
 
     cfg = load_config(params)
     words = shlex.split(stage_command(cfg, name, iteration)) + ["--params", str(params)]

@@ -13,8 +13,9 @@ that call on lock files made of real entries:
   the lock holds one entry per sealed block plus the open block's stages (measured at the open block's
   last iteration N, its largest point).
 
-Each rewrite is also timed, alternately, as ``tpgrpo run``'s DVC now writes it (``tpgrpo.pipeline.lock_blocks``:
-the stage's own block emitted, the rest of the file kept): the "one stage's block s" of each row.
+Each rewrite is also timed, alternately, as ``tpgrpo run``'s DVC now writes it
+(``tpgrpo.pipeline.dvc_integration.lock_blocks``: the stage's own block emitted, the rest of the file kept): the
+"one stage's block s" of each row.
 
 Entries: a real finished iteration's (``--from`` a project whose iteration 1 finished, or one trained here as
 bench/dvc_scale.py does), renumbered for iteration i; a sealed block's entry is built from its stages'
@@ -37,7 +38,7 @@ from pathlib import Path
 import yaml
 
 from bench.dvc_scale import STEMS, renumbered, train_one
-from tpgrpo.pipeline.blocks import read_lock
+from tpgrpo.pipeline.long_runs.blocks import read_lock
 
 
 def iteration_entries(src: dict, i: int, policy: dict) -> dict[str, dict]:
@@ -75,12 +76,12 @@ def lock_at(src: dict, n: int, block_size: int, own_files: bool = False) -> dict
 
 def time_rewrite(lock: dict, repeats: int) -> tuple[float, float, int]:
     """(best seconds of DVC's load-update-dump of dvc.lock, best seconds of the same stage's write through
-    ``tpgrpo.pipeline.lock_blocks`` (read, cut, emit one block, write), file bytes), the two alternated, both
-    written atomically as ``tpgrpo run``'s DVC writes them."""
+    ``tpgrpo.pipeline.dvc_integration.lock_blocks`` (read, cut, emit one block, write), file bytes), the two
+    alternated, both written atomically as ``tpgrpo run``'s DVC writes them."""
     from dvc.utils.serialize import dump_yaml, modify_yaml, parse_yaml
     from dvc.utils.serialize._yaml import _dump
 
-    from tpgrpo.pipeline import dvc_atomic, lock_blocks
+    from tpgrpo.pipeline.dvc_integration import dvc_atomic, lock_blocks
 
     dvc_atomic.install()  # DVC's own writes fsync and rename too, as in `tpgrpo run`
     with tempfile.TemporaryDirectory() as tmp:

@@ -64,7 +64,7 @@ def paper_params(scale: float, block_size: int) -> dict:
 
 
 def env(timers: Path | None = None) -> dict[str, str]:
-    from tpgrpo.pipeline.sealing import dvc_env
+    from tpgrpo.pipeline.long_runs.sealing import dvc_env
 
     out = dict(dvc_env(), OMP_NUM_THREADS="1", PYTHONPATH=f".{os.pathsep}{STANDIN}")
     out.pop("PAPER_BYTES_TIMERS", None)

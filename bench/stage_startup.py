@@ -26,7 +26,7 @@ from pathlib import Path
 import yaml
 
 from tpgrpo.io.stage_logs import log_seconds
-from tpgrpo.pipeline.stage_server import running
+from tpgrpo.pipeline.execution.stage_server import running
 
 from bench.common import REPO  # noqa: E402 - the checkout
 TPGRPO = [sys.executable, "-m", "tpgrpo"]
@@ -59,12 +59,12 @@ PARTS = r"""
 import cProfile, io, json, pstats, sys, time
 from pathlib import Path
 t0 = time.perf_counter()
-from tpgrpo.pipeline.code_manifest import warm_caches
-from tpgrpo.pipeline.stage_server import preload
+from tpgrpo.pipeline.rendering.code_manifest import warm_caches
+from tpgrpo.pipeline.execution.stage_server import preload
 preload()
 warm_caches(Path.cwd())  # as the server does before it forks
 from tpgrpo.io.stage_logs import log_seconds
-from tpgrpo.pipeline.stage_runner import run_stage_command
+from tpgrpo.pipeline.execution.stage_runner import run_stage_command
 argv, log, repeat = json.loads(sys.argv[1]), Path(sys.argv[2]), int(sys.argv[3])
 outside = []
 for _ in range(repeat):
@@ -85,7 +85,7 @@ text = io.StringIO()
 pstats.Stats(profile, stream=text).sort_stats("cumulative").print_stats(25)
 print(json.dumps({"outside": min(outside), "profile": text.getvalue()}))
 """
-CLIENT = "import tpgrpo.pipeline.stage_client"
+CLIENT = "import tpgrpo.pipeline.execution.stage_client"
 
 
 def print_parts(case: list[str], log: Path, root: Path, env: dict, repeat: int) -> None:

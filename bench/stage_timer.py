@@ -59,7 +59,7 @@ def run_timed(cli_args: list[str], out: Path) -> None:
 
     common.load_policy, latent.LatentBackend._text_pipeline = timed_load, timed_text
     if cli_args[:1] == ["stage"]:  # the stage's modules hold their own reference to load_policy: wrap each
-        from tpgrpo.pipeline.stage_runner import stage_module
+        from tpgrpo.pipeline.execution.stage_runner import stage_module
 
         stage_module(cli_args[1])  # imports the stage and the library modules it runs
         for module in list(sys.modules.values()):

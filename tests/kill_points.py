@@ -2,8 +2,8 @@
 chosen functions: the kill tests' way to land at every point, or a seeded random one, of a multi-step edit
 (unsealing a block, swapping an artifact in) without timing.
 
-    python tests/kill_points.py --at K --within tpgrpo.pipeline.sealing:unseal_changed [--point M:F] [--count FILE] \\
-        -m tpgrpo run
+    python tests/kill_points.py --at K --within tpgrpo.pipeline.long_runs.sealing:unseal_changed [--point M:F] \\
+        [--count FILE] -m tpgrpo run
 
 Counts the calls of ``os.replace``, ``os.rename``, ``os.unlink``, ``os.remove``, ``os.rmdir`` (``Path.unlink``,
 ``shutil.rmtree`` and ``tempfile`` go through them), and of each ``--point`` function (a change made another way:

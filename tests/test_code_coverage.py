@@ -15,8 +15,8 @@ import pytest
 import yaml
 from conftest import make_tiny_project
 
-from tpgrpo.pipeline.code_graph import is_orchestration
-from tpgrpo.pipeline.code_manifest import STAGE_KIND, kind_code, write_manifests
+from tpgrpo.pipeline.rendering.code_graph import is_orchestration
+from tpgrpo.pipeline.rendering.code_manifest import STAGE_KIND, kind_code, write_manifests
 
 # Runs one `tpgrpo stage ...` command in this process and, at exit, writes {project module: the file whose code
 # imported it first} for every project module it imported. A finder at the front of sys.meta_path sees every
@@ -45,7 +45,7 @@ _RECORD = ("import atexit, json, sys\n"
 def _by_importer(root: Path, first: dict[str, str]) -> tuple[set[str], set[str]]:
     """(files of the modules stage code imported, files of those orchestration or the harness imported): a
     module counts as the stage's when the file that imported it is project code outside orchestration."""
-    from tpgrpo.pipeline.code_graph import module_file
+    from tpgrpo.pipeline.rendering.code_graph import module_file
 
     stage, other = set(), set()
     for module, importer in first.items():
@@ -76,7 +76,8 @@ def test_every_project_module_a_stage_imports_is_in_its_kinds_manifest(tmp_path,
                               capture_output=True, text=True)
         assert done.returncode == 0, done.stderr[-2000:]
         stage, other = _by_importer(root, json.loads(out.read_text()))
-        assert "tpgrpo/pipeline/stage_runner.py" in other and f"stages/{command[0]}.py" in other  # what ran it
+        # what ran it
+        assert "tpgrpo/pipeline/execution/stage_runner.py" in other and f"stages/{command[0]}.py" in other
         assert len(stage) >= 3, stage  # the stage module's own imports were seen
         missing = stage - set(kind_code(root, STAGE_KIND[command[0]]))
         assert not missing, f"stage {command[0]} imported modules its manifest does not cover: {sorted(missing)}"
@@ -102,7 +103,7 @@ def test_under_dvc_a_stage_refuses_code_its_manifest_does_not_record(tmp_path, t
     assert not (root / "data" / "iters" / "0001" / "credit.parquet").exists()
 
     write_manifests(root)  # re-recorded: now a library upgrade is refused the same way
-    import tpgrpo.pipeline.libraries as libs
+    import tpgrpo.pipeline.rendering.libraries as libs
 
     real = libs.installed_version
     monkeypatch.setattr(libs, "installed_version", lambda dist: "99.0" if dist == "torch" else real(dist))
@@ -115,7 +116,7 @@ def test_the_code_stage_refuses_a_dvc_yaml_other_params_render(tmp_path, tiny_mo
 
     from tpgrpo.cli import app
     from tpgrpo.config import load_config
-    from tpgrpo.pipeline.dvcfile import write_dvc_yaml
+    from tpgrpo.pipeline.rendering.dvcfile import write_dvc_yaml
 
     root = make_tiny_project(tmp_path / "project", tiny_model_dir)
     write_dvc_yaml(load_config(root / "params.yaml"), root)

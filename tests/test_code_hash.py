@@ -1,6 +1,6 @@
 """What re-runs nothing: a comment, a docstring or a param's help text changes no code manifest; a code change
 changes the manifests of the kinds that run it; manifests written before (byte md5s) stay as written until
-their code changes, and say in one line when they move (tpgrpo.pipeline.code_hash)."""
+their code changes, and say in one line when they move (tpgrpo.pipeline.rendering.code_hash)."""
 
 from __future__ import annotations
 
@@ -12,9 +12,9 @@ import pytest
 from conftest import REPO
 from test_code_manifest import _changed, _copy_code, _manifests
 
-from tpgrpo.pipeline import code_hash
-from tpgrpo.pipeline.code_manifest import (KIND_STAGES, check_code, kind_code, manifest_path, manifest_text,
-                                           refresh_manifests)
+from tpgrpo.pipeline.rendering import code_hash
+from tpgrpo.pipeline.rendering.code_manifest import (KIND_STAGES, check_code, kind_code, manifest_path, manifest_text,
+                                                     refresh_manifests)
 
 
 def _replace(path: Path, old: str, new: str) -> None:

@@ -12,10 +12,11 @@ import pytest
 import yaml
 from conftest import REPO, make_tiny_project, tiny_params
 
-from tpgrpo.pipeline.code_manifest import (ALL_CODE, KIND_STAGES, MANIFEST_PARAMS, RENDER_PARAMS, STAGE_KIND, check_code, kind_code, manifest_path,
-                                          uses_code_files, write_manifests)
+from tpgrpo.pipeline.rendering.code_manifest import (ALL_CODE, KIND_STAGES, MANIFEST_PARAMS, RENDER_PARAMS, STAGE_KIND,
+                                                     check_code, kind_code, manifest_path, uses_code_files,
+                                                     write_manifests)
 from tpgrpo.config import config_from_dict
-from tpgrpo.pipeline.dvcfile import render
+from tpgrpo.pipeline.rendering.dvcfile import render
 
 CODE_ROOTS = ("stages/", "tpgrpo/")
 
@@ -88,7 +89,7 @@ def test_a_manifest_records_the_libraries_its_code_imports_and_their_upgrades(tm
     the OCR reward import cv2 (opencv-python), rapidocr brings onnxruntime, pyclipper and shapely, the text
     encoders tokenizers; credit reads a table and records none of them. A fake opencv upgrade changes the
     manifests of the kinds that import it, and a lazy ``import cv2`` inside a credit function adds it there."""
-    import tpgrpo.pipeline.libraries as libs
+    import tpgrpo.pipeline.rendering.libraries as libs
 
     _copy_code(tmp_path)
     before = _manifests(tmp_path)
@@ -111,9 +112,11 @@ def test_a_manifest_records_the_libraries_its_code_imports_and_their_upgrades(tm
 def test_no_stage_closure_contains_orchestration():
     """The boundary, drawn in the package: stage code never imports the command line or tpgrpo/pipeline/
     (stage runner, stage server, manifests, dvc.yaml, sealing, status, launch, params notes)."""
-    from tpgrpo.pipeline.code_graph import ORCHESTRATION, is_orchestration
+    from tpgrpo.pipeline.rendering.code_graph import ORCHESTRATION, is_orchestration
 
     assert is_orchestration("tpgrpo/cli.py") and is_orchestration("tpgrpo/pipeline/status.py")
+    wings = [p.relative_to(REPO).as_posix() for p in (REPO / "tpgrpo" / "pipeline").glob("*/*.py")]
+    assert "tpgrpo/pipeline/execution/stage_runner.py" in wings and all(map(is_orchestration, wings)), wings
     assert not is_orchestration("tpgrpo/distributed.py") and not is_orchestration("stages/credit.py")
     for kind in KIND_STAGES:
         code = kind_code(REPO, kind)
@@ -135,8 +138,9 @@ def test_an_edit_to_the_cli_the_status_or_the_docs_changes_no_manifest(tmp_path)
     text = cli.read_text()
     assert '"""One screen: iterations done' in text
     cli.write_text(text.replace('"""One screen: iterations done', '"""One screen (edited help): iterations done'))
-    for path in ("tpgrpo/pipeline/status.py", "tpgrpo/pipeline/stage_runner.py", "tpgrpo/pipeline/stage_server.py",
-                 "tpgrpo/pipeline/launch.py", "tpgrpo/__main__.py", "docs/artifacts.md"):
+    for path in ("tpgrpo/pipeline/status.py", "tpgrpo/pipeline/execution/stage_runner.py",
+                 "tpgrpo/pipeline/execution/stage_server.py", "tpgrpo/pipeline/execution/launch.py",
+                 "tpgrpo/__main__.py", "docs/artifacts.md"):
         _append(tmp_path / path)
     assert _changed(tmp_path, before) == set()
 
@@ -249,8 +253,8 @@ def test_a_code_change_reruns_the_stages_of_its_kind_only(tmp_path, tiny_model_d
         n for n in rerun if n.startswith("eval-")}, rerun
 
     # a run folder whose manifests hold byte md5s (written before code md5s): recorded as they are, nothing re-runs
-    from tpgrpo.pipeline.code_hash import BYTES
-    from tpgrpo.pipeline.code_manifest import manifest_text
+    from tpgrpo.pipeline.rendering.code_hash import BYTES
+    from tpgrpo.pipeline.rendering.code_manifest import manifest_text
 
     for kind in KIND_STAGES:
         (root / manifest_path(kind)).write_text(manifest_text(root, kind, None, BYTES))
@@ -292,10 +296,10 @@ def test_warmed_caches_serve_a_forked_stage_and_still_see_an_upgrade_or_an_edit(
     made while it ran), and so does an edited file (the scan is cached per file stamp)."""
     import importlib.metadata
 
-    import tpgrpo.pipeline.code_manifest as cm
-    import tpgrpo.pipeline.libraries as libs
+    import tpgrpo.pipeline.rendering.code_manifest as cm
+    import tpgrpo.pipeline.rendering.libraries as libs
 
-    from tpgrpo.pipeline import code_graph, code_hash
+    from tpgrpo.pipeline.rendering import code_graph, code_hash
 
     _copy_code(tmp_path)
     modules = ["torch", "pyarrow", "zarr", "cv2"]

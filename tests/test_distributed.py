@@ -163,7 +163,7 @@ def test_bad_launch_params_give_one_line_errors(tmp_path, launch, expected):
 
 def test_stage_commands_carry_no_launch_params():
     """dvc.yaml is the same whatever the launch params: a model stage starts its processes itself."""
-    from tpgrpo.pipeline.dvcfile import render, stage_command
+    from tpgrpo.pipeline.rendering.dvcfile import render, stage_command
 
     raw = _raw()
     one = config_from_dict(raw)
@@ -181,7 +181,7 @@ def test_stage_commands_carry_no_launch_params():
 
 def test_launch_params_change_no_artifact_hash(tmp_path):
     """The config hash artifacts carry must not depend on the process count (byte-identical tables)."""
-    from tpgrpo.pipeline.dvcfile import STAGE_PARAMS
+    from tpgrpo.pipeline.rendering.dvcfile import STAGE_PARAMS
 
     path = tmp_path / "params.yaml"
     path.write_text(yaml.safe_dump(_raw()))

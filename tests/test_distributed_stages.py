@@ -24,7 +24,7 @@ from conftest import make_tiny_project
 from tpgrpo.config import load_config
 from tpgrpo.distributed import FAIL_HOOK_ENV, parts_folder
 from tpgrpo.io.stage_logs import read_log
-from tpgrpo.pipeline.dvcfile import stage_command
+from tpgrpo.pipeline.rendering.dvcfile import stage_command
 
 pytestmark = pytest.mark.slow
 

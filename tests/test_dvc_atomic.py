@@ -1,7 +1,7 @@
 """DVC killed inside the write of its own files (dvc.lock, .dvc/tmp/rwlock): through
-``tpgrpo.pipeline.dvc_atomic`` the file is the old one and the next repro works; through plain DVC (the control,
-what ``tpgrpo run`` used before) the file is a part and the next repro fails. The kill lands at a random byte of
-the write (seeded), from inside the real DVC process, by SIGKILL."""
+``tpgrpo.pipeline.dvc_integration.dvc_atomic`` the file is the old one and the next repro works; through plain DVC
+(the control, what ``tpgrpo run`` used before) the file is a part and the next repro fails. The kill lands at a
+random byte of the write (seeded), from inside the real DVC process, by SIGKILL."""
 
 from __future__ import annotations
 
@@ -16,7 +16,7 @@ from pathlib import Path
 
 import pytest
 
-from tpgrpo.pipeline.dvc_atomic import TMP_MARK, atomic_write_text, sweep_stale_temps
+from tpgrpo.pipeline.dvc_integration.dvc_atomic import TMP_MARK, atomic_write_text, sweep_stale_temps
 
 # Runs DVC's CLI in-process with a writer that, on the first write of the file named by argv[2], saves the whole
 # text it was asked to write to argv[4], writes a fraction argv[3] of it, flushes that to the disk and SIGKILLs
@@ -25,7 +25,7 @@ DRIVER = textwrap.dedent(r"""
     import io, json, os, signal, sys
     mode, target, fraction, intended = sys.argv[1], sys.argv[2], float(sys.argv[3]), sys.argv[4]
     if mode == "atomic":
-        from tpgrpo.pipeline import dvc_atomic
+        from tpgrpo.pipeline.dvc_integration import dvc_atomic
         dvc_atomic.install()
 
     def die_inside(stream, text):
@@ -46,7 +46,7 @@ DRIVER = textwrap.dedent(r"""
         die_inside(stream, text.getvalue()) or stream.write(text.getvalue())
     _yaml._dump = dump
     if mode == "atomic":  # a stage's lock write goes through lock_blocks: its whole text is written here
-        from tpgrpo.pipeline import lock_blocks
+        from tpgrpo.pipeline.dvc_integration import lock_blocks
         real_write = lock_blocks.write_stream
         lock_blocks.write_stream = lambda stream, text: die_inside(stream, text) or real_write(stream, text)
 
@@ -77,8 +77,8 @@ def _env() -> dict[str, str]:
 
 
 def _atomic_dvc(root: Path, *args: str) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "tpgrpo.pipeline.dvc_atomic", *args], cwd=root, env=_env(),
-                          capture_output=True, text=True)
+    return subprocess.run([sys.executable, "-m", "tpgrpo.pipeline.dvc_integration.dvc_atomic", *args], cwd=root,
+                          env=_env(), capture_output=True, text=True)
 
 
 def _killed_repro(root: Path, mode: str, target: str, fraction: float) -> subprocess.CompletedProcess:

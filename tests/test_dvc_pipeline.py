@@ -73,7 +73,7 @@ def check_user_views(root: Path) -> None:
     charts, `tpgrpo status` and re-running the last iteration's credit work as documented."""
     from PIL import Image
 
-    from tpgrpo.pipeline.dvcfile import PLOTS
+    from tpgrpo.pipeline.rendering.dvcfile import PLOTS
     from tpgrpo.reports.figures import FIGURES
 
     for name in FIGURES:
@@ -203,7 +203,7 @@ def test_dvc_plots_page_renders_its_named_charts_in_headless_chromium(clean, tmp
 
     from PIL import Image
 
-    from tpgrpo.pipeline.dvcfile import PLOTS
+    from tpgrpo.pipeline.rendering.dvcfile import PLOTS
 
     chromium = shutil.which("chromium") or shutil.which("chromium-browser")
     if chromium is None:

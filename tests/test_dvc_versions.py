@@ -70,8 +70,8 @@ def refusal_line(installed: str) -> str:
 @pytest.mark.parametrize("dist,version", [("dvc", "3.68.0"), ("dvc-data", "3.19.0")])
 def test_dvc_wrapper_refuses_another_version_in_one_line(tmp_path, dist, version):
     env = fake_version(tmp_path / "site", dist, version)
-    done = subprocess.run([sys.executable, "-m", "tpgrpo.pipeline.dvc_atomic", "status"], cwd=tmp_path, env=env,
-                          capture_output=True, text=True)
+    done = subprocess.run([sys.executable, "-m", "tpgrpo.pipeline.dvc_integration.dvc_atomic", "status"], cwd=tmp_path,
+                          env=env, capture_output=True, text=True)
     installed = dict(VERIFIED, **{dist: version})
     assert done.returncode == 2
     assert done.stderr.splitlines() == [refusal_line(f"dvc {installed['dvc']} / dvc-data {installed['dvc-data']}")]
@@ -91,7 +91,7 @@ def test_each_patch_refuses_in_process(monkeypatch, tmp_path):
     from dvc import dvcfile
 
     from tpgrpo.io import dvc_prehash
-    from tpgrpo.pipeline import dvc_atomic, lock_blocks
+    from tpgrpo.pipeline.dvc_integration import dvc_atomic, lock_blocks
 
     monkeypatch.setattr(dvc_versions, "installed_versions", lambda: dict(VERIFIED, dvc="4.0.0"))
     before = dvcfile.Lockfile.dump_stages

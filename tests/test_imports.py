@@ -161,13 +161,14 @@ def test_find_cycle_names_a_function_level_cycle(tmp_path):
 
 
 def test_the_cli_and_the_stage_server_do_not_import_each_other():
-    """Both run stages through tpgrpo.pipeline.stage_runner; the server's child once imported the CLI by name
+    """Both run stages through tpgrpo.pipeline.execution.stage_runner; the server's child once imported the CLI by name
     while the CLI imported the server (a cycle the graph now sees through ``import_module``)."""
     graph = import_graph()
-    assert "tpgrpo.pipeline.stage_runner" in graph["tpgrpo.cli"] & graph["tpgrpo.pipeline.stage_server"]
-    assert "tpgrpo.cli" not in graph["tpgrpo.pipeline.stage_server"]
-    assert "tpgrpo.pipeline.stage_server" in graph["tpgrpo.cli"]
-    assert not {"tpgrpo.cli", "tpgrpo.pipeline.stage_server"} & graph["tpgrpo.pipeline.stage_runner"]
+    runner, server = "tpgrpo.pipeline.execution.stage_runner", "tpgrpo.pipeline.execution.stage_server"
+    assert runner in graph["tpgrpo.cli"] & graph[server]
+    assert "tpgrpo.cli" not in graph[server]
+    assert server in graph["tpgrpo.cli"]
+    assert not {"tpgrpo.cli", server} & graph[runner]
 
 
 def test_module_names_are_not_confusable():

@@ -64,7 +64,7 @@ def run_ok(root: Path, name: str, iteration: int | None = None) -> None:
 
 def test_every_knob_is_a_params_key_that_no_stage_declares_nor_hashes(tiny_project):
     from tpgrpo.config import param_fields
-    from tpgrpo.pipeline.dvcfile import dvc_yaml_text
+    from tpgrpo.pipeline.rendering.dvcfile import dvc_yaml_text
     from tpgrpo.pipeline.status import stage_params
     from tpgrpo.policy.eval_embeds import chunk_key
 

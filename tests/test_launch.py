@@ -1,4 +1,4 @@
-"""How a model stage starts its processes (tpgrpo.pipeline.launch): the launcher commands, the one-line errors
+"""How a model stage starts its processes (tpgrpo.pipeline.execution.launch): the launcher commands, the one-line errors
 for a missing launcher or an allocation that does not fit, and that nothing of it reaches dvc.yaml (fast).
 
 The launched runs themselves (torchrun, srun over simulated nodes) are in test_cluster.py (slow)."""
@@ -18,10 +18,10 @@ from fake_srun import install
 
 from tpgrpo.config import ConfigError, config_from_dict
 from tpgrpo.errors import PipelineError
-from tpgrpo.pipeline import stage_server
-from tpgrpo.pipeline.code_manifest import RENDER_PARAMS, kind_code
-from tpgrpo.pipeline.dvcfile import MULTI_PROCESS_STAGES, STAGE_PARAMS
-from tpgrpo.pipeline.launch import LAUNCHED_ENV, OWN_CONFIG_PATH, launch_argv, slurm_shape
+from tpgrpo.pipeline.execution import stage_server
+from tpgrpo.pipeline.rendering.code_manifest import RENDER_PARAMS, kind_code
+from tpgrpo.pipeline.rendering.dvcfile import MULTI_PROCESS_STAGES, STAGE_PARAMS
+from tpgrpo.pipeline.execution.launch import LAUNCHED_ENV, OWN_CONFIG_PATH, launch_argv, slurm_shape
 
 ARGS = ["stage", "rollout", "--iter", "3", "--params", "params.yaml"]
 ALLOCATION = {"SLURM_JOB_ID": "77", "SLURM_NNODES": "2", "SLURM_JOB_NODELIST": "localhost"}
@@ -193,7 +193,7 @@ def test_the_launcher_code_is_in_no_stage_manifest_but_the_process_code_is():
     kinds = {"baseline": "eval"}
     for stage in MULTI_PROCESS_STAGES:
         code = kind_code(REPO, kinds.get(stage, stage))
-        assert "tpgrpo/pipeline/launch.py" not in code and "tpgrpo/distributed.py" in code, stage
+        assert "tpgrpo/pipeline/execution/launch.py" not in code and "tpgrpo/distributed.py" in code, stage
 
 
 def test_bad_launcher_values_are_one_line():
@@ -204,7 +204,7 @@ def test_bad_launcher_values_are_one_line():
 
 
 def test_a_missing_launcher_package_is_one_line():
-    from tpgrpo.pipeline.launch import _module
+    from tpgrpo.pipeline.execution.launch import _module
 
     with pytest.raises(PipelineError, match="launch.launcher needs no_such_launcher, which is not installed"):
         _module("no_such_launcher", "no_such_launcher.run")

@@ -1,7 +1,8 @@
-"""Libraries whose version does not pin their files (tpgrpo.pipeline.libraries): an editable install (PEP 610),
-a module shadowed by another copy, a module no distribution provides. Each is recorded by the md5 of the files
-that would be imported, so an edit there changes the manifests of the kinds that import it, a stage refuses it
-under DVC, and the stage server stops serving its stale imports. Fake distributions in a temporary site folder."""
+"""Libraries whose version does not pin their files (tpgrpo.pipeline.rendering.libraries): an editable install
+(PEP 610), a module shadowed by another copy, a module no distribution provides. Each is recorded by the md5 of
+the files that would be imported, so an edit there changes the manifests of the kinds that import it, a stage
+refuses it under DVC, and the stage server stops serving its stale imports. Fake distributions in a temporary site
+folder."""
 
 from __future__ import annotations
 
@@ -12,8 +13,8 @@ from pathlib import Path
 import pytest
 from conftest import REPO
 
-import tpgrpo.pipeline.libraries as libs
-from tpgrpo.pipeline.code_manifest import check_code, manifest_path, unpinned_sources, write_manifests
+import tpgrpo.pipeline.rendering.libraries as libs
+from tpgrpo.pipeline.rendering.code_manifest import check_code, manifest_path, unpinned_sources, write_manifests
 
 CACHES = (libs._providers, libs._requirements, libs._provided, libs.editable_folders)
 
@@ -82,8 +83,8 @@ def test_a_shadowed_or_unpackaged_module_is_recorded_by_its_files(site, tmp_path
 def test_the_installed_libraries_here_are_recorded_by_their_versions():
     """No false alarm on this machine's own install: every library the stages import is a wheel here, so the
     manifests record versions alone (an md5 entry would re-run every stage of a run made before)."""
-    from tpgrpo.pipeline.code_graph import external_modules
-    from tpgrpo.pipeline.code_manifest import KIND_STAGES, kind_code
+    from tpgrpo.pipeline.rendering.code_graph import external_modules
+    from tpgrpo.pipeline.rendering.code_manifest import KIND_STAGES, kind_code
 
     modules = sorted({m for kind in KIND_STAGES for m in external_modules(REPO, kind_code(REPO, kind))})
     entries = libs.library_versions(modules)
@@ -94,8 +95,8 @@ def test_an_edit_to_an_editable_library_is_refused_under_dvc_and_stops_the_serve
     """A credit stage that imports an editable library: its manifest records the library's sources; an edit
     there makes check_code refuse in one line naming it, and the stage server's watch covers the folder."""
     from tpgrpo.errors import PipelineError
-    from tpgrpo.pipeline.processes import CodeState
-    from tpgrpo.pipeline.stage_server import watched_folders
+    from tpgrpo.pipeline.execution.processes import CodeState
+    from tpgrpo.pipeline.execution.stage_server import watched_folders
 
     checkout = tmp_path / "checkout"
     _distribution(site, "fakelib", editable_from=checkout)

@@ -1,6 +1,7 @@
-"""A stage's lock write that rewrites its own block only (tpgrpo.pipeline.lock_blocks) writes the bytes DVC's own
-write would: random sequences of stage entries, written both ways and compared after every step; files of
-another shape go to DVC's own code; and through a real ``dvc repro`` the lock is the one plain DVC writes."""
+"""A stage's lock write that rewrites its own block only (tpgrpo.pipeline.dvc_integration.lock_blocks) writes the
+bytes DVC's own write would: random sequences of stage entries, written both ways and compared after every step;
+files of another shape go to DVC's own code; and through a real ``dvc repro`` the lock is the one plain DVC
+writes."""
 
 from __future__ import annotations
 
@@ -12,7 +13,7 @@ from pathlib import Path
 import pytest
 from test_dvc_atomic import PIPELINE, _atomic_dvc, _env
 
-from tpgrpo.pipeline.lock_blocks import HEADER, split_blocks, updated_text
+from tpgrpo.pipeline.dvc_integration.lock_blocks import HEADER, split_blocks, updated_text
 
 WORDS = ["tpgrpo", "stage", "rollout", "--iter", "data/iters/0001/trajectories.zarr", "x" * 70, "é", "a: b", "#",
          "'quoted'", '"double"', "yes", "null", "0123", "2.0", "1e-05", "~", "[1, 2]", "{a: 1}", "*", "&x"]
@@ -113,12 +114,12 @@ def test_random_sequences_of_stage_writes_give_dvcs_own_bytes(tmp_path: Path, se
 
 @pytest.mark.parametrize("seed", range(4))
 def test_after_a_seal_rewrote_the_lock_with_pyyaml_writes_keep_dvcs_data(tmp_path: Path, seed: int):
-    """Sealing rewrites the root lock with PyYAML (tpgrpo.pipeline.blocks.write_yaml), in another style than
+    """Sealing rewrites the root lock with PyYAML (tpgrpo.pipeline.long_runs.blocks.write_yaml), in another style than
     DVC's: then the blocks left alone keep that style, so the bytes differ from DVC's full re-emission, but what
     DVC reads back from the file is the same after every write."""
     from dvc.utils.serialize import parse_yaml
 
-    from tpgrpo.pipeline.blocks import write_yaml
+    from tpgrpo.pipeline.long_runs.blocks import write_yaml
 
     rng = random.Random(2000 + seed)
     ours, theirs = tmp_path / "ours.lock", tmp_path / "theirs.lock"
@@ -180,7 +181,7 @@ def test_a_lock_whose_stages_share_an_anchor_is_not_cut_and_tpgrpo_writes_none(t
     import yaml
     from dvc.utils.serialize._yaml import _dump
 
-    from tpgrpo.pipeline.blocks import read_lock, write_lock
+    from tpgrpo.pipeline.long_runs.blocks import read_lock, write_lock
 
     shared = {"train_prompts": "data/prompts/a.jsonl", "reward": "geneval_soft"}
     stages = {name: {"cmd": f"tpgrpo stage {name}", "params": {"params.yaml": {"task": shared}}}

@@ -12,10 +12,10 @@ from pathlib import Path
 from conftest import tiny_params
 from tpgrpo.config import config_from_dict
 from tpgrpo.pipeline import long_run
-from tpgrpo.pipeline.blocks import SEALS
+from tpgrpo.pipeline.long_runs.blocks import SEALS
 
-MACHINERY = ("tpgrpo.pipeline.sealing", "tpgrpo.pipeline.seal_cache", "tpgrpo.pipeline.migrate",
-             "tpgrpo.pipeline.retention")
+MACHINERY = ("tpgrpo.pipeline.long_runs.sealing", "tpgrpo.pipeline.long_runs.seal_cache",
+             "tpgrpo.pipeline.long_runs.migrate", "tpgrpo.pipeline.long_runs.retention")
 
 # What `tpgrpo run` calls for a project, in a fresh interpreter: the machinery modules it imported.
 SHORT_RUN = """

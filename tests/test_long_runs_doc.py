@@ -1,4 +1,4 @@
-"""docs/long-runs.md says what retention does to the DVC cache as tpgrpo.pipeline.sealing.free_cache does it:
+"""docs/long-runs.md says what retention does to the DVC cache as tpgrpo.pipeline.long_runs.sealing.free_cache does it:
 it removes the dropped outputs' unreferenced cache objects itself and never runs `dvc gc --workspace` (which
 would also delete what experiments and other commits stored). Fast: the page and `tpgrpo retain --help`."""
 

@@ -86,8 +86,8 @@ def _lock_with(stages: dict) -> dict:
 
 
 def test_a_lock_entry_that_disagrees_with_what_its_stage_read_is_dropped(tmp_path, monkeypatch):
-    from tpgrpo.pipeline.blocks import read_lock, write_lock
-    from tpgrpo.pipeline.params_read import NOTES, drop_disagreeing, note_params_read
+    from tpgrpo.pipeline.long_runs.blocks import read_lock, write_lock
+    from tpgrpo.pipeline.dvc_integration.params_read import NOTES, drop_disagreeing, note_params_read
 
     # a DVC project: the entries are dropped under DVC's lock
     subprocess.run([sys.executable, "-m", "dvc", "init", "-q", "--no-scm"], cwd=tmp_path, check=True)
@@ -116,7 +116,7 @@ def test_an_edit_dvc_records_after_the_stage_checked_is_re_run(tiny_project, mon
     import subprocess
 
     import tpgrpo.pipeline.repro as repro
-    from tpgrpo.pipeline.blocks import read_lock, write_lock
+    from tpgrpo.pipeline.long_runs.blocks import read_lock, write_lock
 
     root = tiny_project
     raw = yaml.safe_load((root / "params.yaml").read_text())
@@ -126,8 +126,9 @@ def test_an_edit_dvc_records_after_the_stage_checked_is_re_run(tiny_project, mon
 
     def run_then_edit(args, *a, **k):
         done = real_run(args, *a, **k)
-        # tpgrpo run calls DVC through tpgrpo.pipeline.dvc_atomic (DVC's CLI with atomic lock writes)
-        if args[1] == "-m" and args[2] in ("dvc", "tpgrpo.pipeline.dvc_atomic") and args[3] == "repro" and not repros:
+        # tpgrpo run calls DVC through tpgrpo.pipeline.dvc_integration.dvc_atomic (DVC's CLI with atomic lock writes)
+        if args[1] == "-m" and args[2] in ("dvc", "tpgrpo.pipeline.dvc_integration.dvc_atomic") and args[3] == "repro" \
+                and not repros:
             repros.append(True)
             (root / "params.yaml").write_text((root / "params.yaml").read_text().replace(f"lr: {LR}", "lr: 0.005"))
             lock = read_lock(root)

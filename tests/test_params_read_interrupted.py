@@ -15,8 +15,8 @@ import yaml
 
 import tpgrpo.pipeline.repro as repro
 from tpgrpo.errors import PipelineError
-from tpgrpo.pipeline.blocks import read_lock, write_lock
-from tpgrpo.pipeline.params_read import NOTES
+from tpgrpo.pipeline.long_runs.blocks import read_lock, write_lock
+from tpgrpo.pipeline.dvc_integration.params_read import NOTES
 
 READ, RECORDED = 0.01, 0.005  # update.lr as the stage read it, and as DVC recorded it (edited in the window)
 
@@ -26,8 +26,8 @@ def project(tmp_path, monkeypatch) -> Path:
     subprocess.run([sys.executable, "-m", "dvc", "init", "-q", "--no-scm"], cwd=tmp_path, check=True)
     write_lock(tmp_path, {"schema": "2.0", "stages": {
         "credit-0001": {"cmd": "c", "params": {"params.yaml": {"credit.mode": "tp"}}}}})
-    monkeypatch.setattr("tpgrpo.pipeline.dvcfile.write_dvc_yaml", lambda *a, **k: False)
-    monkeypatch.setattr("tpgrpo.pipeline.code_manifest.refresh_manifests", lambda *a, **k: None)
+    monkeypatch.setattr("tpgrpo.pipeline.rendering.dvcfile.write_dvc_yaml", lambda *a, **k: False)
+    monkeypatch.setattr("tpgrpo.pipeline.rendering.code_manifest.refresh_manifests", lambda *a, **k: None)
     return tmp_path
 
 
@@ -106,7 +106,7 @@ def test_a_params_edit_recorded_in_the_window_then_an_interruption_re_runs_the_s
 
     def run_then_edit_then_stop(args, *a, **k):
         done = real_run(args, *a, **k)
-        if args[1:4] == ["-m", "tpgrpo.pipeline.dvc_atomic", "repro"]:
+        if args[1:4] == ["-m", "tpgrpo.pipeline.dvc_integration.dvc_atomic", "repro"]:
             (root / "params.yaml").write_text((root / "params.yaml").read_text().replace(f"lr: {lr}", "lr: 0.005"))
             lock = read_lock(root)
             lock["stages"]["update-0001"]["params"]["params.yaml"]["update.lr"] = 0.005

@@ -269,7 +269,7 @@ def test_every_credit_mode_renders_the_same_stages_and_the_flow_grpo_probe_impor
     """`dvc exp run -S credit.mode=...` changes params.yaml, not dvc.yaml: every mode has the same stages and
     dependencies (only the params' values differ). The probe does not list credit.mode (it reads only whether it
     is flow_grpo, which its code manifest records); the code stage lists it, to write that record."""
-    from tpgrpo.pipeline.dvcfile import render
+    from tpgrpo.pipeline.rendering.dvcfile import render
 
     rendered = {mode: render(_cfg(credit={"mode": mode})) for mode in ("tp", "tp_unconstrained", "incremental",
                                                                       "flow_grpo")}

@@ -19,8 +19,8 @@ import yaml
 from conftest import REPO, tiny_params
 
 from tpgrpo.config import config_from_dict
-from tpgrpo.pipeline.code_manifest import KIND_STAGES, manifest_path, write_manifests
-from tpgrpo.pipeline.dvcfile import dvc_yaml_text
+from tpgrpo.pipeline.rendering.code_manifest import KIND_STAGES, manifest_path, write_manifests
+from tpgrpo.pipeline.rendering.dvcfile import dvc_yaml_text
 from tpgrpo.pipeline.status import stage_params
 from tpgrpo.stage_common import provenance
 
@@ -85,7 +85,7 @@ def test_a_manifest_whose_path_is_not_the_params_is_refused(tmp_path):
     """A credit.mode edited after the code stage wrote the manifests: the probe refuses to run (DVC would record
     a final-reward table under a scored manifest, or the reverse), with one line."""
     from tpgrpo.errors import PipelineError
-    from tpgrpo.pipeline.code_manifest import check_code
+    from tpgrpo.pipeline.rendering.code_manifest import check_code
 
     root = tmp_path
     for folder in ("stages", "tpgrpo"):

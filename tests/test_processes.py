@@ -17,12 +17,12 @@ import pytest
 import yaml
 from test_stage_server import TPGRPO, base_env, log_lines, make_project
 
-from tpgrpo.pipeline.stage_server import ENV_VAR, MAX_MESSAGE, fingerprint, running
+from tpgrpo.pipeline.execution.stage_server import ENV_VAR, MAX_MESSAGE, fingerprint, running
 
 pytestmark = pytest.mark.skipif(not sys.platform.startswith("linux"), reason="the stage server is Linux-only")
 
 # Stands in for `tpgrpo run`: starts the server, prints its socket, waits to be killed.
-FAKE_RUN = ("import sys, time; from pathlib import Path; from tpgrpo.pipeline.stage_server import running\n"
+FAKE_RUN = ("import sys, time; from pathlib import Path; from tpgrpo.pipeline.execution.stage_server import running\n"
             "with running(Path(sys.argv[1])) as env:\n"
             "    print(env['TPGRPO_STAGE_SERVER'], flush=True)\n"
             "    time.sleep(600)\n")

@@ -1,4 +1,4 @@
-"""A project folder DVC cannot open is one line, not DVC's traceback (tpgrpo.pipeline.project_checks).
+"""A project folder DVC cannot open is one line, not DVC's traceback (tpgrpo.pipeline.rendering.project_checks).
 
 A source archive of the project (``git archive``, a "download ZIP") holds ``.dvc/config`` but no ``.git``; DVC
 then raises ``SCMError: ... is not a git repository`` from deep inside ``tpgrpo run`` and ``tpgrpo dvc-yaml``.
@@ -14,7 +14,7 @@ import pytest
 import yaml
 
 from conftest import tiny_params
-from tpgrpo.pipeline.project_checks import in_git_repository, require_scm
+from tpgrpo.pipeline.rendering.project_checks import in_git_repository, require_scm
 
 ROOT = Path(__file__).resolve().parents[1]
 

@@ -12,8 +12,8 @@ from pathlib import Path
 import pytest
 import typer
 
-from tpgrpo.pipeline.blocks import SEALS, write_text_atomic, write_yaml
-from tpgrpo.pipeline.dvc_atomic import TMP_MARK, atomic_write_text, sweep_stale_temps, temporary_sibling
+from tpgrpo.pipeline.long_runs.blocks import SEALS, write_text_atomic, write_yaml
+from tpgrpo.pipeline.dvc_integration.dvc_atomic import TMP_MARK, atomic_write_text, sweep_stale_temps, temporary_sibling
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -115,7 +115,7 @@ def permission_app(error: OSError) -> typer.Typer:
 
 
 def test_a_permission_error_is_one_line(capsys):
-    from tpgrpo.pipeline.stage_runner import run_guarded
+    from tpgrpo.pipeline.execution.stage_runner import run_guarded
 
     error = PermissionError(errno.EACCES, "Permission denied", "/p/dvc.lock")
     with pytest.raises(SystemExit) as exited:
@@ -130,8 +130,8 @@ def test_a_permission_error_is_one_line(capsys):
 
 @pytest.mark.skipif(os.geteuid() == 0, reason="root ignores file permissions: the read-only file is writable")
 def test_a_read_only_project_file_is_one_line_from_the_cli(tmp_path):
-    script = ("import sys, typer\nfrom pathlib import Path\nfrom tpgrpo.pipeline.blocks import write_yaml\n"
-              "from tpgrpo.pipeline.stage_runner import run_guarded\napp = typer.Typer()\n@app.command()\n"
+    script = ("import sys, typer\nfrom pathlib import Path\nfrom tpgrpo.pipeline.long_runs.blocks import write_yaml\n"
+              "from tpgrpo.pipeline.execution.stage_runner import run_guarded\napp = typer.Typer()\n@app.command()\n"
               "def go(p: Path):\n    write_yaml(p, {'a': 1})\n@app.command()\ndef other():\n    pass\n"
               "run_guarded(app, ['go', sys.argv[1]])\n")
     folder = tmp_path / "ro"

@@ -73,7 +73,7 @@ def test_dvc_yaml_refuses_while_a_tpgrpo_run_holds_the_run_lock(tmp_path, tiny_m
     root = _project(tmp_path, tiny_model_dir)
     before = (root / "dvc.yaml").read_bytes() if (root / "dvc.yaml").exists() else None
     holder = subprocess.Popen(
-        [sys.executable, "-c", "import pathlib, time\nfrom tpgrpo.pipeline.dvclock import rendering\n"
+        [sys.executable, "-c", "import pathlib, time\nfrom tpgrpo.pipeline.dvc_integration.dvclock import rendering\n"
          "with rendering(pathlib.Path('.').resolve()):\n    pathlib.Path('held').touch()\n    time.sleep(120)\n"],
         cwd=root, env=env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     try:

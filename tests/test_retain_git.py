@@ -16,9 +16,10 @@ from conftest import tiny_params
 
 from tpgrpo.config import config_from_dict
 from tpgrpo.errors import PipelineError
-from tpgrpo.pipeline.blocks import Block, committed_oids, in_git, object_path, read_lock, write_lock, write_yaml
-from tpgrpo.pipeline.dvcfile import block_out_paths
-from tpgrpo.pipeline.retention import retain
+from tpgrpo.pipeline.long_runs.blocks import (Block, committed_oids, in_git, object_path, read_lock, write_lock,
+                                              write_yaml)
+from tpgrpo.pipeline.rendering.dvcfile import block_out_paths
+from tpgrpo.pipeline.long_runs.retention import retain
 
 DUBIOUS = """#!/bin/sh
 echo "fatal: detected dubious ownership in repository at '$PWD'" >&2

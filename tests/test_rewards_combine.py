@@ -104,8 +104,8 @@ def test_reward_sections_are_validated(raw, section, key, value, expected):
 def test_dvc_yaml_lists_configured_reward_folders(raw):
     from conftest import REPO
 
-    from tpgrpo.pipeline.code_manifest import kind_code
-    from tpgrpo.pipeline.dvcfile import render
+    from tpgrpo.pipeline.rendering.code_manifest import kind_code
+    from tpgrpo.pipeline.rendering.dvcfile import render
 
     mixed = copy.deepcopy(raw)
     mixed["task"]["reward"] = {"geneval_soft": 1.0, "pickscore": 0.1}

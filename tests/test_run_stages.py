@@ -13,8 +13,8 @@ from typer.testing import CliRunner
 from conftest import tiny_params
 from tpgrpo import stage_params
 from tpgrpo.config import config_from_dict
-from tpgrpo.pipeline import dvcfile
-from tpgrpo.pipeline.blocks import Block
+from tpgrpo.pipeline.rendering import dvcfile
+from tpgrpo.pipeline.long_runs.blocks import Block
 from tpgrpo.stage_params import ITERATION_STAGES, RUN_STAGES
 
 REPO = Path(__file__).resolve().parents[1]
@@ -42,7 +42,7 @@ def test_every_stage_dvc_yaml_renders_has_exactly_one_record():
 
 
 def test_every_record_is_a_stage_command_with_its_help():
-    from tpgrpo.pipeline.stage_runner import stage_app
+    from tpgrpo.pipeline.execution.stage_runner import stage_app
 
     registered = {c.name: c for c in stage_app.registered_commands}
     assert set(registered) == {s.name for s in RECORDS} | {"code"}, sorted(registered)
@@ -54,7 +54,7 @@ def test_every_record_is_a_stage_command_with_its_help():
 
 
 def test_the_tables_keyed_by_stage_derive_from_the_records():
-    from tpgrpo.pipeline.code_manifest import KIND_STAGES, STAGE_KIND
+    from tpgrpo.pipeline.rendering.code_manifest import KIND_STAGES, STAGE_KIND
 
     assert stage_params.STAGE_PARAMS == {s.name: list(s.params) for s in RECORDS}
     assert stage_params.MULTI_PROCESS_STAGES == ("rollout", "probe", "update", "eval", "baseline")
@@ -99,7 +99,7 @@ def test_the_baseline_files_are_spelt_in_one_place():
 def test_an_edit_of_a_run_stages_record_changes_its_kinds_manifest_only(tmp_path):
     """As an iteration stage's declaration: the baseline's record counts for the eval's manifest (which covers
     it), the summary's for the summary's; the help line of `tpgrpo stage NAME` for none."""
-    from tpgrpo.pipeline.code_manifest import KIND_STAGES, manifest_path, write_manifests
+    from tpgrpo.pipeline.rendering.code_manifest import KIND_STAGES, manifest_path, write_manifests
 
     for folder in ("stages", "tpgrpo"):
         shutil.copytree(REPO / folder, tmp_path / folder, ignore=shutil.ignore_patterns("__pycache__"))

@@ -1,4 +1,5 @@
-"""The sealed blocks' stat cache (tpgrpo.pipeline.seal_cache): any change to a block's files or lock is seen."""
+"""The sealed blocks' stat cache (tpgrpo.pipeline.long_runs.seal_cache): any change to a block's files or lock is
+seen."""
 
 from __future__ import annotations
 
@@ -7,8 +8,8 @@ import time
 
 from test_sealing import _four_iterations_sealed
 
-from tpgrpo.pipeline import seal_cache
-from tpgrpo.pipeline.blocks import Block, block_entry, write_block_entry, write_lock
+from tpgrpo.pipeline.long_runs import seal_cache
+from tpgrpo.pipeline.long_runs.blocks import Block, block_entry, write_block_entry, write_lock
 
 BLOCK = Block(1, 2)
 
@@ -88,8 +89,10 @@ def test_a_sealed_file_rewritten_during_the_repro_is_not_vouched_for(tmp_path, m
     for name, value in [("write_dvc_yaml", lambda *a, **k: False), ("refresh_manifests", lambda *a, **k: None),
                         ("clear_notes", lambda *a: None), ("drop_disagreeing", lambda *a: []),
                         ("check_outputs_cached", lambda *a, **k: checked.append(a))]:
-        module = {"write_dvc_yaml": "tpgrpo.pipeline.dvcfile", "refresh_manifests": "tpgrpo.pipeline.code_manifest",
-                  "check_outputs_cached": "tpgrpo.pipeline.status"}.get(name, "tpgrpo.pipeline.params_read")
+        module = {"write_dvc_yaml": "tpgrpo.pipeline.rendering.dvcfile",
+                  "refresh_manifests": "tpgrpo.pipeline.rendering.code_manifest",
+                  "check_outputs_cached": "tpgrpo.pipeline.status"}.get(name,
+                                                                         "tpgrpo.pipeline.dvc_integration.params_read")
         monkeypatch.setattr(f"{module}.{name}", value)
     monkeypatch.setattr(repro.subprocess, "run", fake_dvc)
     assert repro.repro_args(root, 4) == ["repro"]  # never vouched for: the full check

@@ -15,8 +15,8 @@ from test_sealing import _four_iterations_sealed
 
 from tpgrpo.config import config_from_dict
 from tpgrpo.errors import PipelineError
-from tpgrpo.pipeline.blocks import Block, read_lock, write_lock
-from tpgrpo.pipeline.sealing import unseal_changed
+from tpgrpo.pipeline.long_runs.blocks import Block, read_lock, write_lock
+from tpgrpo.pipeline.long_runs.sealing import unseal_changed
 
 
 def _files(root: Path) -> dict[str, bytes]:

@@ -12,11 +12,11 @@ from conftest import tiny_params
 
 from tpgrpo.config import ConfigError, config_from_dict
 from tpgrpo.errors import PipelineError
-from tpgrpo.pipeline.dvcfile import STAGE_PARAMS, block_out_paths, block_stage, iteration_stages, render, write_block_dvcfile
-from tpgrpo.pipeline.sealing import kept_outs, repro_ends, retain, sealable, stage_names, unseal_changed
-from tpgrpo.pipeline.blocks import (Block, current_entries, disagreements, full_blocks, param_values, read_as_dvc, read_lock,
-                                    write_block_entry,
-                                    read_seal, write_lock, write_yaml)
+from tpgrpo.pipeline.rendering.dvcfile import STAGE_PARAMS, block_out_paths, block_stage, iteration_stages, render, write_block_dvcfile
+from tpgrpo.pipeline.long_runs.sealing import kept_outs, repro_ends, retain, sealable, stage_names, unseal_changed
+from tpgrpo.pipeline.long_runs.blocks import (Block, current_entries, disagreements, full_blocks, param_values,
+                                              read_as_dvc, read_lock, write_block_entry, read_seal, write_lock,
+                                              write_yaml)
 
 
 def _raw(**train) -> dict:
@@ -439,8 +439,8 @@ def test_retain_never_frees_an_object_a_commit_or_an_experiment_records(tmp_path
     ``refs/exps`` experiment) record them: ``git checkout`` + ``dvc checkout`` / ``dvc exp apply`` need them."""
     from types import SimpleNamespace
 
-    from tpgrpo.pipeline.blocks import committed_oids, object_path
-    from tpgrpo.pipeline.sealing import free_cache
+    from tpgrpo.pipeline.long_runs.blocks import committed_oids, object_path
+    from tpgrpo.pipeline.long_runs.sealing import free_cache
 
     root, cache = tmp_path / "project", tmp_path / "project" / ".dvc" / "cache"
     (root / "data" / "seals").mkdir(parents=True)

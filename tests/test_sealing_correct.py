@@ -21,10 +21,11 @@ import yaml
 from conftest import make_tiny_project
 
 from tpgrpo.config import load_config
-from tpgrpo.pipeline.blocks import (Block, object_path, read_as_dvc, read_lock, read_seal, write_lock, write_yaml)
-from tpgrpo.pipeline.dvclock import RWLOCK
-from tpgrpo.pipeline.dvcfile import write_dvc_yaml
-from tpgrpo.pipeline.sealing import seal_finished, stage_names, stale_stages, unseal_changed
+from tpgrpo.pipeline.long_runs.blocks import (Block, object_path, read_as_dvc, read_lock, read_seal, write_lock,
+                                              write_yaml)
+from tpgrpo.pipeline.dvc_integration.dvclock import RWLOCK
+from tpgrpo.pipeline.rendering.dvcfile import write_dvc_yaml
+from tpgrpo.pipeline.long_runs.sealing import seal_finished, stage_names, stale_stages, unseal_changed
 
 BLOCK = Block(1, 2)
 
@@ -141,7 +142,7 @@ def test_a_block_whose_stage_is_stale_by_dvcs_measure_is_not_sealed(run_copy):
 
 @pytest.mark.slow
 def test_a_params_edit_between_status_and_commit_does_not_seal_the_block(run_copy, monkeypatch):
-    import tpgrpo.pipeline.sealing as sealing
+    import tpgrpo.pipeline.long_runs.sealing as sealing
 
     root = run_copy
     cfg = load_config(root / "params.yaml")
@@ -309,7 +310,7 @@ def _hand_sealed(root: Path) -> Path:
     root.mkdir(parents=True)
     (root / "params.yaml").write_text(yaml.safe_dump(raw, sort_keys=False))
     _sh(root, sys.executable, "-m", "dvc", "init", "-q", "--no-scm")
-    from tpgrpo.pipeline.dvcfile import block_out_paths
+    from tpgrpo.pipeline.rendering.dvcfile import block_out_paths
 
     cfg = load_config(root / "params.yaml")
     outs = block_out_paths(cfg, BLOCK)
@@ -366,7 +367,7 @@ BLOCK_STAGE = f"{BLOCK.address}"
 @pytest.mark.slow
 def test_a_resume_checks_sealed_blocks_by_their_files_and_a_damaged_one_still_re_runs(run_copy):
     """A no-op `tpgrpo run` has DVC check only the open stages while every sealed block's files are as DVC last
-    found them (tpgrpo.pipeline.seal_cache); any change to them sends the repro through DVC's full check."""
+    found them (tpgrpo.pipeline.long_runs.seal_cache); any change to them sends the repro through DVC's full check."""
     root = run_copy
     out = _tpgrpo(root, "run").stdout  # the first run after the copy: inode changed, so DVC checks everything
     assert _ran(out) == [] and f"'{BLOCK_STAGE}' didn't change" in out, out

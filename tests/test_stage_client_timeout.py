@@ -14,8 +14,8 @@ import time
 
 import pytest
 
-from tpgrpo.pipeline import stage_client
-from tpgrpo.pipeline.stage_client import ENV_VAR, TIMEOUT_ENV, fingerprint, run_via_server
+from tpgrpo.pipeline.execution import stage_client
+from tpgrpo.pipeline.execution.stage_client import ENV_VAR, TIMEOUT_ENV, fingerprint, run_via_server
 
 
 def _listener(path: str) -> socket.socket:
@@ -72,7 +72,7 @@ def test_the_default_wait_covers_a_server_still_loading(monkeypatch):
 def test_a_server_that_wakes_after_its_caller_left_forks_nothing(tmp_path):
     """The caller timed out and runs the stage itself; the server, reaching its request later, must not
     start the same stage a second time (it would write the same outputs beside the caller's run)."""
-    from tpgrpo.pipeline import stage_server
+    from tpgrpo.pipeline.execution import stage_server
 
     class Unchanged:
         def changed(self) -> str:

@@ -13,7 +13,7 @@ from conftest import tiny_params
 from tpgrpo import stage_params
 from tpgrpo.config import config_from_dict
 from tpgrpo.io.artifacts import IterationPaths
-from tpgrpo.pipeline import dvcfile
+from tpgrpo.pipeline.rendering import dvcfile
 from tpgrpo.stage_params import ITERATION_OUTPUTS, ITERATION_STAGES, Output
 
 REPO = Path(__file__).resolve().parents[1]
@@ -68,10 +68,10 @@ def test_a_new_output_is_one_line(monkeypatch):
 
 def test_what_the_orchestration_reads_is_derived():
     from tpgrpo.comparison.runs import ITER_FILES
-    from tpgrpo.pipeline.block_logs import READ_BY_SUMMARY
-    from tpgrpo.pipeline.code_manifest import KIND_STAGES
-    from tpgrpo.pipeline.retention import DROPPABLE
-    from tpgrpo.pipeline.stage_runner import STAGES
+    from tpgrpo.pipeline.long_runs.block_logs import READ_BY_SUMMARY
+    from tpgrpo.pipeline.rendering.code_manifest import KIND_STAGES
+    from tpgrpo.pipeline.long_runs.retention import DROPPABLE
+    from tpgrpo.pipeline.execution.stage_runner import STAGES
     from tpgrpo.pipeline.status import ITERATION_FILES
 
     by_reader = lambda *r: {o.name for o in ITERATION_OUTPUTS.values() if set(o.read_by) & set(r)}  # noqa: E731
@@ -94,7 +94,7 @@ def test_an_edit_to_one_stages_declaration_changes_that_stages_manifest_only(tmp
     import json
     import shutil
 
-    from tpgrpo.pipeline.code_manifest import KIND_STAGES, manifest_path, write_manifests
+    from tpgrpo.pipeline.rendering.code_manifest import KIND_STAGES, manifest_path, write_manifests
 
     for folder in ("stages", "tpgrpo"):
         shutil.copytree(REPO / folder, tmp_path / folder, ignore=shutil.ignore_patterns("__pycache__"))

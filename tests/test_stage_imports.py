@@ -4,7 +4,7 @@ comparison.
 The rule. ``stages/*.py`` are thin shells that DVC's commands reach through ``tpgrpo stage NAME``; the code they
 run lives in ``tpgrpo/``. So:
 
-- ``tpgrpo/`` never imports ``stages``, except :func:`tpgrpo.pipeline.stage_runner.stage_module`, the one door
+- ``tpgrpo/`` never imports ``stages``, except :func:`tpgrpo.pipeline.execution.stage_runner.stage_module`, the one door
   (``tpgrpo stage`` and the stage server's forked stages run a shell through it);
 - ``bench/`` never does (a bench that runs a stage in-process calls ``bench.common.run_stage``, which goes
   through that door), nor do the tests' helper modules (``tests/*.py`` not named ``test_*``);
@@ -23,7 +23,7 @@ from pathlib import Path
 import pytest
 
 REPO = Path(__file__).resolve().parents[1]
-DOOR = "tpgrpo/pipeline/stage_runner.py"
+DOOR = "tpgrpo/pipeline/execution/stage_runner.py"
 
 
 def _is_stages(name: str) -> bool:
@@ -107,8 +107,8 @@ def test_a_test_takes_only_run_from_a_stage_module():
 def test_the_eval_code_holds_nothing_of_the_comparison():
     """An edit to the comparison's statistics re-runs no eval: no file of ``tpgrpo/comparison/`` is in the eval
     (and baseline) stages' code."""
-    from tpgrpo.pipeline.code_graph import closure
-    from tpgrpo.pipeline.code_manifest import KIND_STAGES
+    from tpgrpo.pipeline.rendering.code_graph import closure
+    from tpgrpo.pipeline.rendering.code_manifest import KIND_STAGES
 
     code = closure(REPO, KIND_STAGES["eval"])
     assert "tpgrpo/policy/evaluation.py" in code and "tpgrpo/io/eval_table.py" in code

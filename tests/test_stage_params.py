@@ -67,7 +67,7 @@ def test_update_micro_batch_is_an_input_of_the_update_only(tiny_project):
     rollout's store keep their hashes)."""
     import yaml
 
-    from tpgrpo.pipeline.dvcfile import dvc_yaml_text
+    from tpgrpo.pipeline.rendering.dvcfile import dvc_yaml_text
     from tpgrpo.stage_common import provenance
 
     cfg = load_config(tiny_project / "params.yaml")
@@ -86,7 +86,7 @@ def test_the_committed_dvc_yaml_is_what_params_yaml_renders(tmp_path):
     rendering of its params.yaml: it went stale once (an eval_prompts output missing) with no test noticing.
     Rendered against an empty root (no sealed blocks), as in a clean clone."""
     from tpgrpo.config import load_config
-    from tpgrpo.pipeline.dvcfile import dvc_yaml_text
+    from tpgrpo.pipeline.rendering.dvcfile import dvc_yaml_text
 
     repo = Path(__file__).resolve().parents[1]
     if (repo / "data" / "iters").exists():

@@ -15,7 +15,7 @@ import pytest
 import yaml
 from conftest import REPO, tiny_params
 
-from tpgrpo.pipeline.stage_server import ENV_VAR, running
+from tpgrpo.pipeline.execution.stage_server import ENV_VAR, running
 
 TPGRPO = str(Path(sys.executable).parent / "tpgrpo")  # the console script, as DVC calls it
 pytestmark = pytest.mark.skipif(not sys.platform.startswith("linux"), reason="the stage server is Linux-only")
@@ -113,7 +113,7 @@ def test_a_childs_exit_wakes_the_servers_select_and_its_reaping_closes_the_pidfd
     the child has exited; reap then collects the child and closes its pidfd."""
     import select
 
-    from tpgrpo.pipeline.stage_children import reap, watch_exits
+    from tpgrpo.pipeline.execution.stage_children import reap, watch_exits
 
     pid = os.fork()
     if pid == 0:
@@ -133,11 +133,11 @@ def test_a_childs_exit_wakes_the_servers_select_and_its_reaping_closes_the_pidfd
 def test_a_served_stage_returns_at_its_exit_not_at_the_servers_tick(tmp_path, tiny_model_dir):
     """With the parent check's tick at 120 s, a served stage still returns within seconds: its exit wakes
     the server (a server that found exits only at its tick would keep the caller 120 s)."""
-    from tpgrpo.pipeline.stage_server import _wait_for_socket
+    from tpgrpo.pipeline.execution.stage_server import _wait_for_socket
 
     root = make_project(tmp_path / "project", tiny_model_dir)
     path = str(tmp_path / "s.sock")
-    code = ("import sys; sys.path.remove(''); from tpgrpo.pipeline.stage_server import serve; "
+    code = ("import sys; sys.path.remove(''); from tpgrpo.pipeline.execution.stage_server import serve; "
             f"serve({path!r}, {os.getpid()}, names=(), tick=120)")
     server = subprocess.Popen([sys.executable, "-c", code], cwd=root, env=base_env(), stdin=subprocess.DEVNULL,
                               stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
@@ -231,7 +231,8 @@ def test_a_caller_killed_outright_takes_its_forked_stage_with_it(served):
 def test_the_server_exits_when_its_parent_is_killed(tmp_path):
     (tmp_path / ".dvc").mkdir()
     parent = subprocess.Popen([sys.executable, "-c", (
-        "import os, signal, sys, time; from pathlib import Path; from tpgrpo.pipeline.stage_server import running\n"
+        "import os, signal, sys, time; from pathlib import Path\n"
+        "from tpgrpo.pipeline.execution.stage_server import running\n"
         "with running(Path(sys.argv[1])):\n"
         "    time.sleep(600)\n"), str(tmp_path)], env=base_env())
     log = tmp_path / ".dvc" / "tmp" / "stage_server.log"
@@ -301,7 +302,8 @@ def test_after_a_code_edit_the_server_refuses_and_the_stage_runs_the_new_code(tm
             first = stage(root, env, "credit", "--iter", "99", check=False)
             assert first.stderr.startswith("error: --iter 99: this run has iterations"), first.stderr
             assert log_lines(root)[-1].endswith("stage credit --iter 99")  # served, from the copy
-            cli = code / "tpgrpo" / "pipeline" / "stage_runner.py"  # imported by the server at start (PRELOAD)
+            # imported by the server at start (PRELOAD)
+            cli = code / "tpgrpo" / "pipeline" / "execution" / "stage_runner.py"
             text = cli.read_text()
             assert 'typer.echo(f"error: {message}", err=True)' in text
             cli.write_text(text.replace('typer.echo(f"error: {message}"', 'typer.echo(f"error (edited): {message}"'))
@@ -316,7 +318,7 @@ def test_after_a_code_edit_the_server_refuses_and_the_stage_runs_the_new_code(tm
 
 
 def test_code_state_sees_edits_new_files_and_distributions_but_not_a_touch(tmp_path, monkeypatch):
-    from tpgrpo.pipeline.processes import CodeState
+    from tpgrpo.pipeline.execution.processes import CodeState
 
     (tmp_path / "pkg").mkdir()
     module = tmp_path / "pkg" / "m.py"
@@ -342,7 +344,7 @@ def test_the_server_is_wanted_only_when_the_model_and_the_reward_models_run_on_t
     import dataclasses
 
     from tpgrpo.config import Config
-    from tpgrpo.pipeline.stage_server import wanted
+    from tpgrpo.pipeline.execution.stage_server import wanted
 
     cfg = Config()
     cfg = dataclasses.replace(cfg, launch=dataclasses.replace(cfg.launch, stage_server=True))
@@ -361,8 +363,8 @@ def test_once_cuda_is_initialised_the_server_refuses_and_stops_serving(tmp_path,
     import json
     import socket
 
-    from tpgrpo.pipeline import stage_server
-    from tpgrpo.pipeline.stage_client import fingerprint
+    from tpgrpo.pipeline.execution import stage_server
+    from tpgrpo.pipeline.execution.stage_client import fingerprint
 
     class Unchanged:
         def changed(self) -> str:
@@ -391,14 +393,14 @@ def test_once_cuda_is_initialised_the_server_refuses_and_stops_serving(tmp_path,
 def test_cuda_initialised_reads_torch_without_initialising_it():
     import torch
 
-    from tpgrpo.pipeline.stage_server import cuda_initialised
+    from tpgrpo.pipeline.execution.stage_server import cuda_initialised
 
     assert cuda_initialised() is False and not torch.cuda.is_initialized()
 
 
 def test_an_open_gpu_device_file_counts_as_cuda_initialised(tmp_path, monkeypatch):
     """The driver initialised under another library (torch does not know) shows as an open device file."""
-    from tpgrpo.pipeline import stage_server
+    from tpgrpo.pipeline.execution import stage_server
 
     monkeypatch.setattr(stage_server, "NVIDIA_DEVICES", str(tmp_path / "nvidia"))
     (tmp_path / "nvidiactl").write_text("")
@@ -427,7 +429,7 @@ def test_a_malformed_request_leaks_no_file_descriptor(tmp_path, message):
     (before: each bad request left them open in the server; a JSON list crashed it)."""
     import socket
 
-    from tpgrpo.pipeline.stage_server import _accept
+    from tpgrpo.pipeline.execution.stage_server import _accept
 
     listener, client = _listener_and_client(tmp_path)
     r, w = os.pipe()

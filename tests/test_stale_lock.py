@@ -13,7 +13,7 @@ import pytest
 from typer.testing import CliRunner
 
 from tpgrpo.cli import app
-from tpgrpo.pipeline.dvclock import RWLOCK, clear_stale_lock, lock_pids, pid_state, stale_pids
+from tpgrpo.pipeline.dvc_integration.dvclock import RWLOCK, clear_stale_lock, lock_pids, pid_state, stale_pids
 
 
 def lock_of(*pids: int) -> dict:

@@ -15,7 +15,7 @@ from conftest import tiny_params
 from tpgrpo.reports.history import at_a_glance, eval_curve, headline, train_curve
 from tpgrpo.stage_params import GLANCE
 from tpgrpo.config import config_from_dict
-from tpgrpo.pipeline.dvcfile import PLOTS, render
+from tpgrpo.pipeline.rendering.dvcfile import PLOTS, render
 from tpgrpo.errors import PipelineError
 from tpgrpo.pipeline.status import check_iteration, record_stage, status_text
 

@@ -16,9 +16,9 @@ from conftest import make_tiny_project
 from test_dvc_pipeline import env, ran, sealed_run
 
 from tpgrpo.config import config_from_dict
-from tpgrpo.pipeline.block_logs import digest_path, write_digest
-from tpgrpo.pipeline.blocks import Block
-from tpgrpo.pipeline.dvcfile import summary_stage
+from tpgrpo.pipeline.long_runs.block_logs import digest_path, write_digest
+from tpgrpo.pipeline.long_runs.blocks import Block
+from tpgrpo.pipeline.rendering.dvcfile import summary_stage
 
 
 def test_a_sealed_blocks_summary_dependency_is_its_log_digest(tmp_path):

@@ -20,7 +20,7 @@ import yaml
 
 from conftest import tiny_params
 from tpgrpo.config import Config, config_from_dict
-from tpgrpo.pipeline.dvcfile import dvc_yaml_text, render
+from tpgrpo.pipeline.rendering.dvcfile import dvc_yaml_text, render
 from tpgrpo.pipeline.status import stage_params
 from tpgrpo.stage_common import provenance
 from tpgrpo.stage_params import CHAIN_ONLY, STAGE_PARAMS, TREE_SHAPE

@@ -19,14 +19,14 @@ import yaml
 from conftest import tiny_params
 
 from tpgrpo.config import config_from_dict
-from tpgrpo.pipeline.blocks import (Block, param_values, read_as_dvc, read_lock, seal_files, sweep_unsealed,
-                                    write_block_entry, write_lock, write_yaml)
-from tpgrpo.pipeline.dvcfile import block_out_paths, block_stage, iteration_stages, write_dvc_yaml
+from tpgrpo.pipeline.long_runs.blocks import (Block, param_values, read_as_dvc, read_lock, seal_files, sweep_unsealed,
+                                              write_block_entry, write_lock, write_yaml)
+from tpgrpo.pipeline.rendering.dvcfile import block_out_paths, block_stage, iteration_stages, write_dvc_yaml
 
 TESTS = Path(__file__).resolve().parent
 REPO = TESTS.parent
 KILLER = TESTS / "kill_points.py"
-WITHIN = ["tpgrpo.pipeline.sealing:unseal_changed"]
+WITHIN = ["tpgrpo.pipeline.long_runs.sealing:unseal_changed"]
 
 # What `tpgrpo run` does around its unsealings, without the repros: prepare (sweeps leftovers, unseals what a
 # structural change reaches), then per repro end before_repro (unseals what it reaches) and the repro's render.
@@ -34,8 +34,8 @@ PROGRAM = textwrap.dedent("""
     from pathlib import Path
     from tpgrpo.config import load_config
     from tpgrpo.pipeline import long_run
-    from tpgrpo.pipeline.blocks import read_as_dvc
-    from tpgrpo.pipeline.dvcfile import write_dvc_yaml
+    from tpgrpo.pipeline.long_runs.blocks import read_as_dvc
+    from tpgrpo.pipeline.rendering.dvcfile import write_dvc_yaml
 
     root = Path.cwd()
     cfg, raw = load_config(root / "params.yaml"), read_as_dvc(root / "params.yaml")
@@ -232,7 +232,7 @@ def test_a_block_whose_folder_went_keeps_the_stage_entries_its_unsealing_already
     written at sealing (DVC would re-run every stage a code change had re-run since)."""
     root = tmp_path / "project"
     shutil.copytree(template, root, symlinks=True)
-    from tpgrpo.pipeline.sealing import unseal_changed
+    from tpgrpo.pipeline.long_runs.sealing import unseal_changed
 
     raw = read_as_dvc(root / "params.yaml")
     cfg = config_from_dict(raw)

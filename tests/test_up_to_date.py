@@ -150,7 +150,7 @@ def test_damage_is_in_place(tmp_path):
 def test_a_shadowed_library_entry_reads_as_its_version_while_its_md5_is_the_copy_now(tmp_path):
     """The harness's check (a) against a reference without the shadowing copy: a manifest entry
     ``VERSION shadowed MD5`` reads as VERSION while MD5 is the copy's now, STALE once the copy changes."""
-    from tpgrpo.pipeline.libraries import sources_md5
+    from tpgrpo.pipeline.rendering.libraries import sources_md5
 
     copy = tmp_path / "zarr"
     copy.mkdir()

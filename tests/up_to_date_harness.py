@@ -262,7 +262,7 @@ def _manifest_digest(path: Path, h) -> None:
     lines with random tokens that one reference (keyed without them) cannot match. What must hold: the
     manifest names the same files, libraries and path, and each md5 is that of the project's file now (a
     stale manifest reads STALE)."""
-    from tpgrpo.pipeline.code_hash import BYTES, file_md5
+    from tpgrpo.pipeline.rendering.code_hash import BYTES, file_md5
 
     root = path.parents[2]
     recorded = json.loads(path.read_text())
@@ -279,7 +279,7 @@ def _library_now(root: Path, name: str, entry: str) -> str:
     the md5 is that of the harness's shadowing copy now (a folder of the library's name in the project root,
     which the from-scratch reference does not have: up_to_date_actions.edit_dependency), ``"3.1.0 STALE"``
     otherwise; a plain version stays as it is."""
-    from tpgrpo.pipeline.libraries import sources_md5
+    from tpgrpo.pipeline.rendering.libraries import sources_md5
 
     version, _, rest = entry.partition(" ")
     if not rest:

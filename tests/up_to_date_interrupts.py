@@ -88,7 +88,7 @@ def kill_unsealing(seq: Seq) -> Plan:
     plan = _edit(seq, {**UPSTREAM, **LEAF}, "edit param")
     marks, at = h.stage_marks(seq.root), seq.rng.randint(1, 8)
     done = h.sh(seq.root, sys.executable, str(KILLER), "--at", str(at), "--within",
-                "tpgrpo.pipeline.sealing:unseal_changed", "-m", "tpgrpo", "run")
+                "tpgrpo.pipeline.long_runs.sealing:unseal_changed", "-m", "tpgrpo", "run")
     outcome = "SIGKILL" if done.returncode == -signal.SIGKILL else f"ended by itself (rc {done.returncode})"
     h.end_processes(seq.root)
     plan.marks, plan.required = marks, set()

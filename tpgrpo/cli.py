@@ -1,7 +1,7 @@
 """The ``tpgrpo`` command line (typer). Heavy imports (torch, diffusers) happen inside commands.
 
 The stage commands (``tpgrpo stage ...``, ``tpgrpo block``) are defined and run by
-:mod:`tpgrpo.pipeline.stage_runner`; this module mounts them. No stage's code manifest contains this file.
+:mod:`tpgrpo.pipeline.execution.stage_runner`; this module mounts them. No stage's code manifest contains this file.
 """
 
 from __future__ import annotations
@@ -15,8 +15,8 @@ from typing import Annotated, Optional
 import typer
 
 # The stage commands and what runs them (imported first: it sets OMP_WAIT_POLICY before torch can load).
-from tpgrpo.pipeline.stage_runner import IterOpt, ParamsOpt, block_command, run_guarded, stage_app
-from tpgrpo.pipeline.stage_runner import fail as _fail
+from tpgrpo.pipeline.execution.stage_runner import IterOpt, ParamsOpt, block_command, run_guarded, stage_app
+from tpgrpo.pipeline.execution.stage_runner import fail as _fail
 
 app = typer.Typer(help="TP-GRPO post-training of flow-matching text-to-image models.",
                   no_args_is_help=True, pretty_exceptions_enable=False)
@@ -63,12 +63,12 @@ def dvc_yaml_command(params: ParamsOpt = Path("params.yaml")) -> None:
 
 
 def _hold_rendering(stack: ExitStack, root: Path) -> None:
-    """Hold the project's run lock on ``stack`` (:func:`tpgrpo.pipeline.dvclock.rendering`): a second
+    """Hold the project's run lock on ``stack`` (:func:`tpgrpo.pipeline.dvc_integration.dvclock.rendering`): a second
     ``tpgrpo run`` or ``tpgrpo dvc-yaml``, or one beside a running DVC command, stops with one line before it
     writes anything (issue 46). A DVC project outside a git repository stops with one line first."""
     from tpgrpo.errors import PipelineError
-    from tpgrpo.pipeline.dvclock import rendering
-    from tpgrpo.pipeline.project_checks import require_scm
+    from tpgrpo.pipeline.dvc_integration.dvclock import rendering
+    from tpgrpo.pipeline.rendering.project_checks import require_scm
 
     try:
         require_scm(root)
@@ -80,7 +80,7 @@ def _hold_rendering(stack: ExitStack, root: Path) -> None:
 def _render_dvc_yaml(params: Path) -> None:
     from tpgrpo.config import ConfigError, load_config
     from tpgrpo.errors import PipelineError
-    from tpgrpo.pipeline.dvcfile import write_dvc_yaml
+    from tpgrpo.pipeline.rendering.dvcfile import write_dvc_yaml
     from tpgrpo.pipeline import long_run
 
     try:
@@ -99,8 +99,8 @@ def run_command(params: ParamsOpt = Path("params.yaml")) -> None:
     while another `tpgrpo run` or a DVC command runs in the project."""
     from tpgrpo.config import ConfigError, load_config
     from tpgrpo.errors import PipelineError
-    from tpgrpo.pipeline.blocks import read_as_dvc
-    from tpgrpo.pipeline.dvc_atomic import dvc_env, sweep_stale_temps
+    from tpgrpo.pipeline.long_runs.blocks import read_as_dvc
+    from tpgrpo.pipeline.dvc_integration.dvc_atomic import dvc_env, sweep_stale_temps
     from tpgrpo.io.dvc_versions import require_verified
 
     root = Path(params).resolve().parent
@@ -123,12 +123,12 @@ def _run_held(params: Path, root: Path, cfg, raw: dict, env: dict) -> None:
     """:func:`run_command`'s work, with the project's run lock held."""
     from tpgrpo.config import ConfigError
     from tpgrpo.models import resident
-    from tpgrpo.pipeline import stage_server
-    from tpgrpo.pipeline.dvcfile import RENDER_UPTO_ENV
-    from tpgrpo.pipeline.dvclock import clear_stale_lock
+    from tpgrpo.pipeline.execution import stage_server
+    from tpgrpo.pipeline.rendering.dvcfile import RENDER_UPTO_ENV
+    from tpgrpo.pipeline.dvc_integration.dvclock import clear_stale_lock
     from tpgrpo.errors import PipelineError
     from tpgrpo.pipeline import long_run
-    from tpgrpo.pipeline.code_manifest import manifests_refreshed
+    from tpgrpo.pipeline.rendering.code_manifest import manifests_refreshed
     from tpgrpo.pipeline.repro import repro_checked
 
     try:
@@ -164,7 +164,7 @@ def _dvc_init(root: Path, env: dict) -> None:
         subprocess.run([sys.executable, "-m", "dvc", "config", key, value], cwd=root, env=env, check=True)
 
 
-app.command("block")(block_command)  # what a sealed block's DVC stage runs (tpgrpo.pipeline.stage_runner)
+app.command("block")(block_command)  # what a sealed block's DVC stage runs (tpgrpo.pipeline.execution.stage_runner)
 
 
 @app.command("retain")
@@ -177,7 +177,7 @@ def retain_command(params: ParamsOpt = Path("params.yaml"),
     while a DVC command runs in the project)."""
     from tpgrpo.config import ConfigError, load_config
     from tpgrpo.errors import PipelineError
-    from tpgrpo.pipeline.sealing import retain
+    from tpgrpo.pipeline.long_runs.sealing import retain
 
     try:
         dropped = retain(Path(params).resolve().parent, load_config(params), gc=gc, note=typer.echo)
@@ -281,7 +281,8 @@ def compare_command(ctx: typer.Context) -> None:
 
 
 def run_app(args: list[str] | None = None, prog_name: str | None = None) -> None:
-    """The CLI (``app``) inside the disk-error boundary of :func:`tpgrpo.pipeline.stage_runner.run_guarded`."""
+    """The CLI (``app``) inside the disk-error boundary of
+    :func:`tpgrpo.pipeline.execution.stage_runner.run_guarded`."""
     run_guarded(app, args, prog_name)
 
 

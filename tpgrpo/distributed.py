@@ -1,4 +1,4 @@
-"""Running the model stages on several processes (started by :mod:`tpgrpo.pipeline.launch`: accelerate,
+"""Running the model stages on several processes (started by :mod:`tpgrpo.pipeline.execution.launch`: accelerate,
 torchrun, or srun + torchrun over SLURM nodes), with artifacts that do not depend on the process count.
 
 How the work is split (pure functions below, none depends on the process count):

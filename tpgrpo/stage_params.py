@@ -65,8 +65,8 @@ class Output:
 
 @dataclass(frozen=True)
 class IterationStage:
-    """One stage of an iteration, declared once. dvc.yaml's entry (tpgrpo.pipeline.dvcfile), the paths stage
-    code uses (IterationPaths), its code manifest (tpgrpo.pipeline.code_manifest), what retention may drop,
+    """One stage of an iteration, declared once. dvc.yaml's entry (tpgrpo.pipeline.rendering.dvcfile), the paths stage
+    code uses (IterationPaths), its code manifest (tpgrpo.pipeline.rendering.code_manifest), what retention may drop,
     the block log digest, tpgrpo status, tpgrpo compare and its archives all derive from this."""
 
     name: str  # `tpgrpo stage NAME --iter I`; NAME-NNNN in dvc.yaml; its log is NAME.json
@@ -87,7 +87,7 @@ class IterationStage:
 # The params each stage reads in every configuration (DVC re-runs a stage when one of these changes); with
 # CONDITIONAL_PARAMS below, stage_inputs() gives the full list for a config. No stage lists `launch`, and
 # dvc.yaml's commands do not carry it: the process count never changes an artifact (nor the config hash
-# artifacts carry); `tpgrpo stage` reads it when it starts (tpgrpo.pipeline.launch). Nor an execution knob.
+# artifacts carry); `tpgrpo stage` reads it when it starts (tpgrpo.pipeline.execution.launch). Nor an execution knob.
 # The probe reads credit.mode only to know whether it is flow_grpo (PATH_SWITCHES below), so it does not list
 # the mode: switching among the scored modes re-runs no probe.
 ITERATION_STAGES = (
@@ -154,13 +154,15 @@ class RunOutput:
 @dataclass(frozen=True)
 class RunStage:
     """A stage that runs once per run (``tpgrpo stage NAME``, no ``--iter``), declared once: its command
-    (tpgrpo.pipeline.stage_runner), dvc.yaml's entry (tpgrpo.pipeline.dvcfile; the summary's deps on the
-    iterations are added there, as they grow with the run), its params and its code manifest derive from it.
+    (tpgrpo.pipeline.execution.stage_runner), dvc.yaml's entry (tpgrpo.pipeline.rendering.dvcfile; the summary's
+    deps on the iterations are added there, as they grow with the run), its params and its code manifest derive
+    from it.
     The ``code`` stage, which writes the manifests from all of the code, is no record: it runs no stage module
-    and lists the params dvc.yaml's rendering reads (tpgrpo.pipeline.code_manifest.code_stage)."""
+    and lists the params dvc.yaml's rendering reads (tpgrpo.pipeline.rendering.code_manifest.code_stage)."""
 
     name: str  # `tpgrpo stage NAME`; NAME in dvc.yaml
-    help: str  # the help line of `tpgrpo stage NAME` (help text: in no manifest's hash, tpgrpo.pipeline.code_hash)
+    # the help line of `tpgrpo stage NAME` (help text: in no manifest's hash, tpgrpo.pipeline.rendering.code_hash)
+    help: str
     code: tuple[str, ...]  # its scripts, in its kind's code manifest
     params: tuple[str, ...]  # the params it reads in every configuration (with UNREAD_PARAMS below)
     external: tuple[str, ...]  # deps from outside the run's stages, in dvc.yaml's order (dvcfile.EXTERNAL)
@@ -248,7 +250,7 @@ UNREAD_PARAMS = {  # stage: [(the keys, the switch that drops them)]
 # that path's name. The probe reads credit.mode only to know whether it is flow_grpo (no model loaded, Q_k =
 # R_fin from the rollout). dvc.yaml cannot list the choice (every credit mode renders the same stages, so that
 # `dvc exp run -S credit.mode=...` runs what `tpgrpo run` renders), so the stage's code manifest records it
-# (tpgrpo.pipeline.code_manifest: a "path" entry, absent on the default path, so a tp run's manifests stay
+# (tpgrpo.pipeline.rendering.code_manifest: a "path" entry, absent on the default path, so a tp run's manifests stay
 # as they were) and its config_hash hashes the key on that path only. Switching among the other values
 # re-runs nothing; switching to or from the named value re-runs the stage (its manifest changed).
 PATH_SWITCHES = {"probe": ("credit.mode", "flow_grpo", "final_reward")}  # stage: (key, value, path name)

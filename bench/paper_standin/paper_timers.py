@@ -17,8 +17,9 @@ import threading
 import time
 
 # The modules a DVC process runs as: DVC's own CLI, and since issue 46 the wrapper ``tpgrpo run`` and sealing
-# call (DVC's CLI with its lock writes made atomic). Missing the wrapper left every DVC part at 0 s.
-DVC_MODULES = ("dvc", "tpgrpo.pipeline.dvc_atomic")
+# call (DVC's CLI with its lock writes made atomic; tpgrpo.pipeline.dvc_atomic before tpgrpo/pipeline/ had wings).
+# Missing the wrapper left every DVC part at 0 s.
+DVC_MODULES = ("dvc", "tpgrpo.pipeline.dvc_integration.dvc_atomic", "tpgrpo.pipeline.dvc_atomic")
 
 
 def is_dvc_argv(argv: list[str]) -> bool:
@@ -127,13 +128,16 @@ def install_dvc(t0: float, argv: list[str]) -> None:
 
 
 def _time_lock_blocks(lockfile_class) -> None:
-    """Since session 20 the DVC wrapper replaces ``Lockfile.dump_stages`` by ``tpgrpo.pipeline.lock_blocks``'
-    after this module wrapped it: time the replacement as "lock write" too (session 20's own paper-bytes run
-    missed this: its lock writes fell into "dvc repro: the rest")."""
+    """Since session 20 the DVC wrapper replaces ``Lockfile.dump_stages`` by
+    ``tpgrpo.pipeline.dvc_integration.lock_blocks``' after this module wrapped it: time the replacement as "lock
+    write" too (session 20's own paper-bytes run missed this: its lock writes fell into "dvc repro: the rest")."""
     try:
-        from tpgrpo.pipeline import lock_blocks
-    except ImportError:  # a commit before lock_blocks
-        return
+        from tpgrpo.pipeline.dvc_integration import lock_blocks
+    except ImportError:
+        try:  # a commit before tpgrpo/pipeline/ had wings
+            from tpgrpo.pipeline import lock_blocks
+        except ImportError:  # a commit before lock_blocks
+            return
     real_install = lock_blocks.install
 
     def install(*args, **kwargs):
@@ -181,7 +185,10 @@ def install_tpgrpo_run(t0: float, argv: list[str]) -> None:
     if not os.environ.get("PAPER_BYTES_TIMERS"):
         return
     import tpgrpo.pipeline.repro as repro
-    import tpgrpo.pipeline.sealing as sealing
+    try:
+        import tpgrpo.pipeline.long_runs.sealing as sealing
+    except ImportError:  # a commit before tpgrpo/pipeline/ had wings
+        import tpgrpo.pipeline.sealing as sealing
 
     _patch("repro (dvc repro + checks)", repro, "repro_checked")
     _patch("sealing", sealing, "seal_finished")

@@ -2,9 +2,10 @@
 
 1. In tpgrpo processes: ``tpgrpo.models.load_backend`` returns the stand-in (``standin.py``) for a model folder
    holding ``standin.json``; any other folder loads as before. The project's code is not changed.
-2. With ``PAPER_BYTES_TIMERS=DIR``: DVC processes (``python -m dvc ...`` or ``-m tpgrpo.pipeline.dvc_atomic ...``) and ``tpgrpo run`` time named parts of
-   their work (busy wall seconds: overlapping calls in threads count once) and write them to
-   ``DIR/<pid>.json`` at exit, with the process's argv and wall seconds.
+2. With ``PAPER_BYTES_TIMERS=DIR``: DVC processes (``python -m dvc ...`` or
+   ``-m tpgrpo.pipeline.dvc_integration.dvc_atomic ...``) and ``tpgrpo run`` time named parts of their work (busy
+   wall seconds: overlapping calls in threads count once) and write them to ``DIR/<pid>.json`` at exit, with the
+   process's argv and wall seconds.
 """
 
 import sys

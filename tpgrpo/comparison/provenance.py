@@ -9,7 +9,7 @@ multiply-add, bf16 and AMX units), the torch version and the thread count: a cha
 the numbers, a change of anything else (host name, memory, load) cannot.
 
 The code is the run's own record of it: the code manifests ``data/code/<kind>.json`` that every project keeps
-(:mod:`tpgrpo.pipeline.code_manifest`: the md5 of every file that computes a stage kind's artifacts, and the
+(:mod:`tpgrpo.pipeline.rendering.code_manifest`: the md5 of every file that computes a stage kind's artifacts, and the
 library versions). Two runs whose manifests of the kinds that compute numbers differ ran code that may compute
 other numbers; an edit to the command line, the orchestration or the docs is in no manifest, so a commit
 that only touches those pairs fine.
@@ -23,7 +23,7 @@ import platform
 import time
 from pathlib import Path
 
-from tpgrpo.pipeline.code_manifest import manifest_path
+from tpgrpo.pipeline.rendering.code_manifest import manifest_path
 
 MACHINE_FILE = "machine.json"
 # The stage kinds whose code computes a run's numbers (not eval_prompts / summary: they copy and collect).

@@ -1,9 +1,9 @@
 """Text files written whole or not at all: a temporary sibling named after its writer, fsynced, renamed over.
 
-Used for the files DVC writes (:mod:`tpgrpo.pipeline.dvc_atomic`) and those tpgrpo writes beside them
-(:func:`tpgrpo.pipeline.blocks.write_text_atomic`: dvc.yaml, dvc.lock, the seal files). A run killed inside a
-write leaves the old file and a temporary one, which :func:`tpgrpo.pipeline.dvc_atomic.sweep_stale_temps`
-removes once its writer is gone.
+Used for the files DVC writes (:mod:`tpgrpo.pipeline.dvc_integration.dvc_atomic`) and those tpgrpo writes beside
+them (:func:`tpgrpo.pipeline.long_runs.blocks.write_text_atomic`: dvc.yaml, dvc.lock, the seal files). A run killed
+inside a write leaves the old file and a temporary one, which
+:func:`tpgrpo.pipeline.dvc_integration.dvc_atomic.sweep_stale_temps` removes once its writer is gone.
 """
 
 from __future__ import annotations

@@ -1,10 +1,10 @@
 """The DVC and dvc-data versions tpgrpo's patches of their internals were verified on, and the gate.
 
-Why: :mod:`tpgrpo.pipeline.dvc_atomic` replaces ``_dump_data`` and copies ``dvc.rwlock._edit_rwlock``,
-:mod:`tpgrpo.pipeline.lock_blocks` replaces ``Lockfile.dump_stages``, and :mod:`tpgrpo.io.dvc_prehash` writes
-dvc-data's state database and cache objects. Each rests on how those functions work in one release; an
-upgraded DVC that still has the attributes would run the old copies silently. So each patch calls
-:func:`require_verified` first and refuses another release in one line.
+Why: :mod:`tpgrpo.pipeline.dvc_integration.dvc_atomic` replaces ``_dump_data`` and copies
+``dvc.rwlock._edit_rwlock``, :mod:`tpgrpo.pipeline.dvc_integration.lock_blocks` replaces ``Lockfile.dump_stages``,
+and :mod:`tpgrpo.io.dvc_prehash` writes dvc-data's state database and cache objects. Each rests on how those
+functions work in one release; an upgraded DVC that still has the attributes would run the old copies silently.
+So each patch calls :func:`require_verified` first and refuses another release in one line.
 
 To move to a new DVC: read the diff of every function in :data:`SOURCES` between the releases, port the
 copies and the assumptions in the three modules, then update :data:`VERIFIED`, :data:`SOURCES` (the hashes

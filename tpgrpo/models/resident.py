@@ -2,7 +2,7 @@
 
 Why: every model stage (rollout, probe, update, eval) is its own process and loaded the model folder again:
 3.5 s a load for SD3.5-M on this CPU, about 12 s of a 48 s paper-sized H200 iteration on paper. With the stage
-server (:mod:`tpgrpo.pipeline.stage_server`), which already forks every stage process from one that imported
+server (:mod:`tpgrpo.pipeline.execution.stage_server`), which already forks every stage process from one that imported
 the libraries, the server also loads the run's base model once (:func:`hold`), before it forks. A forked
 stage then takes that backend (:func:`take`) instead of reading the folder: it is the child's own copy-on-write
 copy, so what the stage does to it (a LoRA attached, gradients, text encoders freed) stays in that stage's

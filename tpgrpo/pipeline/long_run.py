@@ -5,7 +5,7 @@ vouching for sealed files, and moving blocks sealed by older versions out of the
 ``tpgrpo run`` is :func:`prepare`, then for each ``upto`` of :func:`repro_ends`: :func:`before_repro`, one
 ``dvc repro`` of dvc.yaml rendered through ``upto`` (:mod:`tpgrpo.pipeline.repro`), :func:`after_repro`. A short
 run (``train.block_size`` 0 and nothing sealed on disk: :func:`active` is False) is one render and one repro:
-each call returns at once and none of the machinery (:mod:`tpgrpo.pipeline.sealing`, ``seal_cache``,
+each call returns at once and none of the machinery (:mod:`tpgrpo.pipeline.long_runs.sealing`, ``seal_cache``,
 ``migrate``) is imported. docs/long-runs.md says why it exists.
 """
 
@@ -19,7 +19,7 @@ from tpgrpo.config import Config
 
 def active(root: Path, cfg: Config) -> bool:
     """Whether this run has blocks to seal, or sealed blocks on disk (left by a larger block size too)."""
-    from tpgrpo.pipeline.blocks import seal_files
+    from tpgrpo.pipeline.long_runs.blocks import seal_files
 
     return cfg.train.block_size > 0 or bool(seal_files(root))
 
@@ -29,11 +29,11 @@ def prepare(root: Path, cfg: Config, raw: dict, note: Callable[[str], None]) -> 
     length; a ``note`` line each) and find those that other changes reach, to unseal as the repros get to them;
     refuse (PipelineError, one line, nothing written) a block whose records cannot be unsealed. Returns the
     blocks pending. ``raw``: params.yaml as DVC reads it. First removes what an interrupted unsealing left
-    (:func:`tpgrpo.pipeline.blocks.sweep_unsealed`, a ``note`` line each)."""
+    (:func:`tpgrpo.pipeline.long_runs.blocks.sweep_unsealed`, a ``note`` line each)."""
     _sweep(root, note)
     if not active(root, cfg):
         return set()
-    from tpgrpo.pipeline.sealing import check_records, stale_seals, unseal_changed
+    from tpgrpo.pipeline.long_runs.sealing import check_records, stale_seals, unseal_changed
 
     _note_unsealed(unseal_changed(root, cfg, raw, upto=0), note)
     stale = stale_seals(root, cfg, raw)
@@ -42,7 +42,7 @@ def prepare(root: Path, cfg: Config, raw: dict, note: Callable[[str], None]) -> 
 
 
 def _sweep(root: Path, note: Callable[[str], None] | None = None) -> None:
-    from tpgrpo.pipeline.blocks import sweep_unsealed
+    from tpgrpo.pipeline.long_runs.blocks import sweep_unsealed
 
     for path in sweep_unsealed(root):
         if note is not None:
@@ -56,10 +56,10 @@ def _note_unsealed(unsealed: dict, note: Callable[[str], None]) -> None:
 
 def repro_ends(root: Path, cfg: Config, pending: set) -> list[int]:
     """The iterations to render dvc.yaml through, one repro each: the end of every block to seal, then the run's
-    last (:func:`tpgrpo.pipeline.sealing.repro_ends`); a short run's last alone."""
+    last (:func:`tpgrpo.pipeline.long_runs.sealing.repro_ends`); a short run's last alone."""
     if not active(root, cfg):
         return [cfg.train.iterations]
-    from tpgrpo.pipeline.sealing import repro_ends as ends
+    from tpgrpo.pipeline.long_runs.sealing import repro_ends as ends
 
     return ends(root, cfg, pending)
 
@@ -67,7 +67,7 @@ def repro_ends(root: Path, cfg: Config, pending: set) -> list[int]:
 def before_repro(root: Path, cfg: Config, raw: dict, upto: int, note: Callable[[str], None]) -> None:
     """Unseal the sealed blocks through ``upto`` that this config no longer matches (a ``note`` line each)."""
     if active(root, cfg):
-        from tpgrpo.pipeline.sealing import unseal_changed
+        from tpgrpo.pipeline.long_runs.sealing import unseal_changed
 
         _note_unsealed(unseal_changed(root, cfg, raw, upto=upto), note)
 
@@ -76,7 +76,7 @@ def after_repro(root: Path, cfg: Config, upto: int, note: Callable[[str], None])
     """Seal every block finished through ``upto`` (one DVC stage per block from now on; a ``note`` line)."""
     if not active(root, cfg):
         return
-    from tpgrpo.pipeline.sealing import seal_finished
+    from tpgrpo.pipeline.long_runs.sealing import seal_finished
 
     sealed = seal_finished(root, cfg, upto, note=note)
     if sealed:
@@ -87,11 +87,11 @@ def migrate(root: Path, cfg: Config) -> list:
     """Move the entries of blocks sealed by older versions (in the root dvc.lock) into the blocks' own lock
     files before dvc.yaml is rendered without them; the blocks moved. First removes what an interrupted
     unsealing left (a block's pipeline file without its seal would list its outputs twice once rendered)."""
-    from tpgrpo.pipeline.blocks import seal_files
+    from tpgrpo.pipeline.long_runs.blocks import seal_files
 
     _sweep(root)
     if not seal_files(root):
         return []
-    from tpgrpo.pipeline.migrate import migrate_if_needed
+    from tpgrpo.pipeline.long_runs.migrate import migrate_if_needed
 
     return migrate_if_needed(root, cfg)

@@ -8,7 +8,7 @@ from pathlib import Path
 from typing import Callable
 
 from tpgrpo.config import Config
-from tpgrpo.pipeline.dvc_atomic import COMMAND as DVC_COMMAND
+from tpgrpo.pipeline.dvc_integration.dvc_atomic import COMMAND as DVC_COMMAND
 from tpgrpo.errors import PipelineError
 
 TRIES = 3  # repros of one rendering whose records disagree with what the stages read, before giving up
@@ -16,8 +16,8 @@ TRIES = 3  # repros of one rendering whose records disagree with what the stages
 
 def repro_checked(root: Path, cfg: Config, upto: int, env: dict[str, str], note: Callable[[str], None]) -> None:
     """``dvc repro`` of dvc.yaml rendered through ``upto``, again while DVC recorded params other than a stage
-    read (:func:`tpgrpo.pipeline.params_read.drop_disagreeing` drops those entries, so DVC re-runs them; each
-    retry is one ``note`` line). PipelineError (one line) when DVC fails, an output was not stored
+    read (:func:`tpgrpo.pipeline.dvc_integration.params_read.drop_disagreeing` drops those entries, so DVC re-runs
+    them; each retry is one ``note`` line). PipelineError (one line) when DVC fails, an output was not stored
     (:func:`tpgrpo.pipeline.status.check_outputs_cached`), or params.yaml kept changing for ``TRIES`` repros."""
     for _ in range(TRIES):
         redo = _repro(root, cfg, upto, env, note)
@@ -29,20 +29,20 @@ def repro_checked(root: Path, cfg: Config, upto: int, env: dict[str, str], note:
 
 def sealed_through(root: Path, upto: int) -> list:
     """The sealed blocks a repro rendered through ``upto`` has upstream."""
-    from tpgrpo.pipeline.blocks import seal_files
+    from tpgrpo.pipeline.long_runs.blocks import seal_files
 
     return [b for b in seal_files(root) if b.last <= upto]
 
 
 def repro_args(root: Path, upto: int) -> list[str]:
     """``dvc repro``'s arguments: with every sealed block of this rendering unchanged since DVC last checked it
-    (:mod:`tpgrpo.pipeline.seal_cache`), only the stages of dvc.yaml, each against its own record, in the
+    (:mod:`tpgrpo.pipeline.long_runs.seal_cache`), only the stages of dvc.yaml, each against its own record, in the
     file's order (pipeline order); otherwise DVC's full check of every stage upstream, sealed blocks included.
     Why: the full check hashes every sealed output (6,000 at 1,000 iterations) on every repro."""
     sealed = sealed_through(root, upto)
     if not sealed:
         return ["repro"]
-    from tpgrpo.pipeline.seal_cache import unchanged
+    from tpgrpo.pipeline.long_runs.seal_cache import unchanged
 
     return ["repro", "--single-item", "dvc.yaml"] if unchanged(root, sealed) else ["repro"]
 
@@ -51,9 +51,9 @@ def _repro(root: Path, cfg: Config, upto: int, env: dict[str, str], note: Callab
     """One repro and its checks; returns the dvc.lock entries dropped (DVC re-runs them). The params-read notes
     are checked after it whether it succeeded, failed or was interrupted (:func:`_check_notes`), and before it
     too: what a killed run's stages noted is checked, not cleared unseen."""
-    from tpgrpo.pipeline.code_manifest import refresh_manifests
-    from tpgrpo.pipeline.dvcfile import write_dvc_yaml
-    from tpgrpo.pipeline.params_read import drop_disagreeing
+    from tpgrpo.pipeline.rendering.code_manifest import refresh_manifests
+    from tpgrpo.pipeline.rendering.dvcfile import write_dvc_yaml
+    from tpgrpo.pipeline.dvc_integration.params_read import drop_disagreeing
     from tpgrpo.pipeline.status import check_outputs_cached
 
     write_dvc_yaml(cfg, root, upto)
@@ -65,7 +65,7 @@ def _repro(root: Path, cfg: Config, upto: int, env: dict[str, str], note: Callab
     full = "--single-item" not in args  # DVC checks every sealed block upstream and re-runs what changed
     sealed = sealed_through(root, upto)
     if sealed:  # a long run's: a short one loads none of this (tpgrpo.pipeline.long_run)
-        from tpgrpo.pipeline.seal_cache import digests, vouch
+        from tpgrpo.pipeline.long_runs.seal_cache import digests, vouch
     stamps = digests(root, sealed) if full and sealed else {}  # the files as DVC will first see them
     try:
         # DVC through dvc_atomic: a run killed while DVC rewrites dvc.lock leaves the old file, not a part of it
@@ -85,12 +85,12 @@ def _repro(root: Path, cfg: Config, upto: int, env: dict[str, str], note: Callab
 
 def _check_notes(root: Path, note: Callable[[str], None], who: str) -> None:
     """Drop each lock entry DVC wrote with params other than its stage noted it read
-    (:func:`tpgrpo.pipeline.params_read.drop_disagreeing`), outside a repro that returns normally: after one
-    that failed or was interrupted (``who`` empty; a later stage's failure or a Ctrl-C must not leave an edit
-    recorded as what an earlier stage ran with: `dvc status` then lists it), and before a repro (the notes a
-    killed run left; ``who`` names it). A ``note`` line each. When DVC's lock is busy the notes stay on disk,
-    for the next run to check."""
-    from tpgrpo.pipeline.params_read import drop_disagreeing
+    (:func:`tpgrpo.pipeline.dvc_integration.params_read.drop_disagreeing`), outside a repro that returns normally:
+    after one that failed or was interrupted (``who`` empty; a later stage's failure or a Ctrl-C must not leave an
+    edit recorded as what an earlier stage ran with: `dvc status` then lists it), and before a repro (the notes a
+    killed run left; ``who`` names it). A ``note`` line each. When DVC's lock is busy the notes stay on disk, for
+    the next run to check."""
+    from tpgrpo.pipeline.dvc_integration.params_read import drop_disagreeing
 
     try:
         dropped = drop_disagreeing(root)

@@ -15,9 +15,9 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from tpgrpo.io.artifacts import IterationPaths
-from tpgrpo.pipeline.dvclock import pid_state
+from tpgrpo.pipeline.dvc_integration.dvclock import pid_state
 from tpgrpo.errors import PipelineError
-from tpgrpo.pipeline.blocks import seal_files
+from tpgrpo.pipeline.long_runs.blocks import seal_files
 from tpgrpo.stage_params import BASELINE_LOG, DONE, outputs_read_by
 
 ITERATION_FILES = outputs_read_by(DONE)  # the stage logs that make an iteration done

@@ -27,7 +27,7 @@ The interface, per stage (what the two modules of a row both provide, with the s
   clean-sample units of ``update.objective`` nft / awm).
 
 Each stage's implementations are modules of their own, not methods of one object per shape: what a stage
-imports is the code it runs (``tpgrpo.pipeline.code_graph`` derives each stage's code manifest from its
+imports is the code it runs (``tpgrpo.pipeline.rendering.code_graph`` derives each stage's code manifest from its
 imports), so the credit stage, which reads a table, stays free of the rollout's model code. The pure maths
 stays in ``tpgrpo.algo`` (``credit``, ``credit_table``, ``tree``, ``tree_credit``, ``tree_shape``,
 ``objective_units``); these modules call it. This package imports nothing heavy at its top.

@@ -1,7 +1,7 @@
 """The stage server's children: who is running, waking on their exits, telling their callers.
 
 ``children`` maps each forked stage's pid to its caller's socket (None once the caller is gone); ``exits``
-maps it to a pidfd, readable once the child has exited, which :func:`tpgrpo.pipeline.stage_server.serve`
+maps it to a pidfd, readable once the child has exited, which :func:`tpgrpo.pipeline.execution.stage_server.serve`
 waits on beside its listener. Split from the server's module by concern: this is the bookkeeping of running
 stages, the server's module the accepting and forking.
 """

@@ -10,9 +10,9 @@ from __future__ import annotations
 from pathlib import Path
 
 from tpgrpo.config import Config
-from tpgrpo.pipeline.blocks import Block, read_lock, seal_files, write_block_entry, write_lock
-from tpgrpo.pipeline.dvcfile import write_dvc_yaml
-from tpgrpo.pipeline.dvclock import dvc_lock_held
+from tpgrpo.pipeline.long_runs.blocks import Block, read_lock, seal_files, write_block_entry, write_lock
+from tpgrpo.pipeline.rendering.dvcfile import write_dvc_yaml
+from tpgrpo.pipeline.dvc_integration.dvclock import dvc_lock_held
 
 
 def _unmigrated(root: Path, lock: dict | None = None) -> list[Block]:

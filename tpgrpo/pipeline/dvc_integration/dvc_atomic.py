@@ -1,4 +1,5 @@
-"""DVC with atomic writes of its own files: ``python -m tpgrpo.pipeline.dvc_atomic ARGS`` is ``dvc ARGS``.
+"""DVC with atomic writes of its own files: ``python -m tpgrpo.pipeline.dvc_integration.dvc_atomic ARGS`` is
+``dvc ARGS``.
 
 Why: DVC 3.67 rewrites dvc.lock and dvc.yaml (``dvc.utils.serialize._common._dump_data``, opened ``"w+"``) and
 its repository lock ``.dvc/tmp/rwlock`` (``dvc.rwlock._edit_rwlock``, opened ``"w"``) in place: truncated
@@ -28,9 +29,9 @@ def sweep_stale_temps(root: Path) -> list[Path]:
     """Remove the temporary files that a killed writer left beside the files DVC and tpgrpo write here
     (``root``'s dvc.yaml and dvc.lock, ``.dvc/tmp``'s rwlock and seal stamps, the seal files and the sealed
     blocks' pipeline and lock files), whose PID is gone or a zombie; returns what was removed."""
-    from tpgrpo.pipeline.blocks import SEALS
-    from tpgrpo.pipeline.dvclock import pid_state
-    from tpgrpo.pipeline.seal_cache import CACHE
+    from tpgrpo.pipeline.long_runs.blocks import SEALS
+    from tpgrpo.pipeline.dvc_integration.dvclock import pid_state
+    from tpgrpo.pipeline.long_runs.seal_cache import CACHE
 
     seals = root / SEALS
     folders = [root, root / ".dvc" / "tmp", root / CACHE, seals]
@@ -93,7 +94,7 @@ def install() -> None:
     (:class:`tpgrpo.io.dvc_versions.DvcVersionError`, one line) on a DVC other than the one verified."""
     import importlib
 
-    from tpgrpo.pipeline import lock_blocks
+    from tpgrpo.pipeline.dvc_integration import lock_blocks
     from tpgrpo.io.dvc_versions import require_verified
 
     require_verified()  # before DVC is imported: a refusal costs no DVC start-up
@@ -113,7 +114,8 @@ def install() -> None:
     lock_blocks.install(atomic_write_text)  # a stage's lock write rewrites its own block only
 
 
-COMMAND = (sys.executable, "-m", "tpgrpo.pipeline.dvc_atomic")  # how tpgrpo runs a DVC command that writes
+# how tpgrpo runs a DVC command that writes
+COMMAND = (sys.executable, "-m", "tpgrpo.pipeline.dvc_integration.dvc_atomic")
 
 
 def dvc_env() -> dict[str, str]:

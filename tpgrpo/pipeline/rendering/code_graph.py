@@ -102,5 +102,5 @@ def closure(root: Path, starts: list[str]) -> list[str]:
 def external_modules(root: Path, files: list[str]) -> list[str]:
     """The third-party top-level modules (``cv2``, ``PIL``, ``torch``) that ``files`` (a closure) import, at
     module level or inside a function (the OCR reward imports ``rapidocr_onnxruntime`` when it first runs);
-    sorted. These are the libraries a stage runs on (:func:`tpgrpo.pipeline.libraries.library_versions`)."""
+    sorted. These are the libraries a stage runs on (:func:`tpgrpo.pipeline.rendering.libraries.library_versions`)."""
     return sorted({m for path in files for m in _scan(root, path, _stamp(root, path))[1]})

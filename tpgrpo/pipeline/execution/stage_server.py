@@ -22,9 +22,9 @@ once its running stages end. It lives and dies with ``tpgrpo run``: it stays in 
 group kill reaches it and its stages), it gets SIGTERM when the run's process dies (``PR_SET_PDEATHSIG``),
 and each forked stage gets SIGKILL when the server dies, so no stage of a killed run writes on unseen.
 
-The client (:func:`run_via_server`) is :mod:`tpgrpo.pipeline.stage_client`: it must start in milliseconds and
+The client (:func:`run_via_server`) is :mod:`tpgrpo.pipeline.execution.stage_client`: it must start in milliseconds and
 imports only the standard library. The server's preload happens in :func:`serve`; a forked child runs the
-command with :mod:`tpgrpo.pipeline.stage_runner` (the stage commands and ``block``), never the whole CLI.
+command with :mod:`tpgrpo.pipeline.execution.stage_runner` (the stage commands and ``block``), never the whole CLI.
 """
 
 from __future__ import annotations
@@ -44,20 +44,21 @@ import traceback
 from pathlib import Path
 from typing import Iterator
 
-from tpgrpo.pipeline.code_manifest import STAGE_KIND, warm_caches
-from tpgrpo.pipeline.processes import CodeState, die_with_parent
-from tpgrpo.pipeline.stage_children import caller_gone, end_children, reap, send, watch_exits
-from tpgrpo.pipeline.stage_client import COMMANDS, ENV_VAR, MAX_MESSAGE, fingerprint
+from tpgrpo.pipeline.rendering.code_manifest import STAGE_KIND, warm_caches
+from tpgrpo.pipeline.execution.processes import CodeState, die_with_parent
+from tpgrpo.pipeline.execution.stage_children import caller_gone, end_children, reap, send, watch_exits
+from tpgrpo.pipeline.execution.stage_client import COMMANDS, ENV_VAR, MAX_MESSAGE, fingerprint
 
 # the stage runner first: it sets OMP_WAIT_POLICY, which the OpenMP runtime reads when torch loads it.
-PRELOAD = ("tpgrpo.pipeline.stage_runner", "torch", "numpy", "pandas", "pyarrow.parquet", "zarr", "safetensors.torch", "peft", "typer",
+PRELOAD = ("tpgrpo.pipeline.execution.stage_runner", "torch", "numpy", "pandas", "pyarrow.parquet", "zarr", "safetensors.torch", "peft", "typer",
            "diffusers:SD3Transformer2DModel", "diffusers:FlowMatchEulerDiscreteScheduler",
            "diffusers.loaders:SD3LoraLoaderMixin", "transformers:CLIPTextModel",
            "transformers:PreTrainedTokenizerFast", "tpgrpo.models.tiny", "tpgrpo.tasks.rewards", "dvc.utils.serialize",
            # what every stage command imported after the fork (issue 47: 0.17 s a stage, measured): typer's argument
            # adapters (pydantic), DVC's YAML parser, pyarrow's dataset reader, the runner's status and lock modules
-           "typer._adapters", "ruamel.yaml", "pyarrow.dataset", "tpgrpo.pipeline.status", "tpgrpo.pipeline.params_read",
-           "tpgrpo.pipeline.blocks", "tpgrpo.pipeline.dvclock", "tpgrpo.algo.tree_credit",
+           "typer._adapters", "ruamel.yaml", "pyarrow.dataset", "tpgrpo.pipeline.status",
+           "tpgrpo.pipeline.dvc_integration.params_read", "tpgrpo.pipeline.long_runs.blocks",
+           "tpgrpo.pipeline.dvc_integration.dvclock", "tpgrpo.algo.tree_credit",
            *(f"stages.{s}" for s in STAGE_KIND))  # every `tpgrpo stage NAME`
 
 
@@ -133,8 +134,9 @@ def watched_folders(where: dict[str, list[str]]) -> list[str]:
     """What the server's imports came from beyond the installed distributions' versions: the folders of the
     stages' code (``where``: :func:`fingerprint`'s ``tpgrpo`` and ``stages``) and of the libraries the code
     manifests record by their files (editable installs, modules on PYTHONPATH: an edit there changes no
-    distribution's entry; :func:`tpgrpo.pipeline.code_manifest.unpinned_sources`), a module file by its folder."""
-    from tpgrpo.pipeline.code_manifest import unpinned_sources
+    distribution's entry; :func:`tpgrpo.pipeline.rendering.code_manifest.unpinned_sources`), a module file by its
+    folder."""
+    from tpgrpo.pipeline.rendering.code_manifest import unpinned_sources
 
     folders = [folder for name in ("tpgrpo", "stages") for folder in where[name]]
     with contextlib.suppress(Exception):  # not a project folder (no stages to scan): its own folders only
@@ -242,7 +244,7 @@ def _run_child(request: dict, fds: list[int], set_by_imports: dict[str, str]) ->
     code = 1
     try:
         _fresh_global_generators()
-        from tpgrpo.pipeline.stage_runner import run_stage_command  # PRELOAD imported it
+        from tpgrpo.pipeline.execution.stage_runner import run_stage_command  # PRELOAD imported it
 
         run_stage_command(sys.argv[1:], prog_name="tpgrpo")
         code = 0
@@ -281,7 +283,7 @@ def wanted(cfg) -> bool:
     reward models, unless ``launch.resident_model`` asks for the held weights on a GPU too (opt-in: a GPU
     stage's start-up is small next to its work, its load is not; the server never initialises CUDA and
     checks that before each fork, :func:`cuda_initialised`)."""
-    from tpgrpo.pipeline.launch import single
+    from tpgrpo.pipeline.execution.launch import single
 
     on_cpu = cfg.model.device == "cpu" and cfg.reward_models.device == "cpu"
     return (cfg.launch.stage_server and single(cfg.launch) and (on_cpu or cfg.launch.resident_model)
@@ -320,7 +322,7 @@ def running(root: Path, enabled: bool = True, model: dict | None = None) -> Iter
     log_path.parent.mkdir(parents=True, exist_ok=True)
     with open(log_path, "w") as log:
         # -c, then drop '' from sys.path: the server finds tpgrpo and stages where the `tpgrpo` command does
-        code = "import sys; sys.path.remove(''); from tpgrpo.pipeline.stage_server import main; main()"
+        code = "import sys; sys.path.remove(''); from tpgrpo.pipeline.execution.stage_server import main; main()"
         # in the run's process group (a group kill of the run reaches the server and its stages); it ignores
         # SIGINT: a Ctrl-C is for the stages, which get it from the terminal and from their callers
         server = subprocess.Popen([sys.executable, "-c", code, path, str(os.getpid()), json.dumps(model)],
@@ -347,7 +349,7 @@ def _wait_for_socket(server: subprocess.Popen, path: str, timeout: float = 60.0)
 
 
 def main() -> None:
-    """``python -m tpgrpo.pipeline.stage_server SOCKET PARENT_PID [MODEL_JSON]``."""
+    """``python -m tpgrpo.pipeline.execution.stage_server SOCKET PARENT_PID [MODEL_JSON]``."""
     path, parent = sys.argv[1], int(sys.argv[2])
     model = json.loads(sys.argv[3]) if len(sys.argv) > 3 else None
     signal.signal(signal.SIGINT, signal.SIG_IGN)

@@ -15,7 +15,7 @@ import hashlib
 import json
 from pathlib import Path
 
-from tpgrpo.pipeline.blocks import Block
+from tpgrpo.pipeline.long_runs.blocks import Block
 from tpgrpo.stage_params import SUMMARY, outputs_read_by
 
 READ_BY_SUMMARY = outputs_read_by(SUMMARY)  # tpgrpo.stage_params.ITERATION_STAGES

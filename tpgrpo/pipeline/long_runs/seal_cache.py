@@ -25,7 +25,7 @@ import json
 import os
 from pathlib import Path
 
-from tpgrpo.pipeline.blocks import Block, block_entry, seal_files, write_text_atomic
+from tpgrpo.pipeline.long_runs.blocks import Block, block_entry, seal_files, write_text_atomic
 
 CACHE = Path(".dvc") / "tmp" / "tpgrpo_seals"
 

@@ -13,7 +13,7 @@ be unsealed exactly:
   stage it runs, so the root ``dvc.lock`` holds only the open stages: its rewrite does not grow with the run.
 
 Every file here is read as DVC reads it (YAML 1.2, DVC's parser) and written so that DVC reads back the same
-values (:func:`write_yaml`). Pure file handling; :mod:`tpgrpo.pipeline.sealing` does the DVC side.
+values (:func:`write_yaml`). Pure file handling; :mod:`tpgrpo.pipeline.long_runs.sealing` does the DVC side.
 """
 
 from __future__ import annotations
@@ -151,7 +151,7 @@ def remove_block_files(root: Path, block: Block) -> None:
     next render would then list the block's iterations in dvc.yaml too, and DVC, finding the outputs in two
     pipeline files, refuses every command. Killed with the folder gone, the seal and entries remain: the block
     is sealed without a lock entry, and the next run unseals it again, keeping the stage entries this
-    unsealing already put into the root lock (:func:`tpgrpo.pipeline.sealing.unseal_changed`). Killed after
+    unsealing already put into the root lock (:func:`tpgrpo.pipeline.long_runs.sealing.unseal_changed`). Killed after
     the seal went, only the entries file is left: :func:`sweep_unsealed` removes it."""
     import shutil
 

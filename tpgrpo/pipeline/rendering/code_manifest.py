@@ -4,12 +4,12 @@ Why: each stage used to list its ~15 code files and folders as DVC dependencies,
 whole ``dvc.lock`` after every stage it runs; those entries were 40% of the lock (59 of 143 KB in a
 12-iteration run), so every rewrite parsed and wrote them again, a cost that grows with the run. Now one
 ``code`` stage depends on all the code and writes ``data/code/<kind>.json`` (path -> md5 of the code of every
-file of that kind's code, without comments, docstrings or help text: :mod:`tpgrpo.pipeline.code_hash`); each
+file of that kind's code, without comments, docstrings or help text: :mod:`tpgrpo.pipeline.rendering.code_hash`); each
 iteration stage depends on its kind's manifest only. A code change re-runs the
 ``code`` stage, rewrites the manifests whose files changed, and DVC re-runs exactly the stages whose
 manifest changed: the same stages as before, with one dependency each instead of ~15.
 
-What a kind's code is comes from the imports of its stage modules (:mod:`tpgrpo.pipeline.code_graph`), not a
+What a kind's code is comes from the imports of its stage modules (:mod:`tpgrpo.pipeline.rendering.code_graph`), not a
 hand-kept list, and it is the code that computes the kind's artifacts and nothing else: what runs and records
 stages (the command line, everything under ``tpgrpo/pipeline/``) is in no manifest, so editing it (or the
 docs) re-runs only the cheap ``code`` stage, whose outputs come out byte-identical. A manifest also records
@@ -28,13 +28,13 @@ from collections.abc import Iterator
 from contextlib import contextmanager, suppress
 from pathlib import Path
 
-from tpgrpo.pipeline.code_hash import BYTES, CODE, file_md5
-from tpgrpo.pipeline.libraries import library_entries, library_versions, warm_library_caches
+from tpgrpo.pipeline.rendering.code_hash import BYTES, CODE, file_md5
+from tpgrpo.pipeline.rendering.libraries import library_entries, library_versions, warm_library_caches
 from tpgrpo.stage_params import (CONDITIONAL_PARAMS, ITERATION_STAGES, PATH_SWITCHES, RUN_STAGES, UNREAD_PARAMS,
                                  code_path, inputs)
 
 CODE_DIR = "data/code"
-REPO = Path(__file__).resolve().parents[2]  # the checkout this package runs from
+REPO = Path(__file__).resolve().parents[3]  # the checkout this package runs from
 
 
 def _kind_stages() -> dict[str, list[str]]:
@@ -47,13 +47,13 @@ def _kind_stages() -> dict[str, list[str]]:
     return kinds
 
 
-# The stage modules each kind of stage runs; its code is what they import (tpgrpo.pipeline.code_graph).
+# The stage modules each kind of stage runs; its code is what they import (tpgrpo.pipeline.rendering.code_graph).
 KIND_STAGES = _kind_stages()
 # `tpgrpo stage NAME` -> the manifest it depends on
 STAGE_KIND = {stage.name: stage.kind for stage in (*ITERATION_STAGES, *RUN_STAGES)}
 # The code stage depends on all of the code, folders whole (a new module is seen; .dvcignore drops byte code).
 ALL_CODE = ["stages", "tpgrpo"]
-# The params dvc.yaml's rendering reads (tpgrpo.pipeline.dvcfile.render; a test checks the list): the stages,
+# The params dvc.yaml's rendering reads (tpgrpo.pipeline.rendering.dvcfile.render; a test checks the list): the stages,
 # their deps and commands (the reward-model folders: reward_models, but its device, an execution knob that no
 # stage records). Other params change values DVC reads itself, never the stages.
 # A conditional section's switch (tree.enabled) too: it decides whether the rollout lists the section, so
@@ -69,7 +69,7 @@ MANIFEST_PARAMS = [key for key, _, _ in PATH_SWITCHES.values()]
 
 def kind_code(root: Path, kind: str) -> list[str]:
     """The project files a stage of ``kind`` runs (relative to ``root``, sorted)."""
-    from tpgrpo.pipeline.code_graph import closure
+    from tpgrpo.pipeline.rendering.code_graph import closure
 
     return closure(root, KIND_STAGES[kind])
 
@@ -93,7 +93,7 @@ def unpinned_sources(root: Path) -> list[Path]:
     """The files and folders of the libraries every kind's manifest records by their md5 rather than their
     version alone (editable installs, shadowed or unpackaged modules): what a long-lived process that
     imported them must watch for edits (the stage server)."""
-    from tpgrpo.pipeline.code_graph import external_modules
+    from tpgrpo.pipeline.rendering.code_graph import external_modules
 
     modules = sorted({m for kind in KIND_STAGES for m in external_modules(root, kind_code(root, kind))})
     return sorted({path for _, roots in library_entries(modules).values() for path in roots})
@@ -114,10 +114,10 @@ def manifest(root: Path, kind: str, cfg=None, hashes: str = CODE) -> dict:
     """``{"kind", "hashes", "files": {path: md5}, "libraries": {name: version}}`` for the kind's code (sorted
     paths), plus ``"path"`` where ``cfg`` (a Config or parsed params.yaml; None: ``root/params.yaml``) picks
     the kind's other code path (:func:`tpgrpo.stage_params.code_path`; absent on the default path, as before
-    paths existed). ``hashes``: what a file's md5 is of (:mod:`tpgrpo.pipeline.code_hash`): its code without
+    paths existed). ``hashes``: what a file's md5 is of (:mod:`tpgrpo.pipeline.rendering.code_hash`): its code without
     comments, docstrings and help text (``"code"``), or its bytes (``"bytes"``: the manifests written before,
     which have no ``"hashes"`` entry)."""
-    from tpgrpo.pipeline.code_graph import external_modules
+    from tpgrpo.pipeline.rendering.code_graph import external_modules
 
     code = kind_code(root, kind)
     found = {"kind": kind, "files": _hashes(root, code, kind, hashes),
@@ -187,7 +187,8 @@ def _say_moved(moved: list[str]) -> None:
 def write_manifests(root: Path, cfg=None) -> list[Path]:
     """Write every kind's manifest under ``root/data/code`` (all computed first, then each written to a
     temporary file and renamed); returns them. A manifest's bytes change exactly when the code of a file of
-    its kind's changes (not a comment, a docstring or a param's help text: :mod:`tpgrpo.pipeline.code_hash`)."""
+    its kind's changes (not a comment, a docstring or a param's help text:
+    :mod:`tpgrpo.pipeline.rendering.code_hash`)."""
     texts, moved = _texts(root, cfg)
     _say_moved(moved)
     from tpgrpo.io.artifacts import atomic_path

@@ -1,10 +1,10 @@
 """How one stage command runs: ``tpgrpo stage NAME`` and ``tpgrpo block``, with their checks and notes.
 
 Why a module of its own (orchestration, not stage code): the command line (:mod:`tpgrpo.cli`) and the stage
-server's forked child (:mod:`tpgrpo.pipeline.stage_server`) both run stages. When this lived in ``cli.py`` the
+server's forked child (:mod:`tpgrpo.pipeline.execution.stage_server`) both run stages. When this lived in ``cli.py`` the
 server imported the CLI and the CLI the server (an import cycle), and every stage's code manifest followed the
 runner into ``cli.py``, so editing the help text of ``tpgrpo status`` re-ran every stage. A stage's manifest is
-the code that computes its artifacts (:mod:`tpgrpo.pipeline.code_manifest`): this module, the params checks,
+the code that computes its artifacts (:mod:`tpgrpo.pipeline.rendering.code_manifest`): this module, the params checks,
 the status notes and the launcher are in none.
 
 Around the stage module's ``run`` it: starts the launched processes (``launch``), checks the iteration and the
@@ -53,8 +53,8 @@ def run_stage(name: str, iteration: int | None, params: Path) -> None:
     from tpgrpo.config import ConfigError, load_config
     from tpgrpo.stage_params import MULTI_PROCESS_STAGES
     from tpgrpo.errors import PipelineError
-    from tpgrpo.pipeline.code_manifest import check_stage_code
-    from tpgrpo.pipeline.params_read import note_params_read
+    from tpgrpo.pipeline.rendering.code_manifest import check_stage_code
+    from tpgrpo.pipeline.dvc_integration.params_read import note_params_read
     from tpgrpo.pipeline.status import (check_iteration, check_params_unchanged, describe_done, record_stage,
                                         stage_params)
 
@@ -66,7 +66,7 @@ def run_stage(name: str, iteration: int | None, params: Path) -> None:
         read = read if read is not None else stage_params(params, name)
         check_iteration(cfg, root, iteration)
         if name in MULTI_PROCESS_STAGES:  # the launch params may ask for more processes: start them
-            from tpgrpo.pipeline.launch import exec_launcher, launch_argv
+            from tpgrpo.pipeline.execution.launch import exec_launcher, launch_argv
 
             argv = launch_argv(cfg, root, stage_args(name, iteration, params))
             if argv is not None:
@@ -143,8 +143,8 @@ for _stage in RUN_STAGES:  # once per run, no --iter: tpgrpo.stage_params.RUN_ST
 def code_stage(params: ParamsOpt = Path("params.yaml")) -> None:
     """Write data/code/<kind>.json: the md5 of every code file each kind of stage runs (its dependency)."""
     from tpgrpo.config import ConfigError, load_config
-    from tpgrpo.pipeline.code_manifest import write_manifests
-    from tpgrpo.pipeline.dvcfile import check_rendered
+    from tpgrpo.pipeline.rendering.code_manifest import write_manifests
+    from tpgrpo.pipeline.rendering.dvcfile import check_rendered
 
     root = Path(params).resolve().parent
     try:
@@ -162,8 +162,8 @@ def block_command(first: Annotated[int, typer.Option("--first", help="first iter
     """Re-run a sealed block: each iteration's stages in order, one process each (what dvc.yaml calls)."""
     from tpgrpo.config import ConfigError, load_config
     from tpgrpo.errors import PipelineError
-    from tpgrpo.pipeline.sealing import run_block
-    from tpgrpo.pipeline.blocks import Block, full_blocks
+    from tpgrpo.pipeline.long_runs.sealing import run_block
+    from tpgrpo.pipeline.long_runs.blocks import Block, full_blocks
 
     try:
         cfg = load_config(params)

@@ -4,7 +4,7 @@ DVC's ``foreach`` cannot do arithmetic (iteration i needs iteration i - 1's poli
 list is written out here; ``tpgrpo run`` re-renders it before ``dvc repro``, so raising
 ``train.iterations`` adds stages and DVC runs only the new ones. Each stage lists exactly the params it
 reads (a test checks this against the code) and its code, through its kind's manifest written by the
-``code`` stage (:mod:`tpgrpo.pipeline.code_manifest`).
+``code`` stage (:mod:`tpgrpo.pipeline.rendering.code_manifest`).
 """
 
 from __future__ import annotations
@@ -13,12 +13,11 @@ from pathlib import Path
 
 import yaml
 
-from tpgrpo.pipeline.block_logs import digest_path
-from tpgrpo.pipeline.code_manifest import code_deps, code_stage, uses_code_files
+from tpgrpo.pipeline.long_runs.block_logs import digest_path
+from tpgrpo.pipeline.rendering.code_manifest import code_deps, code_stage, uses_code_files
 from tpgrpo.config import Config, ConfigError
 from tpgrpo.reports import figure_names  # not .figures: it imports stage_common, which imports this
-from tpgrpo.pipeline.blocks import (Block, full_blocks, read_lock, seal_files, sealed_outs,
-                                    write_text_atomic)
+from tpgrpo.pipeline.long_runs.blocks import Block, full_blocks, read_lock, seal_files, sealed_outs, write_text_atomic
 from tpgrpo.stage_params import (EVAL_CURVE, EVAL_EMBEDS, GLANCE, MULTI_PROCESS_STAGES, REWARD_PARAMS,  # noqa: F401
                                  STAGE_LOGS, ITERATION_STAGES, PATH_SWITCHES, RUN_STAGES, STAGE_PARAMS,  # re-exported
                                  TRAIN_CURVE, RunOutput, RunStage, stage_inputs)
@@ -80,7 +79,7 @@ PLOTS = [
 
 def stage_command(cfg: Config, name: str, iteration: int | None = None) -> str:  # noqa: ARG001 - cfg: the API
     """The shell command of one stage: ``tpgrpo stage NAME --iter I``, whatever the ``launch`` params: a model
-    stage starts the processes they ask for itself (:mod:`tpgrpo.pipeline.launch`), so changing the process
+    stage starts the processes they ask for itself (:mod:`tpgrpo.pipeline.execution.launch`), so changing the process
     count or the launcher changes no stage."""
     return "tpgrpo stage " + name + ("" if iteration is None else f" --iter {iteration}")
 
@@ -136,7 +135,7 @@ def block_stage(cfg: Config, block: Block, outs: list[str] | None = None, manife
     deps = dict.fromkeys(d for st in inner for d in st["deps"] if d not in produced)
     all_outs = {_out_path(o): o for st in inner for o in st["outs"]}  # path -> entry, dvc.yaml order
     kept = set(produced if outs is None else outs)
-    digest = _uncached(digest_path(block))  # the logs the summary reads (tpgrpo.pipeline.block_logs)
+    digest = _uncached(digest_path(block))  # the logs the summary reads (tpgrpo.pipeline.long_runs.block_logs)
     return {"cmd": f"tpgrpo block --first {block.first} --last {block.last}",
             "params": [p for p in params if not _covered(p, params)], "deps": list(deps),
             "outs": [*[o for path, o in all_outs.items() if path in kept], digest]}
@@ -250,6 +249,8 @@ def write_dvc_yaml(cfg: Config, root: Path, upto: int | None = None) -> bool:
     return True
 
 
+# The first lines of every sealed block's dvc.yaml. They name this module as it was named before tpgrpo/pipeline/
+# had wings (now tpgrpo.pipeline.rendering.dvcfile): kept, so that the blocks' files keep their bytes.
 BLOCK_HEADER = ("# A sealed block of iterations, written by `tpgrpo run` (tpgrpo.pipeline.dvcfile); its own dvc.lock\n"
                 "# lies beside it. Paths are the project root's (wdir).\n")
 

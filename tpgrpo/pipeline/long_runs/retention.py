@@ -14,9 +14,9 @@ from typing import Callable
 
 from tpgrpo.config import Config
 from tpgrpo.errors import PipelineError
-from tpgrpo.pipeline.blocks import (Block, block_entry, committed_oids, entry_oids, full_blocks, read_lock, read_seal,
-                                    seal_files, unreferenced, write_block_entry, write_yaml)
-from tpgrpo.pipeline.dvclock import dvc_lock_held
+from tpgrpo.pipeline.long_runs.blocks import (Block, block_entry, committed_oids, entry_oids, full_blocks, read_lock,
+                                              read_seal, seal_files, unreferenced, write_block_entry, write_yaml)
+from tpgrpo.pipeline.dvc_integration.dvclock import dvc_lock_held
 from tpgrpo.stage_params import ITERATION_OUTPUTS
 
 # {output name: its retention group} (tpgrpo.stage_params.ITERATION_STAGES); everything else (tables, metrics)
@@ -69,9 +69,9 @@ def free_cache(root: Path, repo, lock: dict, gone: list[dict],
     """Remove the cache objects of the dropped outs ``gone`` (their dvc.lock out entries) that nothing else
     references: this dvc.lock (``lock``, already without them), the per-stage entries of every sealed block
     (but the outputs retention dropped from it), and every dvc.lock and block entries git holds in any commit
-    or DVC experiment (:func:`tpgrpo.pipeline.blocks.committed_oids`). Returns (objects, bytes) removed;
+    or DVC experiment (:func:`tpgrpo.pipeline.long_runs.blocks.committed_oids`). Returns (objects, bytes) removed;
     None, removing nothing, where ``cache.dir`` is set (a cache other projects may share: this project cannot
-    see their needs). ``committed``: :func:`~tpgrpo.pipeline.blocks.committed_oids`, read now when None.
+    see their needs). ``committed``: :func:`~tpgrpo.pipeline.long_runs.blocks.committed_oids`, read now when None.
     Unlike ``dvc gc --workspace`` it leaves what experiments, other commits and other projects stored (an
     experiment's files that were never committed to git, e.g. a queued one's, are not seen)."""
     if not _own_cache(repo):
@@ -100,9 +100,9 @@ def retain(root: Path, cfg: Config, gc: bool = True, note: Callable[[str], None]
     the blocks' outs and their lock entries (so ``dvc status`` stays clean), then (``gc``) their cache
     objects nothing else references (:func:`free_cache`; ``note`` hears how many). Holds DVC's lock
     throughout (:func:`dvc_lock_held`). Returns the dropped paths."""
-    from tpgrpo.pipeline.dvcfile import write_block_dvcfile
+    from tpgrpo.pipeline.rendering.dvcfile import write_block_dvcfile
 
-    from tpgrpo.pipeline.migrate import migrate_sealed_entries
+    from tpgrpo.pipeline.long_runs.migrate import migrate_sealed_entries
 
     with dvc_lock_held(root) as repo:
         # before anything changes: a git that cannot list the other commits' records stops retain here (one line)

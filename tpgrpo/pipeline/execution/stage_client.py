@@ -1,4 +1,4 @@
-"""The client side of the stage server (:mod:`tpgrpo.pipeline.stage_server`): what ``tpgrpo stage ...`` runs
+"""The client side of the stage server (:mod:`tpgrpo.pipeline.execution.stage_server`): what ``tpgrpo stage ...`` runs
 first when ``tpgrpo run`` started a server.
 
 Why a module of its own: the process DVC starts for a stage imports this before anything else, so it must

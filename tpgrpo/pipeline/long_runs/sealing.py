@@ -19,7 +19,7 @@ The guarantees stay those of per-stage DVC:
   its rollouts): the change is refused with one line;
 - a code change re-runs a whole sealed block (``tpgrpo block``), stage by stage, one process per stage;
   DVC then rewrites the block's lock entry only, and unsealing it later restores each stage's entry as that
-  run left it (:func:`tpgrpo.pipeline.blocks.current_entries`), so a params edit after a code change re-runs
+  run left it (:func:`tpgrpo.pipeline.long_runs.blocks.current_entries`), so a params edit after a code change re-runs
   only the stages the edit touches.
 """
 
@@ -34,18 +34,20 @@ from typing import Callable
 
 from tpgrpo.config import Config
 from tpgrpo.errors import PipelineError
-from tpgrpo.pipeline.block_logs import write_digest
-from tpgrpo.pipeline.blocks import (Block, block_entry, current_entries, disagreements, full_blocks, param_values,
-                                    read_as_dvc, read_lock, read_seal, remove_block_files, seal_files,
-                                    write_block_entry, write_lock, write_yaml)
-from tpgrpo.pipeline.code_manifest import CODE_DIR
-from tpgrpo.pipeline.dvcfile import block_out_paths, block_stage, iteration_stages, stage_command, write_dvc_yaml
-from tpgrpo.pipeline.dvc_atomic import dvc_env, run_dvc as dvc  # noqa: F401 - dvc_env re-exported (benches)
-from tpgrpo.pipeline.dvclock import dvc_lock_held
-from tpgrpo.pipeline.migrate import _unmigrated, migrate_if_needed, migrate_sealed_entries  # noqa: F401
-from tpgrpo.pipeline.seal_cache import vouch
-from tpgrpo.pipeline.retention import (DROPPABLE, dropped_outs, free_cache, kept_outs, remove_path,  # noqa: F401
-                                       retain)  # (re-exported: retention's home was this module)
+from tpgrpo.pipeline.long_runs.block_logs import write_digest
+from tpgrpo.pipeline.long_runs.blocks import (Block, block_entry, current_entries, disagreements, full_blocks,
+                                              param_values, read_as_dvc, read_lock, read_seal, remove_block_files,
+                                              seal_files, write_block_entry, write_lock, write_yaml)
+from tpgrpo.pipeline.rendering.code_manifest import CODE_DIR
+from tpgrpo.pipeline.rendering.dvcfile import (block_out_paths, block_stage, iteration_stages, stage_command,
+                                              write_dvc_yaml)
+# dvc_env is re-exported (benches)
+from tpgrpo.pipeline.dvc_integration.dvc_atomic import dvc_env, run_dvc as dvc  # noqa: F401
+from tpgrpo.pipeline.dvc_integration.dvclock import dvc_lock_held
+from tpgrpo.pipeline.long_runs.migrate import _unmigrated, migrate_if_needed, migrate_sealed_entries  # noqa: F401
+from tpgrpo.pipeline.long_runs.seal_cache import vouch
+from tpgrpo.pipeline.long_runs.retention import (DROPPABLE, dropped_outs, free_cache, kept_outs,  # noqa: F401
+                                                 remove_path, retain)  # (re-exported: retention's home was this module)
 
 
 def stage_names(cfg: Config, block: Block) -> list[str]:
@@ -238,7 +240,7 @@ def stale_seals(root: Path, cfg: Config, params: dict, upto: int | None = None) 
     """The sealed blocks to unseal now and why (:func:`unseal_reason`): a structural reason at once, any other
     only for blocks ending by ``upto`` (the block the next repro reaches: the root lock then holds about one
     block's stages, even when a change reaches the whole history)."""
-    from tpgrpo.pipeline.seal_cache import summary
+    from tpgrpo.pipeline.long_runs.seal_cache import summary
 
     found = {}
     for block in seal_files(root):

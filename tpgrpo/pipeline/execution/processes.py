@@ -1,6 +1,6 @@
 """Process lifetimes and the code a long-lived process runs (the stage server's; standard library only).
 
-A process that imports once and forks many times (``tpgrpo.pipeline.stage_server``) runs the modules as they
+A process that imports once and forks many times (``tpgrpo.pipeline.execution.stage_server``) runs the modules as they
 were when it imported them: :class:`CodeState` notes what they came from, so the process can tell when its
 imports went stale. :func:`die_with_parent` ties a process's life to its parent's, so a killed run leaves no
 process of its own behind.

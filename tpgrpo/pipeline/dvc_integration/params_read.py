@@ -17,8 +17,8 @@ import re
 import shutil
 from pathlib import Path
 
-from tpgrpo.pipeline.blocks import Block, block_entry, read_lock, seal_files, write_block_entry, write_lock
-from tpgrpo.pipeline.dvclock import dvc_lock_held
+from tpgrpo.pipeline.long_runs.blocks import Block, block_entry, read_lock, seal_files, write_block_entry, write_lock
+from tpgrpo.pipeline.dvc_integration.dvclock import dvc_lock_held
 from tpgrpo.pipeline.status import flat_params
 
 NOTES = Path(".dvc") / "tmp" / "tpgrpo_params_read"
