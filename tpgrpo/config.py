@@ -311,8 +311,8 @@ class RetentionConfig:
 @dataclass(frozen=True)
 class LaunchConfig:
     """How the model stages (rollout, probe, update, eval, baseline) start their processes: dvc.yaml runs
-    `tpgrpo stage NAME`, which starts them (tpgrpo.pipeline.launch). Never changes an artifact or dvc.yaml:
-    no stage declares these params, so changing them re-runs nothing (docs/cluster.md)."""
+    `tpgrpo stage NAME`, which starts them (tpgrpo.pipeline.execution.launch). Never changes an artifact or
+    dvc.yaml: no stage declares these params, so changing them re-runs nothing (docs/cluster.md)."""
 
     launcher: str = param("accelerate", "how several processes start: accelerate (`accelerate launch`, one "
                           "machine or launch.config_file), torchrun (one machine, c10d rendezvous) or slurm "
@@ -331,7 +331,8 @@ class LaunchConfig:
     stage_server: bool = param(True, "on the CPU (on a GPU too with launch.resident_model) with one process per "
                                "stage (Linux), stages fork from a server "
                                "that imported torch/diffusers/transformers/peft once "
-                               "(tpgrpo.pipeline.stage_server); false = each imports its own", knob="bookkeeping")
+                               "(tpgrpo.pipeline.execution.stage_server); false = each imports its own",
+                               knob="bookkeeping")
     resident_model: bool = param(False, "the stage server loads the base model once, on the CPU, for the stages "
                                  "to fork with (tpgrpo.models.resident); with model.device cuda it also starts "
                                  "the server for GPU stages, each of which moves its forked copy to the GPU (not "
