@@ -22,15 +22,17 @@ if os.environ.get("PYTEST_XDIST_WORKER"):
 TINY_PARAMS_OVERRIDES = {
     "model": {"path": "data/base"},
     "task": {"reward": "jpeg_compressibility", "eval_reward": "geneval"},
-    "sampling": {"num_steps": 4, "window_size": 3},
+    # the sampler, credit and objective the tests were written for (TP-GRPO: guided SDE chains, tp credit, the
+    # grpo update), whatever params.yaml's default run uses: a test that wants another says so
+    "sampling": {"num_steps": 4, "window_size": 3, "guidance_scale": 4.5},
     "rollout": {"prompts_per_iter": 3, "group_size": 4, "batch_size": 8},
     "probe": {"batch_size": 8},
-    # pinned to the chain and the tree shape the tests were written for, whatever params.yaml's default (issue 45
-    # item 7 may make it a tree): a test that wants a tree says so, with its own shape
+    "credit": {"mode": "tp"},
+    # pinned to the chain and the tree shape the tests were written for: a test that wants a tree says so
     "tree": {"enabled": False, "split_steps": "0,3,6", "children": 1},
     "update": {"lora_rank": 4, "lora_alpha": 8, "micro_batch": 8, "optimizer_steps_per_iter": 2, "epochs": 1,
-               "lr": 1.0e-2, "clip_range": 0.2, "min_transitions_per_step": 1},
-    "eval": {"every": 1, "num_steps": 4, "num_prompts": 2, "samples_per_prompt": 2, "seed": 0},
+               "lr": 1.0e-2, "clip_range": 0.2, "min_transitions_per_step": 1, "objective": "grpo"},
+    "eval": {"every": 1, "num_steps": 4, "num_prompts": 2, "samples_per_prompt": 2, "seed": 0, "guidance_scale": 4.5},
     "train": {"iterations": 2},
 }
 

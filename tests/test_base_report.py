@@ -31,7 +31,7 @@ def test_base_report_writes_tables_and_grid(tiny_project):
     assert grid.size[0] > 8 * 32 * 4  # 8 columns of 4x-upscaled 32 px images (+ padding)
     row = payload["eval"]  # eval's settings: what the baseline stage samples
     assert row["n"] == cfg.eval.num_prompts * cfg.eval.samples_per_prompt or row["n"] == 2 * row["prompts"]
-    assert row["num_steps"] == cfg.eval.num_steps and row["guidance_scale"] == cfg.sampling.guidance_scale
+    assert row["num_steps"] == cfg.eval.num_steps and row["guidance_scale"] == cfg.eval.guidance_scale
     assert 0 <= row["strict_accuracy"] <= row["reward_mean"] + 1e-12
     assert "At eval's settings" in table
 

@@ -59,10 +59,10 @@ def test_summary_grid_shows_the_ema_policy(ema_project):
     lora.load_lora_weights(backend, lora.read_adapter_weights(IterationPaths(root, 1).policy / "ema"))
     seeds = [int(s) for s in _grid_seeds(cfg, root)]
     ema_images = sample_ode(backend, prompts, seeds, num_steps=cfg.eval.num_steps,
-                            guidance_scale=cfg.sampling.guidance_scale, shift=cfg.sampling.shift,
+                            guidance_scale=cfg.eval.guidance_scale, shift=cfg.sampling.shift,
                             batch_size=cfg.rollout.batch_size)
     raw_images = sample_ode(load_policy(cfg, root, 2), prompts, seeds, num_steps=cfg.eval.num_steps,
-                            guidance_scale=cfg.sampling.guidance_scale, shift=cfg.sampling.shift,
+                            guidance_scale=cfg.eval.guidance_scale, shift=cfg.sampling.shift,
                             batch_size=cfg.rollout.batch_size)
     assert not np.array_equal(ema_images, raw_images)  # the two adapters really differ
     np.testing.assert_array_equal(images, ema_images)

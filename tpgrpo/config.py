@@ -276,6 +276,11 @@ class EvalConfig:
                        "cores")
     num_steps: int = param(40, "ODE steps at eval", "steps", "> 0",
                            note="Paper: 40. The default run uses 20 on 2 CPU cores: eval was half its compute")
+    guidance_scale: float = param(4.5, "classifier-free guidance scale of eval's samples (and the baseline's, the "
+                                  "before/after figure's, report-base's), whatever the rollout's "
+                                  "sampling.guidance_scale", bounds=">= 0",
+                                  note="Paper: 4.5. The default run samples its rollouts without guidance "
+                                  "(DiffusionNFT's setting) and evaluates with it")
     num_prompts: int = param(32, "held-out prompts evaluated (the first N of task.eval_prompts)", "prompts",
                              "> 0", note="The shipped eval file has 108")
     samples_per_prompt: int = param(2, "seeds per prompt, the same at every iteration (paired comparison)",

@@ -56,7 +56,7 @@ def eval_images(cfg: Config, root: Path, backend, label: str, artifact: Path):
         prompts = [m["prompt"] for m in batch_metas[a:b]]
         embeds = chunk_embeddings(cfg, root, backend, c, prompts)  # the eval_prompts stage's cache
         images = sample_ode(backend, prompts, seeds[a:b], num_steps=cfg.eval.num_steps,
-                            guidance_scale=cfg.sampling.guidance_scale, shift=cfg.sampling.shift,
+                            guidance_scale=cfg.eval.guidance_scale, shift=cfg.sampling.shift,
                             batch_size=cfg.rollout.batch_size, embeds=embeds)
         scored = {key: reward(images, batch_metas[a:b]) for key, reward in built.items()}
         return {**{f"{k}_reward": v.reward for k, v in scored.items()},

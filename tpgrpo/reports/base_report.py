@@ -1,10 +1,10 @@
 """How good the base model is, and how much signal TP-GRPO's step credit gets from it.
 
 ``tpgrpo report-base`` writes ``data/reports/base_report.{json,md}`` and ``base_grid.png``:
-- held-out strict accuracy and mean reward at eval's settings (``eval.*`` and the sampler's guidance: the
-  numbers the baseline stage reports), with strict accuracy per prompt kind;
-- mean reward and strict accuracy on every held-out prompt, ODE sampling at 10 and 40 steps, for every
-  task the base was pretrained on (``pretrain.json``; older bases without it: every task);
+- held-out strict accuracy and mean reward at eval's settings (``eval.*``, its guidance included: the numbers
+  the baseline stage reports), with strict accuracy per prompt kind;
+- mean reward and strict accuracy on every held-out prompt, ODE sampling at 10 and 40 steps (eval's guidance),
+  for every task the base was pretrained on (``pretrain.json``; older bases without it: every task);
 - on base-model SDE trajectories (the rollout's sampler), the fraction of step increments ``d_k`` that
   are exactly zero under each reward, and the turning-point rate of the ``tp`` credit mode.
 """
@@ -40,7 +40,7 @@ def eval_settings_row(backend, cfg: Config, prompts_dir: Path) -> dict:
 
     metas = load_prompts(resolve(prompts_dir.parent.parent, cfg.task.eval_prompts))[:cfg.eval.num_prompts]
     out = evaluate_prompts(backend, metas, cfg.task.eval_reward, num_steps=cfg.eval.num_steps,
-                           seed=cfg.eval.seed, guidance_scale=cfg.sampling.guidance_scale,
+                           seed=cfg.eval.seed, guidance_scale=cfg.eval.guidance_scale,
                            shift=cfg.sampling.shift, batch_size=cfg.rollout.batch_size,
                            samples_per_prompt=cfg.eval.samples_per_prompt)
     return {"prompts": len(metas), "samples_per_prompt": cfg.eval.samples_per_prompt, **out}
@@ -59,7 +59,7 @@ def ode_table(backend, cfg: Config, prompts_dir: Path, steps=(10, 40),
         metas = load_prompts(prompts_dir / f"{task}_eval.jsonl")
         for num_steps in steps:
             images = sample_ode(backend, [m["prompt"] for m in metas], evaluation_seeds(cfg.eval.seed, metas),
-                                num_steps=num_steps, guidance_scale=cfg.sampling.guidance_scale,
+                                num_steps=num_steps, guidance_scale=cfg.eval.guidance_scale,
                                 shift=cfg.sampling.shift)
             for name in rewards:
                 scored = get_reward(name)(images, metas)
@@ -157,7 +157,7 @@ def write_base_report(cfg: Config, root: Path, out_dir: Path) -> dict:
         grid_metas += load_prompts(prompts_dir / "text_eval.jsonl")[:4]
     images = sample_ode(backend, [m["prompt"] for m in grid_metas for _ in range(4)],
                         list(range(len(grid_metas) * 4)), num_steps=40,
-                        guidance_scale=cfg.sampling.guidance_scale, shift=cfg.sampling.shift)
+                        guidance_scale=cfg.eval.guidance_scale, shift=cfg.sampling.shift)
     save_grid(images, out_dir / "base_grid.png", ncol=8, upscale=4)
     (out_dir / "base_grid_prompts.txt").write_text(
         "Rows of the grid, two prompts per row (4 seeds each):\n" + "\n".join(m["prompt"] for m in grid_metas) + "\n")

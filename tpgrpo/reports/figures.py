@@ -61,7 +61,7 @@ def grid_images(cfg, root: Path, policy: int):
     seeds = evaluation_seeds(cfg.eval.seed, metas, cfg.eval.samples_per_prompt)[::cfg.eval.samples_per_prompt]
     backend = policy_to_score(cfg, root, policy)[0]  # the weights eval scores: the EMA with update.ema
     images = sample_ode(backend, [m["prompt"] for m in metas], seeds, num_steps=cfg.eval.num_steps,
-                        guidance_scale=cfg.sampling.guidance_scale, shift=cfg.sampling.shift,
+                        guidance_scale=cfg.eval.guidance_scale, shift=cfg.sampling.shift,
                         batch_size=cfg.rollout.batch_size)
     return images, [m["prompt"] for m in metas]
 
