@@ -101,15 +101,24 @@ def test_headline_numbers_are_base_latest_best_and_the_latest_training_figures()
     assert train["wall_seconds"].tolist() == [40.0, 54.0, 40.0, 54.0]  # every stage's wall, eval when it ran
     head = headline(evals, train)
     assert head["held_out"] == {"base": 0.4, "latest": 0.45, "best": 0.47, "best_iter": 2}
-    assert head["strict"] == {"base": 0.05, "latest": 0.1, "best": 0.1}
+    assert head["strict"] == {"base": 0.05, "latest": 0.1, "best": 0.1, "best_iter": 4}
     assert head["train_reward"] == 0.36 and head["tp_rate"] == 0.05 and head["approx_kl"] == 4.12e-5
     assert head["iterations"] == 4 and head["s_per_iter"] == 47.0
     glance = at_a_glance(evals, train)
     assert list(glance) == list(GLANCE)
     assert glance["held_out"] == {"base": 0.4, "latest": 0.45, "best": 0.47, "best_at": 2}
     assert glance["train_reward"] == {"base": 0.31, "latest": 0.36, "best": 0.36, "best_at": 4}
+    assert glance["strict"] == {"base": 0.05, "latest": 0.1, "best": 0.1, "best_at": 4}
     assert glance["approx_kl_x1e6"] == {"base": 10.0, "latest": 41.2346, "mean": 25.3086}
     assert glance["seconds_per_iter"] == {"latest": 54.0, "mean": 47.0}
+
+
+def test_best_strict_accuracy_is_a_policys_when_the_base_beats_every_policy():
+    """The best row is the best policy's, and best_at its iteration, even when the base model scores higher."""
+    frame = history_frame()
+    frame.loc[0, "eval_eval_strict_accuracy"] = 0.3
+    glance = at_a_glance(eval_curve(frame), train_curve(frame))
+    assert glance["strict"] == {"base": 0.3, "latest": 0.1, "best": 0.1, "best_at": 4}
 
 
 def test_curves_of_a_flow_grpo_run_which_has_no_probe_columns():

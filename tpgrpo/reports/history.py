@@ -81,6 +81,7 @@ def headline(evals: pd.DataFrame, train: pd.DataFrame) -> dict:
     base, trained = evals.iloc[0], evals.iloc[1:]
     latest = trained.iloc[-1] if len(trained) else base
     best = trained.loc[trained["eval_reward"].idxmax()] if len(trained) else base
+    best_strict = trained.loc[trained["strict_accuracy"].idxmax()] if len(trained) else base  # a policy's best
     last = train.iloc[-1]
     r = lambda x: round(float(x), 4)  # noqa: E731 - 4 decimals: the eval's noise is ~1e-2
     return {
@@ -88,7 +89,7 @@ def headline(evals: pd.DataFrame, train: pd.DataFrame) -> dict:
         "held_out": {"base": r(base["eval_reward"]), "latest": r(latest["eval_reward"]),
                      "best": r(best["eval_reward"]), "best_iter": int(best["iteration"])},
         "strict": {"base": r(base["strict_accuracy"]), "latest": r(latest["strict_accuracy"]),
-                   "best": r(trained["strict_accuracy"].max() if len(trained) else base["strict_accuracy"])},
+                   "best": r(best_strict["strict_accuracy"]), "best_iter": int(best_strict["iteration"])},
         "train_reward": r(last["train_reward"]), "tp_rate": r(last["turning_point_rate"]),
         "approx_kl": float(f"{float(last['approx_kl_after']):.3g}"),
         "s_per_iter": round(float(train["wall_seconds"].mean()), 1),
@@ -110,7 +111,8 @@ def at_a_glance(evals: pd.DataFrame, train: pd.DataFrame) -> dict[str, dict]:
     return {
         "held_out": {**{k: head["held_out"][k] for k in ("base", "latest", "best")},
                      "best_at": head["held_out"]["best_iter"]},
-        "strict": {**head["strict"], "best_at": int(evals.loc[evals["strict_accuracy"].idxmax(), "iteration"])},
+        "strict": {**{k: head["strict"][k] for k in ("base", "latest", "best")},
+                   "best_at": head["strict"]["best_iter"]},
         "train_reward": {"base": r(first["train_reward"]), "latest": r(last["train_reward"]),
                          "best": r(best_train["train_reward"]), "best_at": int(best_train["iteration"])},
         "tp_rate": {"base": r(first["turning_point_rate"]), "latest": r(last["turning_point_rate"]),
