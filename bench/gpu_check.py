@@ -80,7 +80,10 @@ def make_project(root: Path, device: str, smoke: bool, processes: int = 1) -> Pa
     the model and the prompts."""
     params = yaml.safe_load((REPO / "params.yaml").read_text())
     overrides = {"model": {"device": device}, "reward_models": {"device": device}, "eval": {"every": 1},
-                 "update": {"ema": True}, "train": {"iterations": 2}, "launch": {"num_processes": processes}}
+                 "update": {"ema": True, "objective": "grpo"}, "train": {"iterations": 2},
+                 "launch": {"num_processes": processes},
+                 # TP-GRPO's tree path (guided SDE steps, log-probs, tp credit), whatever the default run trains
+                 "sampling": {"guidance_scale": 4.5}, "tree": {"enabled": True}, "credit": {"mode": "tp"}}
     for section_values in ((SMOKE_PARAMS if smoke else {}), overrides):
         for section, values in section_values.items():
             params[section].update(values)

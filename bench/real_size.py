@@ -51,10 +51,12 @@ CLIP_G = dict(vocab_size=49408, hidden_size=1280, intermediate_size=5120, num_hi
 # The iteration here: the smallest sizes that keep every code path (CFG, window, probe, EMA-free update, eval).
 PARAMS = {"model": {"kind": "sd3", "dtype": "bf16", "resolution": 64, "device": "cpu"},
           "task": {"reward": "jpeg_compressibility", "eval_reward": "jpeg_compressibility"},
-          "sampling": {"num_steps": 3, "window_size": 2, "shift": 3.0},
+          "sampling": {"num_steps": 3, "window_size": 2, "shift": 3.0, "guidance_scale": 4.5},
+          "credit": {"mode": "tp"},  # TP-GRPO's path (the probe, log-probs), whatever the default run trains
           "rollout": {"prompts_per_iter": 2, "group_size": 2, "batch_size": 4},
           "probe": {"batch_size": 4}, "update": {"lora_rank": 32, "lora_alpha": 64, "micro_batch": 2,
-                                                  "optimizer_steps_per_iter": 1, "epochs": 1},
+                                                  "optimizer_steps_per_iter": 1, "epochs": 1,
+                                                  "objective": "grpo"},
           "eval": {"every": 1, "num_steps": 3, "num_prompts": 2, "samples_per_prompt": 1},
           "train": {"iterations": 1},
           "tree": {"enabled": False}}  # a chain: the window and probe pass (pinned: issue 45 may switch the default)
