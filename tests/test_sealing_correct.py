@@ -196,7 +196,7 @@ def test_a_params_edit_after_a_code_change_re_runs_only_the_stages_it_touches(ru
     ran = {name.rsplit("-", 1)[0] for name in _ran(out)}
     assert ran <= {"code", "eval", "baseline", "summary"} and {"eval-0001", "eval-0002"} <= set(_ran(out)), out
     assert BLOCK.name not in _ran(out) and "sealed iters-0001-0002" in out and BLOCK.seal_path(root).is_file()
-    _edit_params(root, "num_steps: 4\n  num_prompts", "num_steps: 3\n  num_prompts")  # eval.num_steps
+    _edit_params(root, "num_steps: 4\n  guidance_scale", "num_steps: 3\n  guidance_scale")  # eval.num_steps
     out = _tpgrpo(root, "run").stdout
     assert "unsealed iters-0001-0002 (params changed: eval.num_steps)" in out, out
     ran = {name.rsplit("-", 1)[0] for name in _ran(out)}
@@ -236,13 +236,13 @@ def test_retain_frees_only_its_own_objects_and_a_retained_block_refuses_a_leaf_p
     assert _dvc_status(root) == {}
 
     lock_before = (root / "dvc.lock").read_bytes()
-    _edit_params(root, "num_steps: 4\n  num_prompts", "num_steps: 3\n  num_prompts")  # eval.num_steps
+    _edit_params(root, "num_steps: 4\n  guidance_scale", "num_steps: 3\n  guidance_scale")  # eval.num_steps
     refused = _tpgrpo(root, "run", ok=False)
     lines = refused.stderr.strip().splitlines()
     assert refused.returncode == 2 and len(lines) == 1, refused.stderr
     assert "eval.num_steps" in lines[0] and "iters-0001-0002" in lines[0] and "retain" in lines[0]
     assert _ran(refused.stdout) == [] and (root / "dvc.lock").read_bytes() == lock_before
-    _edit_params(root, "num_steps: 3\n  num_prompts", "num_steps: 4\n  num_prompts")
+    _edit_params(root, "num_steps: 3\n  guidance_scale", "num_steps: 4\n  guidance_scale")
     assert set(_ran(_tpgrpo(root, "run").stdout)) <= {"code"}
     assert _dvc_status(root) == {}
 
