@@ -99,7 +99,7 @@ def held_out(backend, metas, args) -> dict:
             "per_kind": {k: round(v["strict_accuracy"], 3) for k, v in r["per_kind"].items()}}
 
 
-def main() -> None:
+def parse_args() -> argparse.Namespace:
     p = argparse.ArgumentParser()
     p.add_argument("--method", choices=["raft", "correct", "nft"], default="nft")
     p.add_argument("--iters", type=int, default=30)
@@ -112,22 +112,43 @@ def main() -> None:
     p.add_argument("--beta", type=float, default=1.0)
     p.add_argument("--t-min", type=float, default=0.0)
     p.add_argument("--t-max", type=float, default=1.0)
-    p.add_argument("--reward", default="geneval_soft")
+    p.add_argument("--reward", default="geneval_soft", help="geneval or geneval_soft (strict: geneval's)")
     p.add_argument("--train-guidance", type=float, default=4.5, help="guidance of the trained velocity")
     p.add_argument("--guidance", type=float, default=4.5, help="guidance of the rollout's sampler")
     p.add_argument("--sample-steps", type=int, default=10)
     p.add_argument("--eval-every", type=int, default=10)
     p.add_argument("--eval-guidance", type=float, default=0.0, help="guidance at eval (0 = the rollout's)")
-    p.add_argument("--eval-first", action="store_true", help="also evaluate after the first iteration")
     p.add_argument("--only", default="", help="comma-separated training prompt ids to train on (a check)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--threads", type=int, default=1)
-    args = p.parse_args()
+    return p.parse_args()
+
+
+def iteration(backend, args, train: list[dict], reward, rng, gen) -> dict:
+    """One iteration: sample, score (the reward's strict is geneval's), advantages, ``args.steps`` updates."""
+    from tpgrpo.policy.lora import lora_state_dict
+
+    picks = rng.choice(len(train), args.prompts, replace=len(train) < args.prompts)
+    metas = [train[i] for i in picks for _ in range(args.group)]
+    seeds = rng.integers(0, 2**31 - 1, len(metas)).tolist()
+    embeds = backend.encode_prompts([m["prompt"] for m in metas])
+    x0 = sample_latents(backend, embeds, seeds, args.sample_steps, args.guidance)
+    scored = reward(backend.decode(x0), metas)
+    r = np.asarray(scored.reward, dtype=np.float64)
+    strict = np.asarray(scored.strict, dtype=bool)
+    adv = strict.astype(np.float64) if args.method == "correct" else group_advantages(r, args.group)
+    loss = train_steps(backend, args, x0, adv, embeds, lora_state_dict(backend), gen)
+    return {"train_reward": round(float(r.mean()), 4), "train_strict": round(float(strict.mean()), 4),
+            "loss": round(loss, 5)}
+
+
+def main() -> None:
+    args = parse_args()
 
     import torch
 
     from tpgrpo.models import load_backend
-    from tpgrpo.policy.lora import attach_lora, lora_parameters, lora_state_dict
+    from tpgrpo.policy.lora import attach_lora, lora_parameters
     from tpgrpo.tasks.rewards import get_reward
 
     torch.set_num_threads(args.threads)
@@ -141,26 +162,11 @@ def main() -> None:
         train = [m for m in train if m["id"] in args.only.split(",")]
     evals = read_metas(ROOT / "data/prompts/compositional_eval.jsonl")
     reward = get_reward(args.reward)
-    strict_of = get_reward("geneval")
-    rng = np.random.default_rng(args.seed)
-    gen = torch.Generator().manual_seed(args.seed)
+    rng, gen = np.random.default_rng(args.seed), torch.Generator().manual_seed(args.seed)
     start = time.time()
     print(json.dumps({"args": {k: v for k, v in vars(args).items() if k not in ("params", "optimizer")}}), flush=True)
     for it in range(1, args.iters + 1):
-        metas = [train[i] for i in rng.choice(len(train), args.prompts, replace=len(train) < args.prompts) for _ in range(args.group)]
-        seeds = rng.integers(0, 2**31 - 1, len(metas)).tolist()
-        embeds = backend.encode_prompts([m["prompt"] for m in metas])
-        x0 = sample_latents(backend, embeds, seeds, args.sample_steps, args.guidance)
-        images = backend.decode(x0)
-        r = np.asarray(reward(images, metas).reward, dtype=np.float64)
-        strict = np.asarray(strict_of(images, metas).strict, dtype=bool)
-        adv = strict.astype(np.float64) if args.method == "correct" else group_advantages(r, args.group)
-        old = lora_state_dict(backend)
-        loss = train_steps(backend, args, x0, adv, embeds, old, gen)
-        row = {"iter": it, "train_reward": round(float(r.mean()), 4), "train_strict": round(float(strict.mean()), 4),
-               "loss": round(loss, 5), "s": round(time.time() - start, 1)}
-        if it == 1 and args.eval_first:
-            print(json.dumps({"iter": 0, "held_out": held_out(backend, evals, args)}), flush=True)  # after 1 update
+        row = {"iter": it, **iteration(backend, args, train, reward, rng, gen), "s": round(time.time() - start, 1)}
         if args.eval_every and it % args.eval_every == 0:
             row["held_out"] = held_out(backend, evals, args)
         print(json.dumps(row), flush=True)
