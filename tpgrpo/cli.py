@@ -138,15 +138,21 @@ def _run_held(params: Path, root: Path, cfg, raw: dict, env: dict) -> None:
             pending = long_run.prepare(root, cfg, raw, typer.echo)  # structural changes at once, the rest later
     except (ConfigError, PipelineError) as exc:
         _fail(str(exc))
-    _render_dvc_yaml(params)
+    try:  # each repro renders dvc.yaml through its own end: no render of the whole run before the first
+        long_run.migrate(root, cfg)  # a block sealed in the root lock moves out first
+    except PipelineError as exc:
+        _fail(str(exc))
     note = clear_stale_lock(root)  # a killed, not yet reaped run's lock would block `dvc repro`
     if note:
         typer.echo(note)
     with stage_server.running(root, stage_server.wanted(cfg), resident.spec(cfg, root)) as server_env:
-        for upto in long_run.repro_ends(root, cfg, pending):  # block by block: dvc.lock stays about one block long
+        # block by block: dvc.lock stays about one block long; the manifests were refreshed just above, so the
+        # first repro does not hash the code again (a later one does: code edited while a block ran re-runs)
+        for i, upto in enumerate(long_run.repro_ends(root, cfg, pending)):
             try:
                 long_run.before_repro(root, cfg, raw, upto, typer.echo)
-                repro_checked(root, cfg, upto, {**env, **server_env, RENDER_UPTO_ENV: str(upto)}, typer.echo)
+                repro_checked(root, cfg, upto, {**env, **server_env, RENDER_UPTO_ENV: str(upto)}, typer.echo,
+                              refresh_code=i > 0)
                 long_run.after_repro(root, cfg, upto, typer.echo)
             except PipelineError as exc:
                 _fail(str(exc))

@@ -14,13 +14,15 @@ from tpgrpo.errors import PipelineError
 TRIES = 3  # repros of one rendering whose records disagree with what the stages read, before giving up
 
 
-def repro_checked(root: Path, cfg: Config, upto: int, env: dict[str, str], note: Callable[[str], None]) -> None:
+def repro_checked(root: Path, cfg: Config, upto: int, env: dict[str, str], note: Callable[[str], None],
+                  refresh_code: bool = True) -> None:
     """``dvc repro`` of dvc.yaml rendered through ``upto``, again while DVC recorded params other than a stage
     read (:func:`tpgrpo.pipeline.dvc_integration.params_read.drop_disagreeing` drops those entries, so DVC re-runs
-    them; each retry is one ``note`` line). PipelineError (one line) when DVC fails, an output was not stored
+    them; each retry is one ``note`` line). ``refresh_code``: rewrite the code manifests that differ first (False
+    where the caller just did). PipelineError (one line) when DVC fails, an output was not stored
     (:func:`tpgrpo.pipeline.status.check_outputs_cached`), or params.yaml kept changing for ``TRIES`` repros."""
     for _ in range(TRIES):
-        redo = _repro(root, cfg, upto, env, note)
+        redo = _repro(root, cfg, upto, env, note, refresh_code)
         if not redo:
             return
         note(f"re-running {', '.join(redo)}: params.yaml changed as DVC recorded it")
@@ -47,7 +49,8 @@ def repro_args(root: Path, upto: int) -> list[str]:
     return ["repro", "--single-item", "dvc.yaml"] if unchanged(root, sealed) else ["repro"]
 
 
-def _repro(root: Path, cfg: Config, upto: int, env: dict[str, str], note: Callable[[str], None]) -> list[str]:
+def _repro(root: Path, cfg: Config, upto: int, env: dict[str, str], note: Callable[[str], None],
+           refresh_code: bool = True) -> list[str]:
     """One repro and its checks; returns the dvc.lock entries dropped (DVC re-runs them). The params-read notes
     are checked after it whether it succeeded, failed or was interrupted (:func:`_check_notes`), and before it
     too: what a killed run's stages noted is checked, not cleared unseen."""
@@ -57,7 +60,8 @@ def _repro(root: Path, cfg: Config, upto: int, env: dict[str, str], note: Callab
     from tpgrpo.pipeline.status import check_outputs_cached
 
     write_dvc_yaml(cfg, root, upto)
-    refresh_manifests(root, cfg)  # a library upgraded since the code stage ran: it re-runs (see library_versions)
+    if refresh_code:  # a library upgraded since the code stage ran: it re-runs (see library_versions)
+        refresh_manifests(root, cfg)
     lock = root / "dvc.lock"
     _check_notes(root, note, "an earlier run, killed, ")  # then cleared: only this repro's stages are checked after it
     before = lock.stat().st_mtime_ns if lock.exists() else None
