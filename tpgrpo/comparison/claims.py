@@ -72,6 +72,23 @@ TREE_CLAIMS = (
 )
 
 
+NFT_PAPER = "DiffusionNFT: up to 25x Flow-GRPO's efficiency; GenEval 0.24 -> 0.98 in about 1,000 steps (SD3.5-M)"
+AWM_PAPER = "AWM: 24-34x Flow-GRPO's speed (SD3.5-M)"
+NOT_PAPER = "not in any paper: TP's exact step credit inside a forward-process objective"
+OBJECTIVE_CLAIMS = (  # the forward-process objectives (tpgrpo.comparison.variants.OBJECTIVES) as arms
+    Claim("nft_beats_flow", "DiffusionNFT beats Flow-GRPO at the same iteration", NFT_PAPER, Pair("nft", BASELINE_MODE)),
+    Claim("awm_beats_flow", "AWM beats Flow-GRPO at the same iteration", AWM_PAPER, Pair("awm", BASELINE_MODE)),
+    Claim("nft_beats_awm", "DiffusionNFT beats AWM at the same iteration", "not compared in either paper",
+          Pair("nft", "awm")),
+    Claim("nft_beats_tree", "DiffusionNFT beats TP-GRPO on trees at the same iteration", NFT_PAPER, Pair("nft", TREE)),
+    Claim("tp_credit_nft", "TP's tree step credit inside DiffusionNFT beats plain DiffusionNFT at the same iteration",
+          NOT_PAPER, Pair("tree-tp-nft", "nft")),
+    Claim("tp_credit_awm", "TP's tree step credit inside AWM beats plain AWM at the same iteration", NOT_PAPER,
+          Pair("tree-tp-awm", "awm")),
+)
+OBJECTIVE_ARMS = {name for claim in OBJECTIVE_CLAIMS for name in (claim.pair.a, claim.pair.b)} - {BASELINE_MODE, TREE}
+
+
 def best_lr_variant(mode: str, runs: Sequence[dict], curves: pd.DataFrame, last: int = 3) -> str | None:
     """Among ``mode``'s main variant and its learning-rate sweep, the one with the highest training reward
     (rollout mean over its last ``last`` iterations within the budget, mean over seeds): chosen on the
@@ -209,7 +226,8 @@ def collect(out: Path, n_boot: int = N_BOOT) -> dict[str, pd.DataFrame]:
     grouped = by_variant(runs)
     computed = {}
     claims_here = [*CLAIMS, *best_lr_claims(runs, curves),
-                   *(TREE_CLAIMS if any(r["variant"] == TREE for r in runs) else ())]
+                   *(TREE_CLAIMS if any(r["variant"] == TREE for r in runs) else ()),
+                   *(OBJECTIVE_CLAIMS if any(r["variant"] in OBJECTIVE_ARMS for r in runs) else ())]
     asked = [Pair(c.pair.b, c.pair.a, c.pair.kind) if c.mirror else c.pair for c in claims_here]
     for label, pair in [*standard_pairs(runs, curves), *(("claim", p) for p in asked)]:
         reverse = Pair(pair.b, pair.a, pair.kind)

@@ -28,6 +28,7 @@ from tpgrpo.comparison.stats import (PAIR_KEYS, paired_bootstrap, seed_prompt_bo
 from tpgrpo.comparison.provenance import mismatch
 from tpgrpo.comparison.runs import TRAIN_STAGES, stage_seconds
 from tpgrpo.errors import PipelineError
+from tpgrpo.stage_params import BASELINE_LOG, BASELINE_TABLE
 
 RESULTS = "results"  # OUT/results/: curves, tp_rates, pairs, claims (CSV and Parquet)
 SCORES = {"reward": "eval_reward", "strict": "eval_strict"}
@@ -46,7 +47,7 @@ def run_curve(run: dict) -> tuple[list[dict], list[dict]]:
     iteration whose stage JSONs are not all there), and its turning-point rates per window step."""
     folder, keys = Path(run["folder"]), {k: run[k] for k in ("variant", "mode", "seed", "family")}
     rows, rates = [], []
-    base = _json(folder / "data" / "iters" / "baseline_eval.json")
+    base = _json(folder / BASELINE_LOG)
     if base is not None:
         rows.append({**keys, "iteration": 0, "train_seconds": 0.0, "cum_seconds": 0.0,
                      "eval_reward": base.get("eval_reward"), "strict_accuracy": base.get("eval_strict_accuracy")})
@@ -92,7 +93,7 @@ def collect_curves(runs: Sequence[dict]) -> tuple[pd.DataFrame, pd.DataFrame]:
 
 def eval_table_path(folder: Path, iteration: int) -> Path:
     if iteration == 0:
-        return Path(folder) / "data" / "iters" / "baseline_eval.parquet"
+        return Path(folder) / BASELINE_TABLE
     return Path(folder) / "data" / "iters" / f"{iteration:04d}" / "eval.parquet"
 
 

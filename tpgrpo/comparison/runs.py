@@ -40,7 +40,7 @@ from tpgrpo.comparison.variants import BASELINE_MODE, RunSpec, Variant
 from tpgrpo.config import ConfigError, config_from_dict, param_fields
 from tpgrpo.errors import PipelineError
 from tpgrpo.pipeline.status import dvc_up_to_date
-from tpgrpo.stage_params import COMPARE, DONE, TREE_SHAPE, outputs_read_by
+from tpgrpo.stage_params import BASELINE_LOG, COMPARE, DONE, TREE_SHAPE, outputs_read_by
 
 CODE_DIRS = ("stages", "tpgrpo")
 # What makes an iteration finished (the logs tpgrpo.pipeline.status reads: not probe.json, which flow_grpo runs
@@ -238,7 +238,7 @@ def run_state(folder: Path) -> tuple[str, int, int]:
     if done == planned > 0 and summary.is_file() and json.loads(summary.read_text()).get("iterations") == planned:
         if summary.stat().st_mtime >= newest or dvc_up_to_date(folder):
             return "done", done, planned
-    started = done > 0 or (folder / "data" / "iters" / "baseline_eval.json").is_file()
+    started = done > 0 or (folder / BASELINE_LOG).is_file()
     return ("partial" if started else "new"), done, planned
 
 

@@ -30,12 +30,16 @@ from typing import Any
 import pandas as pd
 
 from tpgrpo.errors import PipelineError
+from tpgrpo.io.stage_logs import timing_path
+from tpgrpo.stage_params import BASELINE_LOG, BASELINE_TABLE
 
 RUNS_TABLE, EVALS_TABLE = "runs.parquet", "evals.parquet"
 MARKER = "ARCHIVE.json"  # also tpgrpo.comparison.archive.MARKER: what makes a folder an archive
 RUN_KEYS = ("variant", "seed", "iteration")
 EVAL_KEYS = ("variant", "train_seed", "iteration")  # the eval table has its own "seed" (the eval seed)
-BASELINE_NAMES = {"eval.json": "baseline_eval.json", "eval.timing.json": "baseline_eval.timing.json"}
+# a run's files at iteration 0 (the base model's evaluation): the baseline stage's, named in its record
+BASELINE_FILES = {"eval.parquet": BASELINE_TABLE, "eval.json": BASELINE_LOG,
+                  "eval.timing.json": str(timing_path(Path(BASELINE_LOG)))}
 EVAL_TABLE = "eval.parquet"
 
 
@@ -75,10 +79,8 @@ def relative(run: str, iteration: int, name: str) -> str:
     """The path, relative to the archive, of the file ``name`` of ``run`` (``VARIANT/seedK``) at ``iteration``
     (0: the base model's evaluation, and the run's own files)."""
     if iteration == 0:
-        if name == EVAL_TABLE:
-            return f"{run}/data/iters/baseline_eval.parquet"
-        if name in BASELINE_NAMES:
-            return f"{run}/data/iters/{BASELINE_NAMES[name]}"
+        if name in BASELINE_FILES:
+            return f"{run}/{BASELINE_FILES[name]}"
         return f"{run}/{name}"
     return f"{run}/data/iters/{iteration:04d}/{name}"
 
