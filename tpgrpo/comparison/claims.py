@@ -87,13 +87,17 @@ OBJECTIVE_CLAIMS = (  # the forward-process objectives (tpgrpo.comparison.varian
           Pair("tree-tp-awm", "awm")),
 )
 OBJECTIVE_ARMS = {name for claim in OBJECTIVE_CLAIMS for name in (claim.pair.a, claim.pair.b)} - {BASELINE_MODE, TREE}
+# the other arms' best-learning-rate claims against Flow-GRPO's best (chain TP-GRPO's are the two above)
+BEST_LR_ARMS = ((TREE, "TP-GRPO on trees", TREE_PAPERS), ("nft", "DiffusionNFT", NFT_PAPER), ("awm", "AWM", AWM_PAPER))
 
 
-def best_lr_variant(mode: str, runs: Sequence[dict], curves: pd.DataFrame, last: int = 3) -> str | None:
-    """Among ``mode``'s main variant and its learning-rate sweep, the one with the highest training reward
-    (rollout mean over its last ``last`` iterations within the budget, mean over seeds): chosen on the
-    training reward so that the held-out comparison is not also the selection."""
-    names = {r["variant"] for r in runs if r["mode"] == mode and r["family"] in ("main", "lr_sweep")}
+def best_lr_variant(arm: str, runs: Sequence[dict], curves: pd.DataFrame, last: int = 3) -> str | None:
+    """Among the main variant ``arm`` and its learning-rate sweep (the variants whose reference it is), the one
+    with the highest training reward (rollout mean over its last ``last`` iterations within the budget, mean
+    over seeds): chosen on the training reward so that the held-out comparison is not also the selection. By
+    arm, not by credit mode: NFT, AWM and the tree arms share Flow-GRPO's or TP's credit mode."""
+    names = {r["variant"] for r in runs if (r["family"] == "main" and r["variant"] == arm)
+             or (r["family"] == "lr_sweep" and r.get("reference") == arm)}
     scores = {}
     for name in names:
         budget = min(int(r["budget"]) for r in runs if r["variant"] == name)
@@ -140,10 +144,11 @@ def _extended(runs: Sequence[dict], variant: str) -> bool:
 
 
 def best_variants(runs: Sequence[dict], curves: pd.DataFrame) -> dict[str, str | None]:
-    """Each mode's variant at its best learning rate (:func:`best_lr_variant`); empty without a sweep."""
+    """Each main arm's variant at its best learning rate (:func:`best_lr_variant`); empty without a sweep."""
     if not any(r["family"] == "lr_sweep" for r in runs):
         return {}
-    return {m: best_lr_variant(m, runs, curves) for m in dict.fromkeys(r["mode"] for r in runs)}
+    return {v: best_lr_variant(v, runs, curves) for v in dict.fromkeys(r["variant"] for r in runs
+                                                                       if r["family"] == "main")}
 
 
 def best_lr_claims(runs: Sequence[dict], curves: pd.DataFrame) -> list[Claim]:
@@ -152,12 +157,18 @@ def best_lr_claims(runs: Sequence[dict], curves: pd.DataFrame) -> list[Claim]:
     update than per-step credit gets). None without a sweep of both."""
     best = best_variants(runs, curves)
     tp, flow = best.get("tp"), best.get(BASELINE_MODE)
-    if not (tp and flow):
+    if not flow:
         return []
-    return [Claim("tp_beats_flow_best_lr", "TP-GRPO beats Flow-GRPO at the same iteration, each at its best "
-                  "learning rate", PAPER, Pair(tp, flow)),
-            Claim("equal_wall_best_lr", "TP-GRPO beats Flow-GRPO at equal wall-clock time, each at its best "
-                  "learning rate", "Figure 8 (PickScore)", Pair(tp, flow, "equal_wall"))]
+    out = [] if not tp else [
+        Claim("tp_beats_flow_best_lr", "TP-GRPO beats Flow-GRPO at the same iteration, each at its best learning "
+              "rate", PAPER, Pair(tp, flow)),
+        Claim("equal_wall_best_lr", "TP-GRPO beats Flow-GRPO at equal wall-clock time, each at its best learning "
+              "rate", "Figure 8 (PickScore)", Pair(tp, flow, "equal_wall"))]
+    for arm, name, paper in BEST_LR_ARMS:
+        if best.get(arm):
+            out.append(Claim(f"{arm}_beats_flow_best_lr", f"{name} beats Flow-GRPO at the same iteration, each at "
+                             "its best learning rate", paper, Pair(best[arm], flow)))
+    return out
 
 
 def claim_row(claim: Claim, pairs: pd.DataFrame, runs: dict) -> dict:
