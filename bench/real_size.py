@@ -59,7 +59,7 @@ PARAMS = {"model": {"kind": "sd3", "dtype": "bf16", "resolution": 64, "device": 
                                                   "objective": "grpo"},
           "eval": {"every": 1, "num_steps": 3, "num_prompts": 2, "samples_per_prompt": 1},
           "train": {"iterations": 1},
-          "tree": {"enabled": False}}  # a chain: the window and probe pass (pinned: issue 45 may switch the default)
+          "tree": {"enabled": False}}  # a chain: the window and probe pass (pinned, whatever the default run trains)
 
 
 def clip_tokenizer():
