@@ -36,7 +36,7 @@ def make_project(folder: Path, prompts: int, batch: int) -> Path:
         shutil.copytree(REPO / "data" / name, folder / "data" / name)
     raw = yaml.safe_load((REPO / "params.yaml").read_text())
     raw["rollout"].update(prompts_per_iter=prompts, batch_size=batch)
-    raw["tree"]["enabled"] = False  # chains, as docs/performance.md's figures (pinned: issue 45 may switch the default)
+    raw["tree"]["enabled"] = False  # chains, as docs/performance.md's figures (pinned, whatever the default)
     (folder / "params.yaml").write_text(yaml.safe_dump(raw, sort_keys=False))
     return folder
 

@@ -49,7 +49,7 @@ def wrap(obj, name, label):
             tot[label] += time.perf_counter() - t
             cnt[label] += 1
     setattr(obj, name, g)
-try:  # DVC as `tpgrpo run` runs it (atomic writes; since session 20 a stage's lock block only), where the commit has it
+try:  # DVC as `tpgrpo run` runs it (atomic writes; a stage's lock block only), where the commit has it
     try:
         from tpgrpo.pipeline.dvc_integration import dvc_atomic
     except ImportError:  # a commit before tpgrpo/pipeline/ had wings

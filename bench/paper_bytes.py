@@ -51,7 +51,7 @@ def paper_params(scale: float, block_size: int) -> dict:
     params["task"].update(reward="jpeg_compressibility", eval_reward="jpeg_compressibility")
     params["sampling"].update(num_steps=10, window_size=9, shift=3.0)
     params["rollout"].update(prompts_per_iter=max(1, round(PAPER_PROMPTS * scale)), group_size=GROUP, batch_size=64)
-    params["tree"]["enabled"] = False  # the paper's chains, 1,152 trajectories (pinned: issue 45)
+    params["tree"]["enabled"] = False  # the paper's chains, 1,152 trajectories (pinned, whatever the default)
     # x0: the rollout stores x0_estimates, exactly the shape, dtype and count of the velocities the exact probe
     # keeps (9 x 16 x 64 x 64 float32 a trajectory), and the probe scores them instead of running completions:
     # the same bytes, without hours of stand-in completions on this CPU (their compute is not measured anyway).

@@ -1,8 +1,8 @@
 """Probe modes side by side on the SAME trajectories of the shipped model: cost and agreement with exact.
 
 Usage: ``python -m bench.probe_cost [--model data/base] [--threads 1] [--seeds 1] [--modes exact,ode:1,ode:2,x0]
-[--out result.json]``, or the offline study over trained runs' stored exact probes (issue 34;
-``bench/probe_study.py``): ``python -m bench.probe_cost --runs RUN [RUN ...] --modes grid:3,heun:2,subset:0.25
+[--out result.json]``, or the offline study over trained runs' stored exact probes
+(``bench/probe_study.py``): ``python -m bench.probe_cost --runs RUN [RUN ...] --modes grid:3,heun:2,subset:0.25
 --out bench/results/probe_study.json [--markdown table.md]``.
 In a temporary project with the repo's params.yaml (chains: 8 prompts x 8 samples, T = 10, window 9) one
 first-iteration rollout per train seed keeps the x0 estimates (its states are the same as without them); then the probe
@@ -36,7 +36,7 @@ def _project(folder: Path, model: Path) -> Path:
     shutil.copytree(REPO / "data" / "prompts", folder / "data" / "prompts")
     shutil.copytree(model, folder / "data" / "base")
     raw = yaml.safe_load((REPO / "params.yaml").read_text())
-    raw["tree"]["enabled"] = False  # a chain: the probe's cost (pinned: issue 45 may switch the default)
+    raw["tree"]["enabled"] = False  # a chain: the probe's cost (pinned, whatever the default)
     (folder / "params.yaml").write_text(yaml.safe_dump(raw, sort_keys=False))
     return folder
 
@@ -119,7 +119,7 @@ def main() -> None:
 
 
 def _study(args) -> None:
-    """The offline study (issue 34): candidates against the runs' stored exact probes; JSON and a table."""
+    """The offline study: candidates against the runs' stored exact probes; JSON and a table."""
     from bench.probe_study import study, table_markdown
 
     start, load = time.perf_counter(), Path("/proc/loadavg").read_text().strip()

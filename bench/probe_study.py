@@ -1,7 +1,7 @@
-"""The offline study of cheap probe completions (issue 34, item 2): stored exact probes vs candidates.
+"""The offline study of cheap probe completions: stored exact probes vs candidates.
 
 Used by ``python -m bench.probe_cost --runs DIR [DIR ...]``: each DIR is a trained project (``tpgrpo run`` or
-``tpgrpo compare run``, credit mode tp, ``probe.completion: exact``, code from issue 34 on, so its rollouts
+``tpgrpo compare run``, credit mode tp, ``probe.completion: exact``, code recent enough that its rollouts
 stored ``velocities``). For every iteration of every run it reads the stored exact ``probe.parquet`` and
 ``trajectories.zarr``, scores each candidate ``probe.completion`` on the same states with the same policy
 (``tpgrpo.policy.probe_scoring.score_states``; nothing is written to the run), runs the credit stage's function on both
@@ -97,7 +97,7 @@ def study(runs: list[Path], names: list[str], compare, threads: int) -> dict:
         for it in iterations_of(run):
             paths = IterationPaths(run, it)
             table = read_table(paths.probe, PROBE, "probe.parquet")
-            logged = read_log(paths.probe_metrics, "probe.json")  # seconds: its timing sidecar (issue 46)
+            logged = read_log(paths.probe_metrics, "probe.json")  # seconds: its timing sidecar
             exact = summarize(table, cfg)
             arrays, attrs = read_trajectories(paths.trajectories, lazy=("states", "x0_estimates", "velocities"))
             n = exact["adv"].shape[0]

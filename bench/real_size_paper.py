@@ -77,7 +77,7 @@ def paper_rows(weights_gib: dict[str, float], layers: int) -> list[dict]:
     ``weights_gib``: the bf16 folder's transformer / vae / text encoder sizes (of a 24-block model).
     Every model stage loads transformer + VAE; the rollout also the text encoders (it encodes the iteration's
     prompts). Probe and update read the rollout's cached embeddings, and eval those the ``eval_prompts`` stage
-    wrote once per run (issue 22: it loaded the text encoders every eval before), so none of them loads the
+    wrote once per run (before that cache each eval loaded the text encoders), so none of them loads the
     text encoders. ``eval_prompts`` itself (model + text encoders, once per run) is not an iteration's row.
     """
     if layers != 24:

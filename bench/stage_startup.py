@@ -7,7 +7,7 @@ credit.mode flow_grpo (no probe: R_fin from the rollout); the rollout stage; and
 the libraries and loading the policy (``tpgrpo.policy.loading.load_policy``); then the same stage commands through the stage
 server ``tpgrpo run`` starts (``launch.stage_server``). "start-up" = command wall - the stage's
 ``wall_seconds`` (which already counts model loading inside the stage). ``--parts`` splits the served credit
-stage's start-up in a finished project, as DVC runs it (issue 47): the client process alone, the forked child's work outside the stage's stopwatch
+stage's start-up in a finished project, as DVC runs it: the client process alone, the forked child's work outside the stage's stopwatch
 (timed in a process with the server's imports, and profiled), and by difference the fork, socket and reaping.
 """
 
@@ -106,7 +106,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--model", type=Path, default=REPO / "data" / "base")
     parser.add_argument("--repeat", type=int, default=3)
-    parser.add_argument("--first", type=int, default=1, help="number of the first iteration (0 before issue 11)")
+    parser.add_argument("--first", type=int, default=1, help="number of the first iteration (0 on older checkouts)")
     parser.add_argument("--parts", type=Path, metavar="PROJECT", help="only split the start-up of the credit stage "
                         "of PROJECT's last iteration (a finished `tpgrpo run`: its DVC project and code manifests), "
                         "as DVC runs it; it rewrites that stage's outputs with the same bytes")

@@ -1,4 +1,4 @@
-"""Cost of the tree rollout (issue 35) against a Flow-GRPO chain, on the embedded tiny model.
+"""Cost of the tree rollout against a Flow-GRPO chain, on the embedded tiny model.
 
     python -m bench.tree_cost counts                       # passes / decodes / trained transitions per sample
     python -m bench.tree_cost arm --shape tree --mode tp   # one timed iteration (rollout, probe, credit, update)

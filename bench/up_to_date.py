@@ -1,4 +1,4 @@
-"""Attack "up to date means correct" (issue #25) with many seeded random sequences of user actions.
+"""Attack "up to date means correct" with many seeded random sequences of user actions.
 
 Each sequence builds a tiny project (3 iterations, blocks of 2), runs it, then applies ``--length`` random
 actions (param and code edits, touches, hand re-runs, deletions, retention, iteration changes, SIGKILLs,

@@ -42,7 +42,7 @@ def no_process_group_left_behind():
     """After each test, forget the process-global ``Dist`` (tpgrpo.distributed): a stage's ``run`` called
     directly sets it (``current()`` -> ``init()``) and only the stage runner tears it down, so a later test in
     the same worker process saw it instead of ``RANK``; which tests share a worker depends on timing (xdist,
-    loadfile), so such a test failed at random under load (issue 46 item 5)."""
+    loadfile), so such a test failed at random under load."""
     import sys
 
     yield

@@ -1,6 +1,6 @@
 """What a stage runs is what its code manifest covers, and DVC never records code or a dvc.yaml that did not run.
 
-Attacks issue 25's items 3 and 17: a hand-kept list of each stage's code missed files the stages run, and
+Attacks two past failures: a hand-kept list of each stage's code missed files the stages run, and
 `dvc exp run -S` / `dvc repro` after a params edit ran another pipeline than `tpgrpo run` renders.
 """
 
@@ -146,7 +146,7 @@ def _stage_as_dvc_runs_it(root: Path, pythonpath: Path | None) -> subprocess.Com
 
 
 def test_under_dvc_a_stage_refuses_modules_that_are_not_the_projects_code(tmp_path, tiny_model_dir):
-    """Issue 33 item 4: the manifests hash the project's copy of the code; the modules that run may come from
+    """The manifests hash the project's copy of the code; the modules that run may come from
     another checkout (an install pointing elsewhere, `dvc exp run --temp`). Identical bytes run; a different
     file is refused with one line, exit 2, before the stage writes anything; the project's code first on
     PYTHONPATH runs."""

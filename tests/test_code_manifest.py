@@ -85,7 +85,7 @@ def _changed(root: Path, before: dict[str, bytes]) -> set[str]:
 
 
 def test_a_manifest_records_the_libraries_its_code_imports_and_their_upgrades(tmp_path, monkeypatch):
-    """Issue 46: the libraries come from the kind's imports, not a hand-kept list. The default detector and
+    """The libraries come from the kind's imports, not a hand-kept list. The default detector and
     the OCR reward import cv2 (opencv-python), rapidocr brings onnxruntime, pyclipper and shapely, the text
     encoders tokenizers; credit reads a table and records none of them. A fake opencv upgrade changes the
     manifests of the kinds that import it, and a lazy ``import cv2`` inside a credit function adds it there."""
@@ -289,7 +289,7 @@ def test_the_code_stage_lists_every_param_the_rendering_reads():
 
 
 def test_warmed_caches_serve_a_forked_stage_and_still_see_an_upgrade_or_an_edit(tmp_path, monkeypatch):
-    """Issue 47: the stage server fills the caches every stage's code check reads once, so that a forked stage
+    """The stage server fills the caches every stage's code check reads once, so that a forked stage
     reads no distribution's metadata and parses none of its code for them (it did: 0.2-0.4 s a stage). Once
     warmed, the libraries and each kind's code come back the same with the metadata scan and the parser
     broken; a version change still shows (versions stay uncached: the check after a stage must see an upgrade

@@ -101,7 +101,7 @@ def test_an_archive_is_not_trained_nor_archived_again_and_lands_outside_its_root
 
 
 def test_an_archive_keeps_the_stages_seconds_from_their_timing_sidecars(tmp_path):
-    """Since issue 46 a stage's seconds are in ``<stage>.timing.json`` beside its log, not in the log: the
+    """A stage's seconds are in ``<stage>.timing.json`` beside its log, not in the log: the
     archive copies the sidecars, so the equal-wall seconds survive a fresh clone of an archived run; a log
     of an older run (its own wall_seconds) still reads."""
     from tpgrpo.comparison.runs import train_seconds

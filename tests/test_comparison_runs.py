@@ -63,7 +63,7 @@ def test_a_folder_made_before_a_bookkeeping_key_keeps_its_params_and_a_done_run_
 
 
 def test_a_chain_folder_made_under_another_default_tree_shape_continues_and_keeps_it(tmp_path, tiny_model_dir):
-    """For a default that becomes a tree (issue 45 item 7): a main arm pins chains, and a chain folder made when
+    """For a default that becomes a tree: a main arm pins chains, and a chain folder made when
     the (inert) default shape was another keeps its own; a tree folder's shape still counts."""
     base = make_tiny_project(tmp_path / "base", tiny_model_dir)
     params = yaml.safe_load((base / "params.yaml").read_text())
@@ -118,7 +118,7 @@ def test_comparison_end_to_end_with_resume_and_report(tmp_path, tiny_model_dir):
     assert all(cmp.run_state(f)[0] == "done" for f in folders.values())
 
     # resume: iteration 2 of one run loses its eval; only that run runs again, and only eval-0002: its logs
-    # come back the same bytes (seconds are in untracked sidecars, issue 46), so the summary is up to date
+    # come back the same bytes (seconds are in untracked sidecars), so the summary is up to date
     victim = folders["tp/seed1"]
     (victim / "data/iters/0002/eval.parquet").unlink()
     (victim / "data/iters/0002/eval.json").unlink()

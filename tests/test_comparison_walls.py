@@ -163,7 +163,7 @@ def test_more_seeds_join_an_archive_and_pool_with_its_runs(tmp_path):
 
 def test_a_key_the_archived_runs_predate_pools_at_its_default_only(tmp_path):
     """Runs archived before a params key existed ran with its default: a later run at the default pools with
-    them (the jpeg seeds of 2026-12-02 carry launch.launcher/num_nodes, added by issue 23, at their defaults),
+    them (the jpeg seeds of 2026-12-02 carry launch.launcher/num_nodes, added later, at their defaults),
     one at another value does not. Fails on a check that counts a missing key as a difference."""
     import yaml
 

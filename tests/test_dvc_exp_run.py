@@ -1,6 +1,6 @@
 """`dvc exp run -S ...` (the README's own command) runs what `tpgrpo run` renders, or refuses with one line.
 
-Issue 25 item 17: dvc.yaml is rendered from params.yaml by `tpgrpo run`, and `dvc exp run -S credit.mode=
+The failure it guards against: dvc.yaml is rendered from params.yaml by `tpgrpo run`, and `dvc exp run -S credit.mode=
 flow_grpo` changed params.yaml without re-rendering: it ran probes Flow-GRPO does not need, then failed on a
 figure the summary no longer draws, and recorded no experiment. Now every credit mode renders the same
 stages, and a param that changes the stages (train.iterations, eval.every, ...) is refused by the code stage.

@@ -1,4 +1,4 @@
-"""Damaged data is never computed on, nor certified as current (issue 25, items 9-12).
+"""Damaged data is never computed on, nor certified as current.
 
 Each case damages a file of a tiny project the way a disk, a copy or a hand edit does (bytes flipped at
 seeded random positions, a truncation, a NaN or a huge value, a missing chunk), then runs the stage that

@@ -2,7 +2,7 @@
 one changes, so each must leave every artifact's bytes alone (tables byte-identical at equal torch thread
 counts: these tests run torch on 1 thread) and move the update's adapter by float round-off at most.
 The batch sizes are not knobs: batched passes round differently at some batch shapes (docs/parameters.md),
-so they stay inputs; a test here keeps them declared. Nor is update.micro_batch since issue 46 (AdamW amplifies
+so they stay inputs; a test here keeps them declared. Nor is update.micro_batch (AdamW amplifies
 its round-off on the shipped model to 1.9e-3); a test here keeps the size measured on the test model."""
 
 from __future__ import annotations
@@ -188,7 +188,7 @@ def test_dvc_sees_no_change_when_every_knob_changes_after_a_run(tiny_project):
     set_params(root, {"model.device": "cpu:0", "reward_models.device": "cpu:0", "update.gradient_checkpointing": True,
                       "launch.hash_while_writing": False, "launch.cache_while_writing": False})
     assert changed() == set()
-    set_params(root, {"update.micro_batch": 3})  # recorded since issue 46: the update is out of date
+    set_params(root, {"update.micro_batch": 3})  # recorded: the update is out of date
     assert changed() == {"update-0001"}
     set_params(root, {"update.micro_batch": 8})
     set_params(root, {"probe.batch_size": 4})

@@ -1,4 +1,4 @@
-"""The update reads the states a micro-batch needs from trajectories.zarr when it runs (issue 22).
+"""The update reads the states a micro-batch needs from trajectories.zarr when it runs.
 
 A tiny project's rollout, probe and credit run once; the update stage then reads its states lazily
 (``tpgrpo.policy.states.LazyStates``): no read holds more than the micro-batch's trajectories x states, the

@@ -1,4 +1,4 @@
-"""Real-model weights load straight onto the backend's device (issue 22): no staging of the transformer and
+"""Real-model weights load straight onto the backend's device: no staging of the transformer and
 VAE in host memory first (SD3.5-M: 5 GiB per process, times the processes of a node).
 
 No GPU here: the CPU path is checked for the same tensors as a stock load and a working LoRA step, and the

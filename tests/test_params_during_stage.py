@@ -1,4 +1,4 @@
-"""A params edit while a stage runs (issue 25, item 6): the stage read params.yaml when it started, DVC
+"""A params edit while a stage runs: the stage read params.yaml when it started, DVC
 records params.yaml when the stage exits. A change to a value the stage depends on must fail the stage
 (DVC then records nothing); a change elsewhere, or the same value written otherwise, must not."""
 

@@ -1,4 +1,4 @@
-"""Issue 34, item 2: the common-grid (grid:M) and second-order (heun:M) probe completions."""
+"""The common-grid (grid:M) and second-order (heun:M) probe completions."""
 
 from __future__ import annotations
 

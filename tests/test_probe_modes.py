@@ -1,4 +1,4 @@
-"""probe.completion (exact | ode:M | x0) and the model-free probe of credit.mode flow_grpo (issue 11)."""
+"""probe.completion (exact | ode:M | x0) and the model-free probe of credit.mode flow_grpo."""
 
 from __future__ import annotations
 
@@ -249,7 +249,7 @@ def test_flow_grpo_probe_scores_nothing_and_leaves_the_advantages_unchanged(roll
 
     flow = {"credit": {"mode": "flow_grpo"}}
     d = _iteration(rolled_out)
-    _probe(rolled_out, monkeypatch, probe={"completion": "exact"})  # what flow_grpo ran before issue 11
+    _probe(rolled_out, monkeypatch, probe={"completion": "exact"})  # flow_grpo's earlier, model-run probe
     stages.credit.run(_cfg(**flow), FIRST, rolled_out)
     before = pd.read_parquet(d / "credit.parquet")
     stages.probe.run(_cfg(**flow), FIRST, rolled_out)  # Q_k = R_fin from the rollout, no model

@@ -1,4 +1,4 @@
-"""Issue 34, item 1: the probe's completions take their first step with the rollout's stored velocity.
+"""The probe's completions take their first step with the rollout's stored velocity.
 
 Each exact (and ode:M) completion of z_k starts with the Euler step z_k + (s_{k+1} - s_k) v(z_k), and the
 rollout has already computed that guided v(z_k): it stores it (``velocities`` in trajectories.zarr) and the
@@ -50,7 +50,7 @@ def _probe(root) -> tuple[pd.DataFrame, dict]:
 
 
 def _as_old_store(root) -> None:
-    """The store as the rollout wrote it before issue 34: no velocities, no velocities_kept attribute."""
+    """The store as the rollout wrote it before it stored velocities: no velocities, no velocities_kept attribute."""
     group = zarr.open_group(str(_store(root)), mode="r+")
     del group["velocities"]
     attrs = dict(group.attrs)

@@ -1,4 +1,4 @@
-"""Process lifetimes (issue 25, item 13): a killed run leaves no stage running on through the stage server,
+"""Process lifetimes: a killed run leaves no stage running on through the stage server,
 a caller that leaves early does not end the server, and a writer never deletes another live writer's
 temporary file."""
 

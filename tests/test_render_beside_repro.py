@@ -1,4 +1,4 @@
-"""Rendering beside a running repro (issue 46): `tpgrpo run` and `tpgrpo dvc-yaml` rewrite dvc.yaml, the block
+"""Rendering beside a running repro: `tpgrpo run` and `tpgrpo dvc-yaml` rewrite dvc.yaml, the block
 files and the manifests, so while a DVC command runs in the project, or another `tpgrpo run` holds the
 project's run lock, they stop with one line and write nothing."""
 

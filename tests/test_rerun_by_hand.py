@@ -1,4 +1,4 @@
-"""A stage re-run by hand writes the same tracked bytes (issue 46), and seconds are still read.
+"""A stage re-run by hand writes the same tracked bytes, and seconds are still read.
 
 What differs between two runs of a stage on the same inputs (its wall seconds, the process count, the Python
 and torch versions) lives in an untracked sidecar beside its log (:mod:`tpgrpo.io.stage_logs`): the logs and

@@ -67,7 +67,7 @@ def test_no_cache_is_written_outside_a_dvc_project(tmp_path):
 
 
 def test_a_sealed_file_rewritten_during_the_repro_is_not_vouched_for(tmp_path, monkeypatch):
-    """``tpgrpo run`` takes the blocks' stamps before the full ``dvc repro`` (issue 46): a file written again
+    """``tpgrpo run`` takes the blocks' stamps before the full ``dvc repro``: a file written again
     while DVC ran (a stage re-run by hand) is not taken as what DVC checked; one that did not move is."""
     import subprocess
 

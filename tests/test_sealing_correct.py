@@ -1,4 +1,4 @@
-"""Sealing records only what ran (issue 25 items 2, 5, 7, 8) on one real sealed run of a tiny project.
+"""Sealing records only what ran on one real sealed run of a tiny project.
 
 The run (2 iterations, one block of 2, sealed) is made once per module; each test works on a copy. Its
 params.yaml writes ``update.lr: 1e-4`` and ``update.clip_range: 1e-5``: YAML 1.2 floats that PyYAML (YAML 1.1)

@@ -62,7 +62,7 @@ def test_every_param_a_stage_reads_is_declared_in_dvc_yaml(tiny_project):
 
 
 def test_update_micro_batch_is_an_input_of_the_update_only(tiny_project):
-    """Issue 46: update.micro_batch moves the adapter (AdamW amplifies its round-off), so the update lists it:
+    """update.micro_batch moves the adapter (AdamW amplifies its round-off), so the update lists it:
     dvc.yaml, the params-read notes and the update's config_hash; no other stage does (credit's table and the
     rollout's store keep their hashes)."""
     import yaml

@@ -85,7 +85,7 @@ def test_clear_stale_lock_removes_only_a_stale_file(tmp_path, zombie_pid):
 @pytest.mark.parametrize("live", [False, True])
 def test_tpgrpo_run_clears_a_stale_lock_before_dvc_repro(tiny_project, monkeypatch, zombie_pid, live):
     """Through the CLI: a zombie's lock is removed with one line before `dvc repro`; a live one's is kept, and
-    the run refuses with one line before it renders anything (a DVC process runs a stage there: issue 46)."""
+    the run refuses with one line before it renders anything (a DVC process runs a stage there)."""
     root = tiny_project
     subprocess.run([sys.executable, "-m", "dvc", "init", "-q", "--no-scm"], cwd=root, check=True)
     path = root / RWLOCK

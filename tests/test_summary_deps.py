@@ -1,4 +1,4 @@
-"""The summary of a sealed run re-runs whenever a block does (issue 25 item 4).
+"""The summary of a sealed run re-runs whenever a block does.
 
 It depended on each sealed block's last credit table only, so a re-run of a block that changed only logged
 numbers (approx KL, grad norm, wall seconds) left summary.json, the curves and `dvc metrics show` stale. Now
@@ -37,7 +37,7 @@ def test_a_sealed_blocks_summary_dependency_is_its_log_digest(tmp_path):
 
 @pytest.mark.slow
 def test_rerunning_a_sealed_block_changes_no_log_so_the_summary_stays_up_to_date(tmp_path, tiny_model_dir):
-    """A forced re-run of a sealed block writes its logs and tables byte for byte again (issue 46: seconds and
+    """A forced re-run of a sealed block writes its logs and tables byte for byte again (seconds and
     process counts are in untracked sidecars), so its digest is the same and nothing after it runs; a log
     whose number changed still changes the digest (the test above)."""
     root = sealed_run(make_tiny_project(tmp_path / "project", tiny_model_dir), iterations=2, block_size=2)

@@ -1,4 +1,4 @@
-"""The ODE-anchored tree rollout (issue 35): structure, exactness of Q, one shared pass per schedule step."""
+"""The ODE-anchored tree rollout: structure, exactness of Q, one shared pass per schedule step."""
 
 from __future__ import annotations
 
@@ -170,7 +170,7 @@ def test_sde_edges_log_probs_rescore_and_noise_is_batch_independent(grown, backe
 
 
 def test_per_split_child_counts_count_and_check():
-    """``children`` one count per split (issue 45): m_j SDE children at split j; the counts follow P_j."""
+    """``children`` one count per split: m_j SDE children at split j; the counts follow P_j."""
     s = TreeShape((0, 3, 6), (3, 1, 1), 1)
     s.check(10)
     # steps 0 | 1-3 | 4-6 | 7-9 alive: 1 | 4 | 8 | 16 lineages

@@ -1,4 +1,4 @@
-"""Credit on a tree (issue 35): a hand-made tree whose every number is derived by hand below."""
+"""Credit on a tree: a hand-made tree whose every number is derived by hand below."""
 
 from __future__ import annotations
 
@@ -147,7 +147,7 @@ def _centred_by_depth(adv):
 
 
 def test_ode_sibling_advantages_are_centred_by_hand():
-    """tree.baseline ode_sibling (issue 45): u = r - r(ODE sibling), centred and scaled per depth over the
+    """tree.baseline ode_sibling: u = r - r(ODE sibling), centred and scaled per depth over the
     SDE edges. tp step rewards: B -.2; D -.1, F .5 (a turning point: B = .8 - .3); H -.2, J .5, L -.2, N .4;
     ODE edges 0 (d = 0, never a turning point), so u = r."""
     adv = _sibling_adv(_result("tp").step_reward)

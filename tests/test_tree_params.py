@@ -96,7 +96,7 @@ def test_with_tree_on_the_rollout_lists_the_shape_and_credit_the_baseline(tmp_pa
     assert on["rollout"] != more["rollout"] and on["rollout"] != off["rollout"]
     # Only the rollout reads the shape; what follows re-runs through the rollout's outputs.
     assert {s: h for s, h in on.items() if s != "rollout"} == {s: h for s, h in more.items() if s != "rollout"}
-    # The baseline is the credit stage's alone: the rollout's hash (so its store) stays (issue 45).
+    # The baseline is the credit stage's alone: the rollout's hash (so its store) stays.
     assert {s: h for s, h in on.items() if s != "credit"} == {s: h for s, h in regrouped.items() if s != "credit"}
     assert on["credit"] != regrouped["credit"]
 
@@ -104,7 +104,7 @@ def test_with_tree_on_the_rollout_lists_the_shape_and_credit_the_baseline(tmp_pa
 @pytest.mark.parametrize("edit", IGNORED_EDITS, ids=lambda e: ",".join(f"{s}.{k}" for s in e for k in e[s]))
 def test_with_tree_on_an_edit_of_a_key_the_tree_does_not_read_re_runs_nothing(tmp_path, edit):
     """The tree rollout reads no window, group size or probe completion, and eval, baseline and summary never
-    read the window (issue 46): with the tree on, an edit of one changes no stage's list or recorded params and
+    read the window: with the tree on, an edit of one changes no stage's list or recorded params and
     no config_hash. With the tree off the same edit re-runs the rollout (and the chain lists what it did)."""
     tree = {"enabled": True, "split_steps": "0,1"}
     on, edited = (tmp_path / "on.yaml", tmp_path / "edited.yaml")
@@ -185,7 +185,7 @@ def test_a_trained_chain_project_runs_nothing_for_the_tree_section(tmp_path, tin
 def test_a_trained_tree_project_runs_nothing_for_a_key_the_tree_does_not_read(tmp_path, tiny_model_dir):
     """A tree project trained for one iteration through `tpgrpo run`; the window and the group size edited
     (keys only a chain reads): `dvc status` stays clean, the recorded rollout's config_hash is the edited
-    params' hash, and `tpgrpo run` runs no stage (before issue 46's fix: the rollout and all after it)."""
+    params' hash, and `tpgrpo run` runs no stage (before the fix: the rollout and all after it)."""
     import zarr
 
     from test_dvc_pipeline import env, tpgrpo_run

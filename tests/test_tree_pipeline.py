@@ -1,4 +1,4 @@
-"""tree.enabled: the tree rollout through the real CLI stages on the tiny project (issue 35): rollout -> probe -> credit ->
+"""tree.enabled: the tree rollout through the real CLI stages on the tiny project: rollout -> probe -> credit ->
 update, every credit mode, and the config's one-line errors."""
 
 from __future__ import annotations
@@ -178,7 +178,7 @@ TREE_DAMAGE = {  # damage to the node store -> (stage that reads it, words of it
     "a parent node below 0": (lambda s: _set(s, "tree_parent_node", 7, -1), "probe",
                               ["array 'tree_parent_node' has values -1..", "expected 0..13"]),
     "a store of the old layout": (_old_layout, "probe", ["tree store of the old layout", "re-run the rollout"]),
-    # issue 46: each tree_* array was optional in the schema, so a store without one ended in a KeyError
+    # each tree_* array was optional in the schema, so a store without one ended in a KeyError
     **{f"{name} deleted, then {stage}": (lambda s, name=name: shutil.rmtree(s / name), stage,
                                          [f"missing array '{name}'"])
        for name, stage in (("tree_leaf", "probe"), ("tree_sde", "probe"), ("tree_parent", "probe"),
@@ -203,7 +203,7 @@ def test_a_damaged_node_store_is_one_line_naming_the_store_and_array(tree_run, t
 
 @pytest.mark.parametrize("written", [[0, 3, 6], "0,3,6", 3, [3]])
 def test_split_steps_may_be_a_yaml_list_or_int_and_hash_as_the_text(written):
-    """``tree.split_steps: [0, 3, 6]`` and ``3`` are what YAML makes of natural spellings (issue 46): accepted,
+    """``tree.split_steps: [0, 3, 6]`` and ``3`` are what YAML makes of natural spellings: accepted,
     held as the text ``"0,3,6"`` / ``"3"``, so the config hash of a run that wrote the text is unchanged."""
     from conftest import tiny_params
 
@@ -263,7 +263,7 @@ def test_the_tree_stages_read_only_the_params_they_declare(tmp_path, tiny_model_
         importlib.import_module(f"stages.{name}").run(Recorder(cfg, reads), 1, root)
         undeclared = sorted(r for r in reads if not covered(r, declared(name, cfg)))
         assert not undeclared and reads, (name, undeclared)
-        # the rollout reads the shape, credit the baseline (issue 45), probe and update no tree key
+        # the rollout reads the shape, credit the baseline, probe and update no tree key
         assert any(r.startswith("tree.") and r != "tree.enabled" for r in reads) == (name in ("rollout", "credit")), name
     assert json.loads((iteration_dir(root, 1) / "probe.json").read_text())["completion"] == "tree"
 

@@ -1,5 +1,6 @@
-"""Issue #25, the property proved: after seeded random user actions, each followed by ``tpgrpo run``, every
-artifact equals a run from scratch, ``dvc status`` is clean and what ran is what the action affects.
+"""The "up to date means correct" property, proved: after seeded random user actions, each followed by
+``tpgrpo run``, every artifact equals a run from scratch, ``dvc status`` is clean and what ran is what the
+action affects.
 
 The harness's own checks are tested first (fast: they must be able to fail); then one short sequence of
 cheap actions and longer sequences over the whole CI action set (all three slow: `make test-all`).
@@ -23,7 +24,7 @@ import up_to_date_runner as ur
 # - edit_code: fixed since (a code change re-ran a sealed block and a later params edit unsealed the per-stage
 #   entries of its first sealing, so untouched stages re-ran; unsealing now restores what the block's last run
 #   recorded, blocks.current_entries); in CI again.
-# - rerun_same / rerun_other: fixed since (every stage log is a DVC output, eval.json too); since issue 46 a
+# - rerun_same / rerun_other: fixed since (every stage log is a DVC output, eval.json too); now a
 #   hand re-run with the same params leaves `dvc status` clean and the next run runs nothing (its seconds are
 #   in an untracked sidecar); in CI again.
 # - edit_during_run, edit_then_interrupt: timing-dependent by nature (an edit lands in a random stage); bench only.
@@ -52,7 +53,7 @@ def test_digest_sees_a_changed_value_but_not_a_wall_clock_field(tmp_path):
 
 
 def test_a_code_manifest_digest_ignores_which_comment_was_appended_but_sees_a_stale_md5(tmp_path):
-    """Harness sequence 1000004 (session 10): one reference serves every commented variant of a file, so a
+    """Harness sequence 1000004: one reference serves every commented variant of a file, so a
     manifest's raw md5s cannot be compared with it; whether each md5 is that of the file now can."""
     code = tmp_path / "tpgrpo" / "loss.py"
     code.parent.mkdir()
@@ -216,7 +217,7 @@ def test_a_library_edited_where_its_version_does_not_say_so_re_runs_the_stages_t
 
 
 def test_a_stage_that_ran_is_seen_by_its_timing_sidecar_when_its_log_is_the_same_bytes(tmp_path):
-    """Since issue 46 a stage that runs again on the same inputs writes its log byte for byte; its seconds
+    """A stage that runs again on the same inputs writes its log byte for byte; its seconds
     (the sidecar) tell check (c) that it ran. A restore from DVC's cache rewrites the log alone: no run."""
     from tpgrpo.io.stage_logs import write_log
 
@@ -234,7 +235,7 @@ def test_a_stage_that_ran_is_seen_by_its_timing_sidecar_when_its_log_is_the_same
 
 @pytest.mark.slow
 def test_a_stage_rerun_by_hand_open_or_sealed_leaves_nothing_to_run(tmp_path, template, references, monkeypatch):
-    """The action "re-run a stage by hand" (issue 46) over a sealed block's eval and rollout and an open
+    """The action "re-run a stage by hand" over a sealed block's eval and rollout and an open
     iteration's credit and update: after each, `dvc status` is clean (checked by the action) and `tpgrpo run`
     runs nothing (check (c): the plan allows no stage)."""
     picks = iter([("eval", 2), ("rollout", 1), ("credit", 3), ("update", 3)])
@@ -270,7 +271,7 @@ def test_a_stage_rerun_by_hand_after_retention_refuses_in_one_line_or_leaves_not
 @pytest.mark.slow
 def test_with_the_tree_on_a_chain_only_key_edited_runs_nothing_in_a_sealed_project(tmp_path, template, references):
     """The tree on (block 1-2 sealed, iteration 3 open: everything re-runs as trees), then the window and the
-    group size edited: no stage reads them (issue 46), so the plan allows none, and the artifacts must equal a
+    group size edited: no stage reads them, so the plan allows none, and the artifacts must equal a
     tree run from scratch with the edited params."""
     root = tmp_path / "project"
     ur.copy_project(template, root)

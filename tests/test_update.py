@@ -96,7 +96,7 @@ def test_first_pass_ratio_is_one_on_fresh_data(kind, kl_beta):
 
 
 def test_the_step_count_follows_the_data():
-    """Issue 45's rule: min(max steps, max(1, transitions // min_transitions_per_step))."""
+    """The step-count rule: min(max steps, max(1, transitions // min_transitions_per_step))."""
     assert optimizer_steps(576, 4, 100) == 4  # the default chain: today's 4 steps
     assert optimizer_steps(432, 4, 100) == 4  # the fewest a default geneval_soft chain trained (archived)
     assert optimizer_steps(399, 4, 100) == 3
@@ -163,7 +163,7 @@ def test_kl_metric_uses_the_sde_std_without_sqrt_dt(kind):
 
 @pytest.mark.parametrize("step", [0, 2])
 def test_log_probs_not_the_sampling_policys_stop_the_update_before_any_step(step):
-    """Stored log-probs that are not the sampling policy's (issue 25: first-pass ratio 27.1, trained on, rc 0):
+    """Stored log-probs that are not the sampling policy's (once seen: first-pass ratio 27.1, trained on, rc 0):
     past the tolerance the update stops on the first pass with one line, and no weight changes. (The first
     chunk is checked, the transitions seen before any step: a sampler or policy mismatch shows in all of
     them; random damage on disk is the Zarr checksums' to catch.)"""

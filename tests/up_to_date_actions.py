@@ -1,4 +1,4 @@
-"""What users do to a project, as seeded random actions, and the check after each (issue #25).
+"""What users do to a project, as seeded random actions, and the check after each.
 
 Each action changes the project (a param, code, files, a hand-run stage, a killed run, damage) and says
 what the next ``tpgrpo run`` may run (``allowed``), must run (``required``) and whether it may refuse
@@ -21,7 +21,7 @@ import up_to_date_harness as h
 
 BASE_TRAIN = {"iterations": 3, "block_size": 2}  # block 1-2 sealed, iteration 3 open: both paths exercised
 # tree.children: inert while tree.enabled is off (no stage lists the tree section), upstream while it is on.
-# sampling.window_size, rollout.group_size: a chain's only (issue 46), so with the tree on an edit runs nothing.
+# sampling.window_size, rollout.group_size: a chain's only, so with the tree on an edit runs nothing.
 UPSTREAM = {"update.lr": [0.01, 0.005], "sampling.noise_level": [0.7, 0.5], "tree.enabled": [False, True],
             "tree.children": [1, 2], "update.micro_batch": [8, 3], "sampling.window_size": [3, 2],
             "rollout.group_size": [4, 2]}
@@ -32,7 +32,7 @@ LEAF = {"eval.num_steps": [4, 3], "eval.samples_per_prompt": [2, 1], "task.eval_
 READERS = {"update.lr": {"update"}, "sampling.noise_level": {"rollout", "eval", "baseline"},
            "eval.num_steps": {"eval", "baseline"}, "eval.samples_per_prompt": {"eval", "baseline", "eval_prompts"},
            "task.eval_reward": {"eval", "baseline"}, "credit.mode": {"credit"}, "update.ema": {"update"},
-           # the probe follows the store's shape; the baseline lists the window on a chain only (issue 46)
+           # the probe follows the store's shape; the baseline lists the window on a chain only
            "probe.completion": {"probe"}, "tree.enabled": {"rollout", "baseline"},
            "tree.children": {"rollout"}, "update.micro_batch": {"update"},
            # eval, baseline and summary list the sampling section whole on a chain (its window too), not on a tree
@@ -275,7 +275,7 @@ def hand_inputs(root: Path, raw: dict, stage: str, i: int) -> list[Path]:
 def rerun_same(seq: Seq) -> Plan:
     """Re-run a stage by hand with the current params (any stage, open or in a sealed block, eval included).
     What the product promises (docs/up-to-date.md, docs/long-runs.md on retention): with its inputs present
-    it rewrites its artifacts and log byte for byte (its seconds go to an untracked sidecar, issue 46); with
+    it rewrites its artifacts and log byte for byte (its seconds go to an untracked sidecar); with
     an input retention dropped it refuses in one line naming that input and writes nothing. Either way
     `dvc status` is clean right after it and the next run runs nothing."""
     raw = h.read_params(seq.root)

@@ -1,4 +1,4 @@
-"""Helpers for the "up to date means correct" property (issue #25): a real tiny project, its artifacts
+"""Helpers for the "up to date means correct" property: a real tiny project, its artifacts
 reduced to digests of their decoded values, reference runs from scratch cached by params + code, and which
 stages ran.
 
@@ -435,7 +435,7 @@ def stage_marks(root: Path) -> dict[str, tuple]:
     """Per stage, (mtime, content hash) of the log it writes when it runs: data/iters/NNNN/<stage>.json, the
     baseline's JSON, the summary, a manifest; under "" the time the marks were taken. The hash covers the
     log's untracked timing sidecar too (``<stage>.timing.json``; the summary's ``summary_log.json``): the log
-    DVC tracks is the same bytes on every run of the same inputs (issue 46), its wall seconds are not."""
+    DVC tracks is the same bytes on every run of the same inputs, its wall seconds are not."""
     logs = {"baseline": root / "data/iters/baseline_eval.json", "summary": root / "data/metrics/summary.json",
             "code": root / "data/code/rollout.json", "eval_prompts": root / "data/iters/eval_prompts.json"}
     for folder in sorted((root / "data/iters").glob("[0-9]" * 4)):

@@ -1,6 +1,6 @@
 """Seeded sequences of user actions (``up_to_date_actions``), each followed by ``tpgrpo run`` and the
-three checks of issue #25: (a) artifacts equal a run from scratch, (b) ``dvc status`` clean, (c) what ran
-is what the action affects. A sequence stops at its first failure and reports it.
+three checks of "up to date means correct": (a) artifacts equal a run from scratch, (b) ``dvc status``
+clean, (c) what ran is what the action affects. A sequence stops at its first failure and reports it.
 """
 
 from __future__ import annotations

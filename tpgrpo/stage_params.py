@@ -211,7 +211,7 @@ STAGE_PARAMS = {stage.name: list(stage.params) for stage in (*ITERATION_STAGES, 
 # section leaves every existing stage's recorded params and config_hash as they were (a long run's history
 # stays done).
 # The tree's shape is the rollout's; how its advantages are centred is the credit stage's, so editing
-# tree.baseline re-runs credit and update, not the rollout (issue 45).
+# tree.baseline re-runs credit and update, not the rollout.
 TREE_SHAPE = ("tree.split_steps", "tree.children", "tree.roots")
 CONDITIONAL_PARAMS = {  # stage: [(the keys, the bool key that switches them on)]
     "rollout": [(("tree.enabled", *TREE_SHAPE), "tree.enabled")],

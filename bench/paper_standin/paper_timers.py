@@ -16,7 +16,7 @@ import os
 import threading
 import time
 
-# The modules a DVC process runs as: DVC's own CLI, and since issue 46 the wrapper ``tpgrpo run`` and sealing
+# The modules a DVC process runs as: DVC's own CLI, and the wrapper ``tpgrpo run`` and sealing
 # call (DVC's CLI with its lock writes made atomic; tpgrpo.pipeline.dvc_atomic before tpgrpo/pipeline/ had wings).
 # Missing the wrapper left every DVC part at 0 s.
 DVC_MODULES = ("dvc", "tpgrpo.pipeline.dvc_integration.dvc_atomic", "tpgrpo.pipeline.dvc_atomic")
@@ -128,9 +128,9 @@ def install_dvc(t0: float, argv: list[str]) -> None:
 
 
 def _time_lock_blocks(lockfile_class) -> None:
-    """Since session 20 the DVC wrapper replaces ``Lockfile.dump_stages`` by
+    """The DVC wrapper replaces ``Lockfile.dump_stages`` by
     ``tpgrpo.pipeline.dvc_integration.lock_blocks``' after this module wrapped it: time the replacement as "lock
-    write" too (session 20's own paper-bytes run missed this: its lock writes fell into "dvc repro: the rest")."""
+    write" too (a paper-bytes run that missed this put its lock writes under "dvc repro: the rest")."""
     try:
         from tpgrpo.pipeline.dvc_integration import lock_blocks
     except ImportError:

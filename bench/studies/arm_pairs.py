@@ -1,4 +1,4 @@
-"""Held-out reward of one arm against another, from any two comparison roots or archives: the controls of issue 45
+"""Held-out reward of one arm against another, from any two comparison roots or archives: controls
 (an arm that changes one thing, trained in a root of its own, against the archived arm it changes).
 
     python -m bench.studies.arm_pairs A_ROOT/ARM B_ROOT/ARM [--at IA:IB ...] [--seeds 0,1,2] [--level 0.975]

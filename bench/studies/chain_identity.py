@@ -1,6 +1,6 @@
 """Digest of the chain's artifact data after iteration 1 of the tiny test project, and the params hash its
-artifacts carry, to show that a change leaves the chain's numbers and recorded params alone (issue 35 checked its
-tree work this way: the tree keys live in the params' own `tree` section, which no chain stage lists).
+artifacts carry, to show that a change leaves the chain's numbers and recorded params alone (the tree rollout's
+work was checked this way: the tree keys live in the params' own `tree` section, which no chain stage lists).
 
     git archive 11d501c | tar -x -C /tmp/old
     (cd /tmp/old && OMP_NUM_THREADS=1 PYTHONPATH=/tmp/old python $OLDPWD/bench/studies/chain_identity.py /tmp/old /tmp/old.json)
@@ -8,7 +8,7 @@ tree work this way: the tree keys live in the params' own `tree` section, which 
 
 argv[1]: the checkout whose params.yaml and prompts to use (its code first on PYTHONPATH); argv[2]: the output JSON;
 argv[3] (optional): more ``update`` overrides as JSON, e.g. '{"epochs": 2, "optimizer_steps_per_iter": 4}'. A
-checkout that has ``update.min_transitions_per_step`` (issue 45) gets 1, so its step count is the fixed one
+checkout that has ``update.min_transitions_per_step`` gets 1, so its step count is the fixed one
 older checkouts take: the comparison is of the code, not of the step rule.
 Digests (md5): every ``trajectories.zarr`` array, the probe and credit tables' contents, the LoRA weights; and
 the ``config_hash`` of the store and of the probe and credit tables (each stage's params, hashed).
@@ -47,7 +47,7 @@ def make_project(code: Path, root: Path, update: dict | None = None) -> Path:
     raw["update"].update(update or {})
     if "min_transitions_per_step" in raw["update"]:
         raw["update"]["min_transitions_per_step"] = 1
-    if "tree" in raw:  # a chain, pinned (issue 45; a checkout before issue 35 has no tree)
+    if "tree" in raw:  # a chain, pinned (a checkout older than the tree rollout has no tree)
         raw["tree"]["enabled"] = False
     (root / "params.yaml").write_text(yaml.safe_dump(raw, sort_keys=False))
     return root

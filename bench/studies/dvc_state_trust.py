@@ -1,5 +1,5 @@
-"""Does ``dvc repro`` take an md5 that the stage itself wrote into DVC's state database? (issue 47: "hashing while
-writing" would need it.)
+"""Does ``dvc repro`` take an md5 that the stage itself wrote into DVC's state database? ("hashing while
+writing", tpgrpo/io/dvc_prehash.py, needs it.)
 
     python -m bench.studies.dvc_state_trust
 

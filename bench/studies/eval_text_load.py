@@ -1,4 +1,4 @@
-"""The eval stages' text-encoder load before and after the eval-prompt cache (issue 22), side by side.
+"""The eval stages' text-encoder load before and after the eval-prompt cache side by side.
 
     python -m bench.studies.eval_text_load --before dacfbc3 --repeats 3 [--model FOLDER] [--threads 2]
 

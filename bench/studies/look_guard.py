@@ -1,5 +1,5 @@
-"""Which iteration of the cheaper arm a planned equal-wall look reads, by a guard fixed before the runs (issue 45's
-third test, results/tree_geneval_k8_issue45/plan.txt): the iteration ``compare equal-wall`` chose
+"""Which iteration of the cheaper arm a planned equal-wall look reads, by a guard fixed before the runs (the
+third test of results/tree_geneval_k8_issue45/plan.txt): the iteration ``compare equal-wall`` chose
 (its ``equal_wall.json``), unless the target's training seconds there exceed the reference's at its budget by
 more than ``--tolerance``; then the target's largest evaluated iteration whose seconds do not exceed them.
 

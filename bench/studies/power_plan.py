@@ -1,5 +1,5 @@
 """How many training seeds and held-out images per prompt a paired verdict needs, from an archived pair of arms
-(issue 45: the equal-wall effect of about +0.012 on `geneval_soft` was not detectable at 6 seeds x 108 prompts
+(the tree's equal-wall effect of about +0.012 on `geneval_soft` was not detectable at 6 seeds x 108 prompts
 x 2 images).
 
     python -m bench.studies.power_plan A_ROOT/ARM B_ROOT/ARM [A2_ROOT/ARM B2_ROOT/ARM ...] --at IA:IB [--effect 0.012]

@@ -1,5 +1,5 @@
 """Held-out reward by the kind of held-out prompt (position, two_objects, counting, single), per arm and iteration:
-where a tree gains or loses against Flow-GRPO on ``geneval_soft`` (issue 45).
+where a tree gains or loses against Flow-GRPO on ``geneval_soft``.
 
     python -m bench.studies.prompt_kinds ROOT/ARM@ITER [ROOT/ARM@ITER ...] [--seeds 0,1,2]
 

@@ -1,4 +1,4 @@
-"""Issue 45 item 5: a tree shape's short training pass, summarised per variant root.
+"""A tree shape's short training pass, summarised per variant root.
 
     python -m bench.studies.shape_pass ROOT [ROOT ...]
 

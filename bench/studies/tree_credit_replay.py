@@ -1,4 +1,4 @@
-"""Offline replay of a tree's credit under both edge returns (issue 35): the stage's ``mean`` against ``ode``.
+"""Offline replay of a tree's credit under both edge returns: the stage's ``mean`` against ``ode``.
 
     python -m bench.studies.tree_credit_replay data/iters/0001/probe.parquet   # a tree run's probe table
     python -m bench.studies.tree_credit_replay                                 # makes one: tree rollout + probe, tiny model

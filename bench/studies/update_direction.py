@@ -1,4 +1,5 @@
-"""Did one update move each trained transition's log-prob the way its advantage says? (issue 35's geneval question)
+"""Did one update move each trained transition's log-prob the way its advantage says? (asked when a tree's
+held-out geneval_soft reward fell as it trained)
 
     python -m bench.studies.update_direction RUN_FOLDER [ITERATION]    # a trained run folder (chain or tree), default 1
 

@@ -1,5 +1,5 @@
 """The update stage's peak memory and wall time with every state in memory (before) and with the states
-read per micro-batch (after, ``tpgrpo.policy.states``), side by side in one run (issue 22).
+read per micro-batch (after, ``tpgrpo.policy.states``), side by side in one run.
 
     python -m bench.studies.update_memory --prompts 64 --group-size 16 --micro-batch 8 --json .cache/update_memory/run.json
 
@@ -43,7 +43,7 @@ def make_project(root: Path, prompts: int, group_size: int, micro_batch: int, pr
     overrides = {"task": {"reward": "jpeg_compressibility"}, "credit": {"mode": "flow_grpo"},
                  "rollout": {"prompts_per_iter": prompts, "group_size": group_size},
                  "update": {"micro_batch": micro_batch}, "launch": {"num_processes": processes},
-                 "tree": {"enabled": False}}  # a chain's update memory (pinned: issue 45 may switch the default)
+                 "tree": {"enabled": False}}  # a chain's update memory (pinned, whatever the default)
     for section, values in overrides.items():
         raw[section].update(values)
     (root / "params.yaml").write_text(yaml.safe_dump(raw, sort_keys=False))

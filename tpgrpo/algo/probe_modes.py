@@ -1,17 +1,17 @@
 """How the probe scores an intermediate state (``probe.completion``), as small pure functions.
 
-Modes (spec section 4 and issue 11):
+Modes (spec section 4):
 - ``exact``: ODE-complete ``z_k`` with the rest of the schedule, ``s_k -> s_{k+1} -> ... -> 0`` (one
   transformer pass per remaining step);
 - ``ode:M``: ODE-complete ``z_k`` with at most M Euler steps on a re-spaced schedule picked from its own
   remaining sigmas (DenseGRPO's 1- and 2-step variants); M >= the remaining steps is ``exact``;
 - ``x0``: score ``x0_hat = z_k - s_k v_k`` with the guided velocity the rollout already computed at ``z_k``
   (Stepwise-Flow-GRPO): no transformer pass at all;
-- ``grid:M`` (issue 34, common grid): one coarse grid of M + 1 nodes shared by every state (schedule steps
+- ``grid:M`` (common grid): one coarse grid of M + 1 nodes shared by every state (schedule steps
   ``respaced_steps(T, M)``: both ends and M - 1 between); ``z_k`` first steps to the next node after it, then
   follows the grid's nodes to 0, so adjacent states share every node after their first and their
   discretisation errors largely cancel in the increment ``Q_{k+1} - Q_k``;
-- ``heun:M`` (issue 34, second order): M steps on the state's own re-spaced schedule as ``ode:M``, each
+- ``heun:M`` (second order): M steps on the state's own re-spaced schedule as ``ode:M``, each
   a Heun step (Euler predictor, trapezoidal corrector with a second pass at the target) except the last
   one, to sigma 0, which stays Euler (as EDM and diffusers' Heun schedulers do): 2M - 1 passes a state;
 - ``heun-grid:M``: the two combined, Heun steps along ``grid:M``'s path.

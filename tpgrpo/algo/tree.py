@@ -1,4 +1,4 @@
-"""The ODE-anchored tree rollout (issue 35): every ODE completion is also a sample of the group.
+"""The ODE-anchored tree rollout: every ODE completion is also a sample of the group.
 
 Per prompt, R roots start from independent seeded noise. At each *split step* (schedule step indices
 ``split_steps``, strictly increasing, all < T - 1) every node spawns one ODE child (the deterministic Euler

@@ -1,4 +1,4 @@
-"""Credit on an ODE-anchored tree (issue 35; spec sections 5-6 run along root-to-leaf paths).
+"""Credit on an ODE-anchored tree (spec sections 5-6 run along root-to-leaf paths).
 
 Input per edge e (E edges, any order): ``Q(parent)``, ``Q(child)`` (each the reward of the leaf reached from
 that node by ODE children: exact, see :mod:`tpgrpo.algo.tree`), ``parent_edge`` (-1 below a root),
@@ -25,10 +25,10 @@ Then, as in :mod:`tpgrpo.algo.credit`: trend ``D = F - Q_0``, aggregated ``B = F
 :func:`tpgrpo.algo.credit.balance_turning_points` within each prompt group (all depths together, as the chain
 balances all window steps of a group). Step reward: ``flow_grpo`` F; ``incremental`` d; ``tp`` /
 ``tp_unconstrained`` B at a kept turning point, else d. Advantages (``tree.baseline``): ``ode_sibling`` (the
-default since issue 45, :func:`sibling_advantages`): each SDE edge's step reward minus its ODE sibling's (the
-deterministic step from the same parent), centred and scaled per depth over the iteration's SDE edges, so the
-trained advantages have mean 0; ``depth_group`` (before, :func:`tree_advantages`): normalised among the nodes
-of the same prompt at the same depth, ODE children included, then 0 on ODE edges, which leaves the trained
+default, :func:`sibling_advantages`): each SDE edge's step reward minus its ODE sibling's (the deterministic
+step from the same parent), centred and scaled per depth over the iteration's SDE edges, so the trained
+advantages have mean 0; ``depth_group`` (the earlier default, :func:`tree_advantages`): normalised among the
+nodes of the same prompt at the same depth, ODE children included, then 0 on ODE edges, which leaves the trained
 ones a shared-sign mean. An ODE edge has no policy and is never trained: its advantage is 0 either way.
 
 :func:`tree_credit_table` is the credit stage's table: from the long ``schemas.PROBE_TREE`` table (rows (edge,
@@ -193,7 +193,7 @@ def sibling_advantages(step_reward: torch.Tensor, depth: torch.Tensor, sde: torc
 
 def tree_advantages(step_reward: torch.Tensor, depth: torch.Tensor, sde: torch.Tensor, group_ids: torch.Tensor,
                     global_std: bool = False, clip: float = 5.0) -> torch.Tensor:
-    """``(E,)`` float64 advantages, ``tree.baseline: depth_group`` (before issue 45):
+    """``(E,)`` float64 advantages, ``tree.baseline: depth_group`` (the earlier default):
     :func:`tpgrpo.algo.advantages.group_advantages` over the nodes of the same prompt at the same depth, ODE
     children included (``global_std``: the prompt group's mean, the std over every node of that depth,
     Flow-GRPO's ``global_std``), clipped to ``[-clip, clip]``; then 0 on ODE edges (no policy). The trained

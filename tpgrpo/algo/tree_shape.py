@@ -1,4 +1,4 @@
-"""A tree rollout's shape and its counts (issue 35): pure Python, so the config loader checks it without torch.
+"""A tree rollout's shape and its counts: pure Python, so the config loader checks it without torch.
 
 Counts are per root, for a schedule of T steps: lineages alive at each step, leaves (samples), edges, SDE edges
 (trained transitions) and transformer rows (passes, x2 with CFG's doubled batch).

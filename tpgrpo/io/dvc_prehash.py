@@ -1,5 +1,5 @@
 """Hashing while writing: the trajectory store hands DVC the md5 of each file it writes, so that ``dvc repro``
-does not read the gigabytes again to hash them (issue 47).
+does not read the gigabytes again to hash them.
 
 Why it is safe to hand DVC a hash: DVC keeps the md5s it computed in a state database keyed by path, inode,
 mtime and size (``Repo.state``), and trusts an entry while those four still match the file on disk. It does not

@@ -186,7 +186,7 @@ class ArraySpec:
 
 
 # Latents are data (tiny: pixels in [-1, 1]; SD3/FLUX: VAE latents of about unit variance) mixed with unit
-# Gaussian noise: honest values stay within about +-10. Damaged floats decode to 1e20-1e27 (issue 25);
+# Gaussian noise: honest values stay within about +-10. Damaged floats decode to 1e20-1e27;
 # anything beyond this bound is damage or a diverged policy, never a state worth training on.
 LATENT_BOUND = 1.0e4
 

@@ -1,4 +1,4 @@
-"""Base weights that stay loaded across the model stages of a run (``launch.resident_model``, issue 47).
+"""Base weights that stay loaded across the model stages of a run (``launch.resident_model``).
 
 Why: every model stage (rollout, probe, update, eval) is its own process and loaded the model folder again:
 3.5 s a load for SD3.5-M on this CPU, about 12 s of a 48 s paper-sized H200 iteration on paper. With the stage

@@ -87,8 +87,8 @@ def optimizer_steps(num_transitions: int, max_steps: int, min_transitions_per_st
 
     Why: AdamW moves each weight by about ``lr`` per step whatever the data behind the step, so a fixed step
     count fitted to a small iteration (a default tree trains ~50 transitions, a chain 576) takes as many
-    full-size steps on much noisier gradients (issue 45: the tree unlearned geneval_soft at 4 steps per
-    iteration). With the defaults (4 steps, 100 transitions) a chain keeps its 4 steps from 400 transitions
+    full-size steps on much noisier gradients (a default tree at 4 steps per iteration unlearned
+    geneval_soft). With the defaults (4 steps, 100 transitions) a chain keeps its 4 steps from 400 transitions
     up; a default tree takes 1. At least one step: an iteration with any data trains on it."""
     if max_steps < 1 or min_transitions_per_step < 1:
         raise ValueError(f"max_steps and min_transitions_per_step must be >= 1, got {max_steps}, "

@@ -1,7 +1,7 @@
 """One iteration's policy step (spec section 7), read top to bottom in :func:`train_iteration`::
 
     for each epoch (a pass over the iteration's trained transitions, reshuffled with its own seed):
-        split them into optimizer steps (``optimizer_steps``: as many as the data carry, issue 45)
+        split them into optimizer steps (``optimizer_steps``: as many as the data carry)
         for each optimizer step:
             for each micro-batch of this process's share of the step's transitions:
                 re-score under the current policy (``rescore``), PPO-clip loss (+ KL), backward
