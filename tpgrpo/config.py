@@ -1,12 +1,11 @@
 """The typed, validated configuration loaded from ``params.yaml``: the one source of what each key means.
 
-``params.yaml`` is the one place values live, one section per concern. Each field below is declared with
-:func:`param`: its meaning, unit, bounds and a note (often how the paper's GPU recipe differs) are written
-there once; the loader checks those bounds, and ``params.yaml``'s comments and ``docs/parameters.md`` are
-generated from the same metadata (``python -m tpgrpo.config_docs``; a test checks that they are current).
-Loading is strict: an unknown key, a missing key, a value of the wrong type or out of range raises
-:class:`ConfigError` with one line naming the key and what is expected.
-"""
+``params.yaml`` is the one place values live, one section per concern. Each field below is declared once with
+:func:`param` (meaning, unit, bounds, a note: often how the paper's GPU recipe differs); the loader checks the
+bounds, and ``params.yaml``'s comments and ``docs/parameters.md`` are generated from the same metadata
+(``python -m tpgrpo.config_docs``; a test checks that they are current). Loading is strict: an unknown or
+missing key, or a value of the wrong type or out of range, raises :class:`ConfigError` with one line naming the
+key and what is expected."""
 
 from __future__ import annotations
 
@@ -27,17 +26,15 @@ from tpgrpo.config_values import RANGE_TEXT, RANGES, ConfigError, build_section 
 # (another device rounds differently) leaves every byte as it was (tpgrpo.comparison.runs.NEUTRAL_KEYS).
 KNOB_KINDS = ("placement", "memory", "hashing", "caching", "bookkeeping")
 KNOB = "An execution knob: not recorded, changing it re-runs nothing (docs/long-runs.md)"
-# The batch sizes are recorded: at some batch shapes a batched pass rounds differently (measured on a CPU).
-BATCH_INPUT = "Recorded, not a mere memory knob: at some sizes batched passes round differently"
-SPECIAL_BOUNDS = ("reward", "completion", "steps", "children")  # a reward spec; a probe completion; step indices
-# (step_list); SDE children per split (child_counts)
+BATCH_INPUT = "Recorded, not a mere memory knob: at some sizes batched passes round differently"  # on a CPU
+SPECIAL_BOUNDS = ("reward", "completion", "steps", "children")  # reward spec, probe completion, step_list, child_counts
 
 
 def param(default: Any, doc: str, unit: str = "", bounds: str | tuple[str, ...] = "", rule: str = "",
           note: str = "", knob: str = "") -> Any:
-    """A params key: its code default and, written once, what it means (``doc``), its ``unit``, its
-    ``bounds`` (checked at load: a tuple of choices, a key of :data:`RANGES` or of :data:`SPECIAL_BOUNDS`),
-    a cross-key ``rule`` (checked by :func:`tpgrpo.config_rules.check_consistency`), a ``note`` (why this value, the paper's)
+    """A params key: its code default and, written once, what it means (``doc``), its ``unit``, its ``bounds``
+    (checked at load: a tuple of choices, a key of :data:`RANGES` or of :data:`SPECIAL_BOUNDS`), a cross-key
+    ``rule`` (checked by :func:`tpgrpo.config_rules.check_consistency`), a ``note`` (why this value, the paper's)
     and, for a key that changes how the work runs but no number, its ``knob`` kind (one of :data:`KNOB_KINDS`)."""
     if knob not in ("", *KNOB_KINDS):
         raise ValueError(f"param knob {knob!r}: expected one of {list(KNOB_KINDS)}")
@@ -69,8 +66,7 @@ class TaskConfig:
 
     train_prompts: str = param("data/prompts/compositional_train.jsonl", "JSONL of training prompt metadata "
                                "(`tpgrpo prompts` writes it)", "path")
-    eval_prompts: str = param("data/prompts/compositional_eval.jsonl", "JSONL of held-out prompts, never "
-                              "trained on", "path")
+    eval_prompts: str = param("data/prompts/compositional_eval.jsonl", "JSONL of prompts never trained on", "path")
     reward: str | dict[str, float] = param("geneval_soft", "training reward", bounds="reward",
                                            note="Continuous, so step increments d_k are rarely exactly 0")
     eval_reward: str | dict[str, float] = param(
@@ -83,24 +79,18 @@ class RewardModelsConfig:
     """Local folders of the reward models (nothing is downloaded) and how they run; "" = not configured."""
 
     device: str = param("cpu", "torch device of the reward models (cuda on a GPU machine); they run in fp32",
-                        knob="placement",
-                        note=f"{KNOB}, as model.device; with several processes, cuda and cuda:N mean each "
-                             "process's own GPU")
-    batch_size: int = param(32, "images per reward-model forward pass", "images", "> 0",
-                            note=f"{BATCH_INPUT} (a tiny CLIP's pickscore: up to 9e-7), so changing it re-runs the "
-                            "stages that score images")
-    pickscore_path: str = param("", "PickScore_v1: a CLIP save_pretrained folder (config.json + weights)",
-                                "path")
-    pickscore_processor_path: str = param("", "its CLIP processor folder (CLIP-ViT-H-14); \"\" = "
-                                          "pickscore_path", "path")
+                        knob="placement", note=f"{KNOB}, as model.device; with several processes, cuda and cuda:N mean "
+                        "each process's own GPU")
+    batch_size: int = param(32, "images per reward-model forward pass", "images", "> 0", note=f"{BATCH_INPUT} (a tiny "
+                            "CLIP's pickscore: up to 9e-7), so changing it re-runs the stages that score images")
+    pickscore_path: str = param("", "PickScore_v1: a CLIP save_pretrained folder (config.json + weights)", "path")
+    pickscore_processor_path: str = param("", "CLIP processor folder (CLIP-ViT-H-14); \"\" = pickscore_path", "path")
     pickscore_divisor: float = param(26.0, "pickscore = 100 * cos(text, image) / divisor", bounds="> 0",
                                      note="Raw PickScore is about 21-23 (Flow-GRPO divides by 26)")
     geneval_detector_path: str = param("", "OWL-ViT / OWLv2 or any AutoModelForObjectDetection "
                                        "save_pretrained folder", "path")
-    geneval_detector_threshold: float = param(0.3, "detection score a box needs", "score", "[0, 1]",
-                                              note="GenEval: 0.3")
-    aesthetic_clip_path: str = param("", "CLIP ViT-L/14 save_pretrained folder (openai/clip-vit-large-patch14)",
-                                     "path")
+    geneval_detector_threshold: float = param(0.3, "box detection threshold", "score", "[0, 1]", note="GenEval: 0.3")
+    aesthetic_clip_path: str = param("", "CLIP ViT-L/14 save_pretrained folder (openai/clip-vit-large-patch14)", "path")
     aesthetic_head_path: str = param("", "LAION aesthetic MLP state dict (.pth / .safetensors, e.g. "
                                      "sac+logos+ava1-l14-linearMSE.pth)", "path")
 
@@ -111,8 +101,7 @@ class RemoteRewardConfig:
 
     url: str = param("", "the server's scoring URL, e.g. http://127.0.0.1:8765/score; \"\" = not configured")
     timeout: float = param(120.0, "time a request may take before it counts as failed", "seconds", "> 0")
-    retries: int = param(3, "extra attempts after a failed request (unreachable, timeout, HTTP 5xx)",
-                         "attempts", ">= 0")
+    retries: int = param(3, "retries after a failed request (unreachable, timeout, HTTP 5xx)", "attempts", ">= 0")
     backoff: float = param(1.0, "wait before the first retry; doubles with each further retry", "seconds", ">= 0")
     batch_size: int = param(64, "images per request", "images", "> 0")
     encoding: str = param("png", "image encoding in a request: png (lossless, smaller) or raw (uint8 bytes, "
@@ -180,13 +169,12 @@ class ProbeConfig:
     batch_size: int = param(128, "states per forward pass during ODE completion", "states", "> 0",
                             note=f"{BATCH_INPUT} (3 vs 8 at 2 threads: probe rewards up to 2.6e-3 apart), so "
                             "changing it re-runs the probe and all that follows")
-    completion: str = param("exact", "how Q_k is scored: exact (the ODE over the rest of the schedule), ode:M "
-                            "(at most M Euler steps, re-spaced; DenseGRPO's 1 or 2), grid:M (Euler steps to the next "
-                            "node of one coarse grid of M steps, then along its nodes, shared by every state), "
-                            "heun:M (M Heun steps, re-spaced), heun-grid:M (Heun steps along grid:M's path) or x0 "
-                            "(z_k - s_k v_k from the rollout's own velocity: no transformer pass). Each transformer "
-                            "mode's first step reuses the rollout's stored velocity", bounds="completion",
-                            note="Under credit.mode flow_grpo the probe loads no model")
+    completion: str = param(
+        "exact", "how Q_k is scored: exact (ODE to the schedule's end), ode:M (at most M Euler steps, re-spaced; "
+        "DenseGRPO's 1 or 2), grid:M (Euler steps to the next node of one coarse grid of M steps, then along its "
+        "nodes, shared by every state), heun:M (M Heun steps, re-spaced), heun-grid:M (Heun steps along grid:M's path) "
+        "or x0 (z_k - s_k v_k from the rollout's velocity: no transformer pass). Each transformer mode's first step "
+        "reuses the stored velocity", bounds="completion", note="Under credit.mode flow_grpo the probe loads no model")
 
 
 @dataclass(frozen=True)
@@ -200,8 +188,7 @@ class CreditConfig:
                          bounds=("group", "none"))
     global_std: bool = param(False, "divide advantages by the std over the whole iteration (per step) instead "
                              "of the prompt group's")
-    adv_clip: float = param(5.0, "advantages clipped to [-adv_clip, adv_clip]", "standard deviations", "> 0",
-                            note="Paper: 5")
+    adv_clip: float = param(5.0, "advantage clip: [-adv_clip, adv_clip]", "standard deviations", "> 0", note="Paper: 5")
 
 
 @dataclass(frozen=True)
@@ -271,20 +258,17 @@ class UpdateConfig:
 class EvalConfig:
     """Held-out evaluation: ODE samples of the eval prompts at the same seeds in every iteration."""
 
-    every: int = param(1, "evaluate after every N-th iteration (0 = never)", "iterations", ">= 0",
-                       note="An eval draws num_prompts x samples_per_prompt images: 216 take about 50 s on 2 "
-                       "cores")
+    every: int = param(1, "evaluate after every N-th iteration (0 = never)", "iterations", ">= 0", note="An eval draws "
+                       "num_prompts x samples_per_prompt images: 216 take about 50 s on 2 cores")
     num_steps: int = param(40, "ODE steps at eval", "steps", "> 0",
                            note="Paper: 40. The default run uses 20 on 2 CPU cores: eval was half its compute")
     guidance_scale: float = param(4.5, "classifier-free guidance scale of eval's samples (and the baseline's, the "
                                   "before/after figure's, report-base's), whatever the rollout's "
-                                  "sampling.guidance_scale", bounds=">= 0",
-                                  note="Paper: 4.5. The default run samples its rollouts without guidance "
-                                  "(DiffusionNFT's setting) and evaluates with it")
+                                  "sampling.guidance_scale", bounds=">= 0", note="Paper: 4.5. The default run samples "
+                                  "its rollouts without guidance (DiffusionNFT's setting) and evaluates with it")
     num_prompts: int = param(32, "held-out prompts evaluated (the first N of task.eval_prompts)", "prompts",
                              "> 0", note="The shipped eval file has 108")
-    samples_per_prompt: int = param(2, "seeds per prompt, the same at every iteration (paired comparison)",
-                                    "samples", "> 0")
+    samples_per_prompt: int = param(2, "seeds per prompt, fixed over iterations (paired comparison)", "samples", "> 0")
     seed: int = param(0, "eval seeds derive from this, not train.seed: runs with other train seeds are scored "
                       "on the same noise", bounds=">= 0")
 
@@ -294,8 +278,7 @@ class TrainConfig:
     """The run: its length, its seed and how finished iterations are sealed."""
 
     iterations: int = param(4, "RL iterations `tpgrpo run` / `dvc repro` trains", "iterations", "> 0")
-    seed: int = param(0, "run seed: each sample's seed derives from (seed, iteration, prompt, sample)",
-                      bounds=">= 0")
+    seed: int = param(0, "run seed: each sample's seed derives from (seed, iteration, prompt, sample)", bounds=">= 0")
     block_size: int = param(25, "finished iterations recorded as ONE sealed DVC stage per block of this many "
                             "(their five stages per iteration leave dvc.yaml); 0 = never seal", "iterations",
                             ">= 0", note="Keeps DVC's work bounded at 1,000 iterations; a param change a sealed "
@@ -324,32 +307,26 @@ class LaunchConfig:
                           "(`srun` + torchrun on every node of the SLURM allocation `tpgrpo run` runs in)",
                           bounds=("accelerate", "torchrun", "slurm"))
     num_processes: int = param(1, "processes per machine (one per GPU); 1 with accelerate or torchrun = plain "
-                               "`tpgrpo stage`, no launcher; 0 = slurm's GPUs per node (SLURM_GPUS_ON_NODE)",
-                               "processes", ">= 0",
+                               "`tpgrpo stage`, no launcher; 0 = SLURM_GPUS_ON_NODE", "processes", ">= 0",
                                rule="> 0 unless launch.launcher is slurm; 1 when launch.config_file is set")
-    num_nodes: int = param(0, "nodes of the SLURM allocation a stage runs on (slurm only); 0 = all of them",
-                           "nodes", ">= 0")
+    num_nodes: int = param(0, "nodes of the SLURM allocation a stage runs on (slurm only); 0 = all", "nodes", ">= 0")
     config_file: str = param("", "accelerate config file (DeepSpeed, a hand-started multi-node run); it sets the "
                              "process count (accelerate only)", "path")
     timeout_s: float = param(1800.0, "time a process waits at a barrier or all-reduce before the stage fails "
                              "(a dead peer)", "seconds", "> 0")
-    stage_server: bool = param(True, "on the CPU (on a GPU too with launch.resident_model) with one process per "
-                               "stage (Linux), stages fork from a server "
-                               "that imported torch/diffusers/transformers/peft once "
-                               "(tpgrpo.pipeline.execution.stage_server); false = each imports its own",
-                               knob="bookkeeping")
+    stage_server: bool = param(True, "on CPU (GPU too with launch.resident_model) with one process per stage (Linux), "
+                               "stages fork from a server that imported torch/diffusers/transformers/peft once "
+                               "(tpgrpo.pipeline.execution.stage_server); false = no server", knob="bookkeeping")
     resident_model: bool = param(False, "the stage server loads the base model once, on the CPU, for the stages "
                                  "to fork with (tpgrpo.models.resident); with model.device cuda it also starts "
                                  "the server for GPU stages, each of which moves its forked copy to the GPU (not "
                                  "yet run on a GPU); false = each stage loads it", knob="bookkeeping")
-    hash_while_writing: bool = param(True, "the rollout takes the md5 of each trajectory-store file while writing "
-                                     "it and hands it to DVC's state database, so `dvc repro` does not read the "
-                                     "store again to hash it (tpgrpo.io.dvc_prehash); false = DVC hashes it",
-                                     knob="hashing")
+    hash_while_writing: bool = param(True, "the rollout takes the md5 of each trajectory-store file while writing it "
+                                     "and hands it to DVC's state database, so `dvc repro` does not read the store "
+                                     "again to hash it (tpgrpo.io.dvc_prehash); false = DVC hashes it", knob="hashing")
     cache_while_writing: bool = param(True, "with hash_while_writing, the rollout also writes each trajectory-store "
                                       "file into DVC's cache under its md5, so `dvc repro` does not copy the store "
-                                      "there (tpgrpo.io.dvc_prehash); false = DVC copies it",
-                                      knob="caching")
+                                      "there (tpgrpo.io.dvc_prehash); false = DVC copies it", knob="caching")
 
 
 @dataclass(frozen=True)
