@@ -1,6 +1,6 @@
 """What re-runs nothing: a comment, a docstring or a param's help text changes no code manifest; a code change
-changes the manifests of the kinds that run it; manifests written before (byte md5s) stay as written until
-their code changes, and say in one line when they move (tpgrpo.pipeline.rendering.code_hash)."""
+changes the manifests of the kinds that run it (tpgrpo.pipeline.rendering.code_hash). Manifests of byte md5s,
+written before: tests/test_migrate.py."""
 
 from __future__ import annotations
 
@@ -8,13 +8,11 @@ import ast
 import json
 from pathlib import Path
 
-import pytest
 from conftest import REPO
 from test_code_manifest import _changed, _copy_code, _manifests
 
 from tpgrpo.pipeline.rendering import code_hash
-from tpgrpo.pipeline.rendering.code_manifest import (KIND_STAGES, check_code, kind_code, manifest_path, manifest_text,
-                                                     refresh_manifests)
+from tpgrpo.pipeline.rendering.code_manifest import KIND_STAGES, kind_code
 
 
 def _replace(path: Path, old: str, new: str) -> None:
@@ -96,34 +94,3 @@ def test_no_stage_reads_what_the_hash_leaves_out():
     from tpgrpo.config import param
 
     assert list(inspect.signature(param).parameters)[:6] == ["default", "doc", "unit", "bounds", "rule", "note"]
-
-
-def test_manifests_written_with_byte_md5s_stay_until_their_code_changes(tmp_path, capsys):
-    """A run folder made before: its manifests (byte md5s, no "hashes" entry) are rewritten by nothing while
-    their code is unchanged, so DVC re-runs nothing; the first code change of a kind moves that kind's manifest
-    to code md5s and says so in one line; the others stay as written."""
-    _copy_code(tmp_path)
-    (tmp_path / "data" / "code").mkdir(parents=True)
-    for kind in KIND_STAGES:
-        (tmp_path / manifest_path(kind)).write_text(manifest_text(tmp_path, kind, None, code_hash.BYTES))
-    old = {kind: (tmp_path / manifest_path(kind)).read_bytes() for kind in KIND_STAGES}
-    assert all("hashes" not in json.loads(text) for text in old.values())
-    assert refresh_manifests(tmp_path) == {} and _manifests(tmp_path) == old
-    for kind in KIND_STAGES:
-        check_code(tmp_path, kind)  # checked by their own md5s
-    assert capsys.readouterr().err == ""
-
-    with open(tmp_path / "tpgrpo" / "algo" / "loss.py", "a") as f:
-        f.write("# a comment: in the byte md5s' format, a change\n")
-    with pytest.raises(Exception, match="data/code/update.json does not match.*tpgrpo/algo/loss.py"):
-        check_code(tmp_path, "update")
-    replaced = refresh_manifests(tmp_path)
-    assert list(replaced) == [tmp_path / manifest_path("update")]
-    err = capsys.readouterr().err
-    assert err.count("\n") == 1 and "data/code/update.json" in err and "update stages re-run" in err, err
-    now = _manifests(tmp_path)
-    assert json.loads(now["update"])["hashes"] == "code" and {k for k in KIND_STAGES if now[k] != old[k]} == {"update"}
-    check_code(tmp_path, "update")
-    with open(tmp_path / "tpgrpo" / "algo" / "loss.py", "a") as f:
-        f.write("# another comment: now nothing\n")
-    assert _manifests(tmp_path) == now and capsys.readouterr().err == ""

@@ -13,7 +13,7 @@ import yaml
 from conftest import REPO, make_tiny_project, tiny_params
 
 from tpgrpo.pipeline.rendering.code_manifest import (ALL_CODE, KIND_STAGES, MANIFEST_PARAMS, RENDER_PARAMS, STAGE_KIND,
-                                                     check_code, kind_code, manifest_path, uses_code_files,
+                                                     check_code, kind_code, manifest_path,
                                                      write_manifests)
 from tpgrpo.config import config_from_dict
 from tpgrpo.pipeline.rendering.dvcfile import render
@@ -174,27 +174,6 @@ def test_a_missing_code_path_is_a_one_line_error(tmp_path):
     assert not (tmp_path / "data" / "code").exists()  # no manifest written: none goes stale beside the others
 
 
-def test_a_project_locked_with_code_files_keeps_that_layout(tmp_path):
-    """Switching an older project to manifests would give every stage a new dependency (DVC would re-run all);
-    its dvc.yaml keeps listing the code files, the lists the stages had before."""
-    cfg = config_from_dict(tiny_params(train={"iterations": 2}))
-    old = {"stages": {"rollout-0001": {"cmd": "tpgrpo stage rollout --iter 1",
-                                       "deps": [{"path": "stages/rollout.py", "md5": "0" * 32}]}}}
-    assert uses_code_files(old) and not uses_code_files({"stages": {}})
-    (tmp_path / "dvc.lock").write_text(yaml.safe_dump(old))
-    stages = render(cfg, tmp_path)["stages"]
-    assert "code" not in stages
-    for name, stage in stages.items():
-        assert not any(dep.startswith("data/code/") for dep in stage["deps"]), name
-        assert set(kind_code(REPO, _kind(name, cfg))) <= set(stage["deps"]), name
-    # no manifest records the probe's code path there: it lists credit.mode, as such a project's lock recorded it
-    assert "credit.mode" in stages["probe-0001"]["params"]
-    (tmp_path / "dvc.lock").unlink()
-    assert "credit.mode" not in render(cfg, tmp_path)["stages"]["probe-0001"]["params"]
-    assert "code" in render(cfg, tmp_path)["stages"]  # a new project: manifests
-    assert not uses_code_files({"stages": {"code": {"cmd": "tpgrpo stage code", "deps": [{"path": "stages/a.py"}]}}})
-
-
 @pytest.mark.slow
 def test_a_code_change_reruns_the_stages_of_its_kind_only(tmp_path, tiny_model_dir):
     """Real DVC, the project's code first on PYTHONPATH (what its manifests hash is what runs): after a run,
@@ -214,7 +193,7 @@ def test_a_code_change_reruns_the_stages_of_its_kind_only(tmp_path, tiny_model_d
 
     run("tpgrpo", "run")
     lock = yaml.safe_load((root / "dvc.lock").read_text())
-    assert not uses_code_files(lock) and "code" in lock["stages"]
+    assert "code" in lock["stages"]
     assert ran(run("dvc", "repro").stdout) == set()
 
     cli = root / "tpgrpo" / "cli.py"
@@ -252,16 +231,62 @@ def test_a_code_change_reruns_the_stages_of_its_kind_only(tmp_path, tiny_model_d
     assert {"code", "eval-0001", "baseline"} <= rerun <= {"code", "summary", "baseline"} | {
         n for n in rerun if n.startswith("eval-")}, rerun
 
-    # a run folder whose manifests hold byte md5s (written before code md5s): recorded as they are, nothing re-runs
+    # a run folder made before code md5s (manifests of byte md5s), then one made before the manifests (code files
+    # as stage dependencies): DVC sees it up to date; tpgrpo refuses it in one line until `tpgrpo migrate`, once,
+    # after which DVC still sees it up to date and `tpgrpo run` re-runs nothing
+    for make_older in (_to_byte_manifests, _to_code_files):
+        make_older(root)
+        run("dvc", "commit", "--force")
+        assert "up to date" in run("dvc", "status").stdout, make_older
+        refused = subprocess.run([sys.executable, "-m", "tpgrpo", "run"], cwd=root, env=own, capture_output=True,
+                                 text=True)
+        assert refused.returncode != 0 and "run `tpgrpo migrate` once" in refused.stdout + refused.stderr
+        assert run("tpgrpo", "migrate").stdout.strip(), make_older
+        assert "up to date" in run("dvc", "status").stdout, make_older
+        assert ran(run("tpgrpo", "run").stdout) == set(), make_older
+        assert all(json.loads((root / manifest_path(k)).read_text())["hashes"] == "code" for k in KIND_STAGES)
+
+
+def _to_byte_manifests(root: Path) -> None:
+    """The manifests as written before code md5s (the caller records them with `dvc commit`)."""
     from tpgrpo.pipeline.rendering.code_hash import BYTES
     from tpgrpo.pipeline.rendering.code_manifest import manifest_text
 
     for kind in KIND_STAGES:
         (root / manifest_path(kind)).write_text(manifest_text(root, kind, None, BYTES))
-    run("dvc", "commit", "--force")
-    again = run("tpgrpo", "run")
-    assert ran(again.stdout) == set() and "byte md5s" not in again.stderr, again.stdout[-2000:] + again.stderr
-    assert all("hashes" not in json.loads((root / manifest_path(k)).read_text()) for k in KIND_STAGES)
+
+
+def _to_code_files(root: Path) -> None:
+    """A finished project as the layout before the manifests left it: no code stage, each stage listing its
+    kind's code files (recorded with their byte md5s), the probe also ``credit.mode`` (its code path)."""
+    import hashlib
+
+    from tpgrpo.pipeline.long_runs.blocks import read_as_dvc, write_yaml
+
+    def files(dep: str) -> list[str]:
+        return kind_code(root, Path(dep).stem) if dep.startswith("data/code/") else [dep]
+
+    def item(path: str) -> dict:
+        data = (root / path).read_bytes()
+        return {"path": path, "hash": "md5", "md5": hashlib.md5(data).hexdigest(), "size": len(data)}
+
+    pipeline, lock = yaml.safe_load((root / "dvc.yaml").read_text()), read_as_dvc(root / "dvc.lock")
+    mode = yaml.safe_load((root / "params.yaml").read_text())["credit"]["mode"]
+    for stages in (pipeline["stages"], lock["stages"]):
+        del stages["code"]
+    for name, stage in pipeline["stages"].items():
+        stage["deps"] = [f for dep in stage["deps"] for f in files(dep)]
+        entry = lock["stages"][name]
+        entry["deps"] = sorted([item(f) for d in entry["deps"] if d["path"].startswith("data/code/")
+                                for f in files(d["path"])] + [d for d in entry["deps"]
+                                                              if not d["path"].startswith("data/code/")],
+                               key=lambda d: d["path"])
+        if name.startswith("probe-"):
+            stage["params"].append("credit.mode")
+            entry["params"]["params.yaml"]["credit.mode"] = mode
+    (root / "dvc.yaml").write_text(yaml.safe_dump(pipeline, sort_keys=False))
+    write_yaml(root / "dvc.lock", lock)
+    shutil.rmtree(root / "data" / "code")
 
 
 def test_the_code_stage_lists_every_param_the_rendering_reads():

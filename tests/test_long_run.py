@@ -1,5 +1,5 @@
 """The long-run machinery behind tpgrpo.pipeline.long_run: a short run (train.block_size 0, nothing sealed)
-renders and repros without importing sealing, the seal cache or the migration of old folders; blocks to seal,
+renders and repros without importing sealing, the seal cache or retention; blocks to seal,
 or a seal file on disk, switch it on."""
 
 from __future__ import annotations
@@ -15,7 +15,7 @@ from tpgrpo.pipeline import long_run
 from tpgrpo.pipeline.long_runs.blocks import SEALS
 
 MACHINERY = ("tpgrpo.pipeline.long_runs.sealing", "tpgrpo.pipeline.long_runs.seal_cache",
-             "tpgrpo.pipeline.long_runs.migrate", "tpgrpo.pipeline.long_runs.retention")
+             "tpgrpo.pipeline.long_runs.retention")
 
 # What `tpgrpo run` calls for a project, in a fresh interpreter: the machinery modules it imported.
 SHORT_RUN = """
@@ -24,6 +24,7 @@ from pathlib import Path
 from tpgrpo import cli  # noqa: F401 - the command line's own imports count too
 from tpgrpo.config import config_from_dict
 from tpgrpo.pipeline import long_run, repro
+from tpgrpo.pipeline.migrate import refuse_older_layout
 root, cfg, notes = Path(sys.argv[1]), config_from_dict(json.loads(sys.argv[2])), []
 pending = long_run.prepare(root, cfg, {}, notes.append)
 ends = long_run.repro_ends(root, cfg, pending)
@@ -31,7 +32,7 @@ for upto in ends:
     long_run.before_repro(root, cfg, {}, upto, notes.append)
     args = repro.repro_args(root, upto)
     long_run.after_repro(root, cfg, upto, notes.append)
-long_run.migrate(root, cfg)
+refuse_older_layout(root)
 print(json.dumps({"ends": ends, "args": args, "notes": notes,
                   "loaded": sorted(m for m in sys.modules if m in %r)}))
 """ % (MACHINERY,)

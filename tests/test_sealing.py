@@ -13,6 +13,7 @@ from conftest import tiny_params
 from tpgrpo.config import ConfigError, config_from_dict
 from tpgrpo.errors import PipelineError
 from tpgrpo.pipeline.rendering.dvcfile import STAGE_PARAMS, block_out_paths, block_stage, iteration_stages, render, write_block_dvcfile
+from tpgrpo.pipeline.migrate import migrate, refuse_older_layout
 from tpgrpo.pipeline.long_runs.sealing import kept_outs, repro_ends, retain, sealable, stage_names, unseal_changed
 from tpgrpo.pipeline.long_runs.blocks import (Block, current_entries, disagreements, full_blocks, param_values,
                                               read_as_dvc, read_lock, write_block_entry, read_seal, write_lock,
@@ -190,8 +191,12 @@ def test_blocks_sealed_in_the_root_lock_move_into_their_own_files_unchanged(tmp_
         _seal(root, cfg, block, lock, old_layout=True)
     write_lock(root, lock)
     entries = {name: dict(entry) for name, entry in lock["stages"].items()}
-    raw = yaml.safe_load((root / "params.yaml").read_text())
-    assert unseal_changed(root, cfg, raw) == {}  # nothing to unseal, but the entries moved
+    with pytest.raises(PipelineError, match="made by an older version.*sealed blocks recorded in the root "
+                       "dvc.lock.*run `tpgrpo migrate` once"):
+        refuse_older_layout(root)  # what tpgrpo run, dvc-yaml, retain and the code stage do first
+    assert migrate(root, cfg) == ["moved the records of iters-0001-0002, iters-0003-0004 into the blocks' own "
+                                  "lock files"]
+    refuse_older_layout(root)
     assert read_lock(root)["stages"] == {"credit-0005": {"cmd": "y"}}
     for block in full_blocks(2, 4):
         assert read_as_dvc(block.lockfile(root))["stages"] == {block.name: entries[block.name]}

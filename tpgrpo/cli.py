@@ -81,11 +81,11 @@ def _render_dvc_yaml(params: Path) -> None:
     from tpgrpo.config import ConfigError, load_config
     from tpgrpo.errors import PipelineError
     from tpgrpo.pipeline.rendering.dvcfile import write_dvc_yaml
-    from tpgrpo.pipeline import long_run
+    from tpgrpo.pipeline.migrate import refuse_older_layout
 
     try:
         cfg = load_config(params)
-        long_run.migrate(Path(params).resolve().parent, cfg)  # a block sealed in the root lock moves out first
+        refuse_older_layout(Path(params).resolve().parent)
         changed = write_dvc_yaml(cfg, Path(params).resolve().parent)
     except (ConfigError, PipelineError) as exc:
         _fail(str(exc))
@@ -130,18 +130,17 @@ def _run_held(params: Path, root: Path, cfg, raw: dict, env: dict) -> None:
     from tpgrpo.pipeline import long_run
     from tpgrpo.pipeline.rendering.code_manifest import manifests_refreshed
     from tpgrpo.pipeline.repro import repro_checked
+    from tpgrpo.pipeline.migrate import refuse_older_layout
 
     try:
+        refuse_older_layout(root)  # before the manifests are refreshed: a project made by an older version
         # a code edit (or a code path's switch) shows in the manifests: the blocks are checked against them,
         # and a refused run puts them back (a refused run changes nothing)
         with manifests_refreshed(root, cfg):
             pending = long_run.prepare(root, cfg, raw, typer.echo)  # structural changes at once, the rest later
     except (ConfigError, PipelineError) as exc:
         _fail(str(exc))
-    try:  # each repro renders dvc.yaml through its own end: no render of the whole run before the first
-        long_run.migrate(root, cfg)  # a block sealed in the root lock moves out first
-    except PipelineError as exc:
-        _fail(str(exc))
+    # each repro renders dvc.yaml through its own end: no render of the whole run before the first
     note = clear_stale_lock(root)  # a killed, not yet reaped run's lock would block `dvc repro`
     if note:
         typer.echo(note)
@@ -184,12 +183,33 @@ def retain_command(params: ParamsOpt = Path("params.yaml"),
     from tpgrpo.config import ConfigError, load_config
     from tpgrpo.errors import PipelineError
     from tpgrpo.pipeline.long_runs.sealing import retain
+    from tpgrpo.pipeline.migrate import refuse_older_layout
 
     try:
+        refuse_older_layout(Path(params).resolve().parent)
         dropped = retain(Path(params).resolve().parent, load_config(params), gc=gc, note=typer.echo)
     except (ConfigError, PipelineError) as exc:
         _fail(str(exc))
     typer.echo(f"dropped {len(dropped)} artifacts" + (f" (first: {dropped[0]})" if dropped else ""))
+
+
+@app.command("migrate")
+def migrate_command(params: ParamsOpt = Path("params.yaml")) -> None:
+    """Bring a project made by an older version of tpgrpo to this version's layout, once: records of stages
+    whose code is unchanged are kept (nothing re-runs); a line for each change. Holds the run lock and DVC's."""
+    from tpgrpo.config import ConfigError, load_config
+    from tpgrpo.errors import PipelineError
+    from tpgrpo.pipeline.migrate import migrate
+
+    root = Path(params).resolve().parent
+    with ExitStack() as held:
+        _hold_rendering(held, root)
+        try:
+            notes = migrate(root, load_config(params))
+        except (ConfigError, PipelineError) as exc:
+            _fail(str(exc))
+    for line in notes or ["already in this version's layout: nothing to do"]:
+        typer.echo(line)
 
 
 @app.command("prompts")

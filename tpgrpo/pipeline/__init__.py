@@ -6,10 +6,11 @@
   launchers of multi-process stages, the watch on a long-lived process's code);
 - ``dvc_integration/``: DVC's own files and tpgrpo's patches of DVC (atomic writes, a stage's lock block, the
   locks, the params a stage read against what DVC records);
-- ``long_runs/``: sealed blocks of iterations, their seal cache, retention and the migration of older projects.
+- ``long_runs/``: sealed blocks of iterations, their seal cache and retention.
 
 The faces: ``repro`` (``tpgrpo run``'s repro), ``status`` (``tpgrpo status`` and the stage records),
-``long_run`` (what a run calls of the long-run machinery; a short run imports none of ``long_runs/``).
+``long_run`` (what a run calls of the long-run machinery; a short run imports none of ``long_runs/``), and
+``migrate`` (``tpgrpo migrate``, once, for a project an older version made).
 
 Stage code (``stages/``, and what it imports) never imports this package, so no stage's code manifest lists
 a file of it and an edit here re-runs no stage (``tests/test_code_manifest.py`` checks every closure). Code

@@ -1,12 +1,12 @@
 """The long-run machinery behind one small interface: what ``tpgrpo run`` asks of sealing (each finished block
 of ``train.block_size`` iterations sealed into one DVC stage), unsealing what a change reaches, the seal cache,
-vouching for sealed files, and moving blocks sealed by older versions out of the root lock.
+and vouching for sealed files.
 
 ``tpgrpo run`` is :func:`prepare`, then for each ``upto`` of :func:`repro_ends`: :func:`before_repro`, one
 ``dvc repro`` of dvc.yaml rendered through ``upto`` (:mod:`tpgrpo.pipeline.repro`), :func:`after_repro`. A short
 run (``train.block_size`` 0 and nothing sealed on disk: :func:`active` is False) is one render and one repro:
 each call returns at once and none of the machinery (:mod:`tpgrpo.pipeline.long_runs.sealing`, ``seal_cache``,
-``migrate``) is imported. docs/long-runs.md says why it exists.
+``retention``) is imported. docs/long-runs.md says why it exists.
 """
 
 from __future__ import annotations
@@ -81,17 +81,3 @@ def after_repro(root: Path, cfg: Config, upto: int, note: Callable[[str], None])
     sealed = seal_finished(root, cfg, upto, note=note)
     if sealed:
         note(f"sealed {', '.join(b.name for b in sealed)} (one DVC stage per block from now on)")
-
-
-def migrate(root: Path, cfg: Config) -> list:
-    """Move the entries of blocks sealed by older versions (in the root dvc.lock) into the blocks' own lock
-    files before dvc.yaml is rendered without them; the blocks moved. First removes what an interrupted
-    unsealing left (a block's pipeline file without its seal would list its outputs twice once rendered)."""
-    from tpgrpo.pipeline.long_runs.blocks import seal_files
-
-    _sweep(root)
-    if not seal_files(root):
-        return []
-    from tpgrpo.pipeline.long_runs.migrate import migrate_if_needed
-
-    return migrate_if_needed(root, cfg)

@@ -144,14 +144,17 @@ def code_stage(params: ParamsOpt = Path("params.yaml")) -> None:
     """Write data/code/<kind>.json: the md5 of every code file each kind of stage runs (its dependency)."""
     from tpgrpo.config import ConfigError, load_config
     from tpgrpo.pipeline.rendering.code_manifest import write_manifests
+    from tpgrpo.errors import PipelineError
+    from tpgrpo.pipeline.migrate import refuse_older_layout
     from tpgrpo.pipeline.rendering.dvcfile import check_rendered
 
     root = Path(params).resolve().parent
     try:
         cfg = load_config(params)
+        refuse_older_layout(root)  # rewriting its manifests would re-run every stage
         check_rendered(cfg, root)
         write_manifests(root, cfg)
-    except (FileNotFoundError, ConfigError) as exc:
+    except (FileNotFoundError, ConfigError, PipelineError) as exc:
         fail(str(exc))
 
 

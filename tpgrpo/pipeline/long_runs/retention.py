@@ -102,12 +102,10 @@ def retain(root: Path, cfg: Config, gc: bool = True, note: Callable[[str], None]
     throughout (:func:`dvc_lock_held`). Returns the dropped paths."""
     from tpgrpo.pipeline.rendering.dvcfile import write_block_dvcfile
 
-    from tpgrpo.pipeline.long_runs.migrate import migrate_sealed_entries
 
     with dvc_lock_held(root) as repo:
         # before anything changes: a git that cannot list the other commits' records stops retain here (one line)
         committed = committed_oids(root) if gc and _own_cache(repo) else set()
-        migrate_sealed_entries(root, cfg)  # a block sealed before blocks had their own files
         lock, files = read_lock(root), seal_files(root)
         blocks = [b for b in full_blocks(cfg.train.block_size, cfg.train.iterations) if b in files]
         last_done = last_finished(cfg, lock, blocks)

@@ -44,7 +44,6 @@ from tpgrpo.pipeline.rendering.dvcfile import (block_out_paths, block_stage, ite
 # dvc_env is re-exported (benches)
 from tpgrpo.pipeline.dvc_integration.dvc_atomic import dvc_env, run_dvc as dvc  # noqa: F401
 from tpgrpo.pipeline.dvc_integration.dvclock import dvc_lock_held
-from tpgrpo.pipeline.long_runs.migrate import _unmigrated, migrate_if_needed, migrate_sealed_entries  # noqa: F401
 from tpgrpo.pipeline.long_runs.seal_cache import vouch
 from tpgrpo.pipeline.long_runs.retention import (DROPPABLE, dropped_outs, free_cache, kept_outs,  # noqa: F401
                                                  remove_path, retain)  # (re-exported: retention's home was this module)
@@ -264,10 +263,9 @@ def unseal_changed(root: Path, cfg: Config, raw_params: dict | None = None,
     if not seal_files(root):
         return {}
     params = read_as_dvc(root / "params.yaml") if raw_params is None else raw_params
-    if not stale_seals(root, cfg, params, upto) and not _unmigrated(root):
+    if not stale_seals(root, cfg, params, upto):
         return {}  # nothing to edit: no need for DVC's lock
     with dvc_lock_held(root):
-        migrate_sealed_entries(root, cfg)
         todo = stale_seals(root, cfg, params, upto)
         entries = check_records(root, todo)
         if todo:

@@ -17,8 +17,8 @@ the versions of the libraries the stages run on. Under DVC a stage refuses to ru
 match the files and versions that would run, or when the modules that run are not the project's recorded
 code (:func:`check_stage_code`): an edit, an upgrade or another checkout is never recorded as code it ran.
 
-Projects whose ``dvc.lock`` was written with code files as stage dependencies keep that layout
-(:func:`uses_code_files`): switching would change every stage's dependencies and DVC would re-run them all.
+Projects made before the manifests (code files as stage dependencies) or before code md5s (manifests of byte
+md5s) are brought to this layout once by ``tpgrpo migrate`` (:mod:`tpgrpo.pipeline.migrate`).
 """
 
 from __future__ import annotations
@@ -104,10 +104,9 @@ def manifest_path(kind: str) -> str:
     return f"{CODE_DIR}/{kind}.json"
 
 
-def code_deps(kind: str, manifests: bool) -> list[str]:
-    """A stage's code dependencies: its kind's manifest, or (``manifests`` False: a project of the older
-    layout) the code paths themselves."""
-    return [manifest_path(kind)] if manifests else kind_code(REPO, kind)
+def code_deps(kind: str) -> list[str]:
+    """A stage's code dependencies: its kind's manifest."""
+    return [manifest_path(kind)]
 
 
 def manifest(root: Path, kind: str, cfg=None, hashes: str = CODE) -> dict:
@@ -147,41 +146,9 @@ def manifest_text(root: Path, kind: str, cfg=None, hashes: str = CODE) -> str:
     return json.dumps(manifest(root, kind, cfg, hashes), indent=1, sort_keys=True) + "\n"
 
 
-def _hashes_of(recorded: dict) -> str:
-    """How a recorded manifest hashed its files (older manifests have no entry: their bytes)."""
-    return recorded.get("hashes", BYTES)
-
-
-def _texts(root: Path, cfg=None) -> tuple[dict[str, str], list[str]]:
-    """Each kind's manifest text, and the kinds whose manifest moves from byte md5s to code md5s. A manifest
-    written before code md5s existed stays as it is while every file and library it records is unchanged (its
-    stages are then up to date: nothing re-runs for the new format); it moves to code md5s once its code
-    changes, when its stages re-run anyway (even for a comment, that one time)."""
-    texts, moved = {}, []
-    for kind in KIND_STAGES:
-        path = root / manifest_path(kind)
-        old = path.read_text() if path.is_file() else None
-        try:
-            older = old is not None and _hashes_of(json.loads(old)) == BYTES
-        except ValueError:
-            older = False
-        if older and manifest_text(root, kind, cfg, BYTES) == old:
-            texts[kind] = old
-            continue
-        texts[kind] = manifest_text(root, kind, cfg)
-        if older:
-            moved.append(kind)
-    return texts, moved
-
-
-def _say_moved(moved: list[str]) -> None:
-    """One line on the kinds whose manifests moved to code md5s (why their stages re-run)."""
-    if moved:
-        import sys
-
-        print(f"tpgrpo: {', '.join(manifest_path(k) for k in moved)}: code or libraries changed since written with "
-              "byte md5s; now written with code md5s (comments, docstrings and help text left out), so the "
-              f"{', '.join(moved)} stages re-run", file=sys.stderr, flush=True)
+def _texts(root: Path, cfg=None) -> dict[str, str]:
+    """Each kind's manifest text."""
+    return {kind: manifest_text(root, kind, cfg) for kind in KIND_STAGES}
 
 
 def write_manifests(root: Path, cfg=None) -> list[Path]:
@@ -189,8 +156,7 @@ def write_manifests(root: Path, cfg=None) -> list[Path]:
     temporary file and renamed); returns them. A manifest's bytes change exactly when the code of a file of
     its kind's changes (not a comment, a docstring or a param's help text:
     :mod:`tpgrpo.pipeline.rendering.code_hash`)."""
-    texts, moved = _texts(root, cfg)
-    _say_moved(moved)
+    texts = _texts(root, cfg)
     from tpgrpo.io.artifacts import atomic_path
 
     written = []
@@ -210,8 +176,7 @@ def refresh_manifests(root: Path, cfg=None) -> dict[Path, tuple[bytes, int] | No
     from tpgrpo.io.artifacts import atomic_path
 
     replaced = {}
-    texts, moved = _texts(root, cfg)
-    _say_moved(moved)
+    texts = _texts(root, cfg)
     for kind, text in texts.items():
         path = root / manifest_path(kind)
         if not path.is_file() or path.read_text() != text:
@@ -253,7 +218,7 @@ def check_code(root: Path, kind: str, cfg=None) -> None:
     if not path.is_file():
         return
     recorded = json.loads(path.read_text())
-    now = manifest(root, kind, cfg, _hashes_of(recorded))
+    now = manifest(root, kind, cfg)
     changed = sorted(f for f in set(recorded.get("files", {})) | set(now["files"])
                      if recorded.get("files", {}).get(f) != now["files"].get(f))
     was = recorded.get("libraries", {})
@@ -312,7 +277,7 @@ def check_running_code(root: Path, kind: str) -> None:
     whole = json.loads((root / manifest_path(kind)).read_text())
     recorded = whole.get("files", {})
     try:
-        files = _hashes(running, kind_code(running, kind), kind, _hashes_of(whole))
+        files = _hashes(running, kind_code(running, kind), kind)
     except FileNotFoundError:
         files = {}
     differ = sorted(f for f in set(recorded) | set(files) if recorded.get(f) != files.get(f))
@@ -333,13 +298,3 @@ def code_stage() -> dict:
     changes)."""
     return {"cmd": "tpgrpo stage code", "deps": ALL_CODE, "params": [*RENDER_PARAMS, *MANIFEST_PARAMS],
             "outs": [{manifest_path(kind): {"cache": False}} for kind in KIND_STAGES]}
-
-
-def uses_code_files(lock: dict) -> bool:
-    """Whether a ``dvc.lock`` (as a mapping) comes from the older layout: a stage lists a file under
-    ``stages/`` as a dependency (every stage did, its own module)."""
-    for entry in (lock.get("stages") or {}).values():
-        if entry.get("cmd") != code_stage()["cmd"] and any(
-                str(dep.get("path", "")).startswith("stages/") for dep in entry.get("deps") or []):
-            return True
-    return False

@@ -14,10 +14,10 @@ from pathlib import Path
 import yaml
 
 from tpgrpo.pipeline.long_runs.block_logs import digest_path
-from tpgrpo.pipeline.rendering.code_manifest import code_deps, code_stage, uses_code_files
+from tpgrpo.pipeline.rendering.code_manifest import code_deps, code_stage
 from tpgrpo.config import Config, ConfigError
 from tpgrpo.reports import figure_names  # not .figures: it imports stage_common, which imports this
-from tpgrpo.pipeline.long_runs.blocks import Block, full_blocks, read_lock, seal_files, sealed_outs, write_text_atomic
+from tpgrpo.pipeline.long_runs.blocks import Block, full_blocks, seal_files, sealed_outs, write_text_atomic
 from tpgrpo.stage_params import (EVAL_CURVE, EVAL_EMBEDS, GLANCE, MULTI_PROCESS_STAGES, REWARD_PARAMS,  # noqa: F401
                                  STAGE_LOGS, ITERATION_STAGES, PATH_SWITCHES, RUN_STAGES, STAGE_PARAMS,  # re-exported
                                  TRAIN_CURVE, RunOutput, RunStage, stage_inputs)
@@ -84,17 +84,9 @@ def stage_command(cfg: Config, name: str, iteration: int | None = None) -> str: 
     return "tpgrpo stage " + name + ("" if iteration is None else f" --iter {iteration}")
 
 
-def path_params(kind: str, cfg: Config, manifests: bool) -> list[str]:
-    """The params a stage of ``kind`` lists: :func:`tpgrpo.stage_params.stage_inputs`; in a project of the
-    older layout (no code manifests to record a code path), also the key that picks its code path
-    (``credit.mode`` for the probe), as such a project's dvc.lock recorded it."""
-    keys = stage_inputs(kind, cfg)
-    return keys if manifests or kind not in PATH_SWITCHES else [*keys, PATH_SWITCHES[kind][0]]
-
-
-def iteration_stages(cfg: Config, i: int, manifests: bool = True) -> dict[str, dict]:
+def iteration_stages(cfg: Config, i: int) -> dict[str, dict]:
     """The rollout, probe, credit, update and eval stages of iteration ``i``; each depends on its kind's
-    code manifest (``manifests`` False: on the code files, the layout of older projects)."""
+    code manifest."""
     d = _iter_dir(i)
     # A stage's JSON log is an output (small; eval's uncached like its table): DVC's run cache, which restores
     # a stage it has seen with these deps and params instead of running it, restores the log with the tables
@@ -104,15 +96,15 @@ def iteration_stages(cfg: Config, i: int, manifests: bool = True) -> dict[str, d
     # sidecar (tpgrpo.io.stage_logs), so DVC sees nothing changed.
     # Every credit mode has the same stages, so that `dvc exp run -S credit.mode=...` runs what `tpgrpo run`
     # renders: Flow-GRPO's probe loads no model and writes Q_k = R_fin from the rollout (stages/probe.py). The
-    # probe does not list credit.mode: its manifest records whether the mode is flow_grpo (path_params).
+    # probe does not list credit.mode: its manifest records whether the mode is flow_grpo.
     stages: dict[str, dict] = {}
     for stage in ITERATION_STAGES:
         previous = [f"{_iter_dir(i - 1)}/policy"] if stage.previous_policy and i > 1 else []  # 0: the base model
-        deps = [*code_deps(stage.name, manifests), *(p for name in stage.external for p in EXTERNAL[name](cfg)),
+        deps = [*code_deps(stage.name), *(p for name in stage.external for p in EXTERNAL[name](cfg)),
                 *(f"{d}/{name}" for name in stage.inputs), *previous]
         outs = [f"{d}/{out.name}" if out.cached else _uncached(f"{d}/{out.name}") for out in stage.outputs]
         stages[f"{stage.name}-{i:04d}"] = {"cmd": stage_command(cfg, stage.name, i),
-                                           "params": path_params(stage.name, cfg, manifests), "deps": deps,
+                                           "params": stage_inputs(stage.name, cfg), "deps": deps,
                                            "outs": outs}
     return stages  # in pipeline order
 
@@ -125,11 +117,11 @@ def _covered(key: str, keys: list[str]) -> bool:
     return any(key.startswith(k + ".") for k in keys)
 
 
-def block_stage(cfg: Config, block: Block, outs: list[str] | None = None, manifests: bool = True) -> dict:
+def block_stage(cfg: Config, block: Block, outs: list[str] | None = None) -> dict:
     """One stage for a sealed block: the union of its iterations' params and of their deps from outside
     the block, the block's artifacts (only ``outs`` when given: what retention kept) as outputs, and a
     command that re-runs the block's stages in order (``tpgrpo block``)."""
-    inner = [st for i in block.iterations for st in iteration_stages(cfg, i, manifests).values()]
+    inner = [st for i in block.iterations for st in iteration_stages(cfg, i).values()]
     produced = {_out_path(o) for st in inner for o in st["outs"]}
     params = list(dict.fromkeys(p for st in inner for p in st["params"]))
     deps = dict.fromkeys(d for st in inner for d in st["deps"] if d not in produced)
@@ -164,9 +156,8 @@ def render(cfg: Config, root: Path | None = None, upto: int | None = None) -> di
     ``upto`` < train.iterations: only iterations 1..upto and no summary (``tpgrpo run`` trains block by
     block, sealing each before the next, so that DVC's dvc.lock, rewritten after every stage, stays small)."""
     last = cfg.train.iterations if upto is None else upto
-    manifests = not (root and uses_code_files(read_lock(root)))  # an older project keeps its layout
-    stages: dict[str, dict] = {"code": code_stage()} if manifests else {}
-    stages.update({stage.name: run_stage_entry(cfg, stage, manifests) for stage in RUN_STAGES
+    stages: dict[str, dict] = {"code": code_stage()}
+    stages.update({stage.name: run_stage_entry(cfg, stage) for stage in RUN_STAGES
                    if not stage.after_iterations})  # the held-out prompts' embeddings, the baseline
     blocks = [b for b in full_blocks(cfg.train.block_size, cfg.train.iterations) if b.last <= last]
     if root:
@@ -175,9 +166,9 @@ def render(cfg: Config, root: Path | None = None, upto: int | None = None) -> di
     in_sealed = {i for block in sealed for i in block.iterations}  # each in its own pipeline file (block_dvcfile)
     open_iters = [i for i in iterations(cfg) if i not in in_sealed and i <= last]
     for i in open_iters:
-        stages.update(iteration_stages(cfg, i, manifests))
+        stages.update(iteration_stages(cfg, i))
     if last == cfg.train.iterations:
-        stages["summary"] = summary_stage(cfg, open_iters, list(sealed), manifests)
+        stages["summary"] = summary_stage(cfg, open_iters, list(sealed))
     return {"stages": stages, "plots": PLOTS}
 
 
@@ -185,13 +176,13 @@ def _run_output(out: RunOutput) -> str | dict:
     return out.path if out.cached else _uncached(out.path)
 
 
-def run_stage_entry(cfg: Config, stage: RunStage, manifests: bool = True) -> dict:
+def run_stage_entry(cfg: Config, stage: RunStage) -> dict:
     """dvc.yaml's entry of a run-level stage, from its record (:data:`tpgrpo.stage_params.RUN_STAGES`): its
     command, params, deps (its kind's code manifest, its external deps, the other run-level stages' outputs it
     reads) and outputs."""
-    deps = [*code_deps(stage.kind, manifests), *(p for name in stage.external for p in EXTERNAL[name](cfg)),
+    deps = [*code_deps(stage.kind), *(p for name in stage.external for p in EXTERNAL[name](cfg)),
             *stage.inputs]
-    return {"cmd": stage_command(cfg, stage.name), "params": path_params(stage.name, cfg, manifests),
+    return {"cmd": stage_command(cfg, stage.name), "params": stage_inputs(stage.name, cfg),
             "deps": deps, "outs": [_run_output(out) for out in stage.outputs]}
 
 
@@ -200,12 +191,12 @@ def _record(name: str) -> RunStage:
     return next(stage for stage in RUN_STAGES if stage.name == name)
 
 
-def summary_stage(cfg: Config, open_iters: list[int], sealed: list[Block], manifests: bool = True) -> dict:
+def summary_stage(cfg: Config, open_iters: list[int], sealed: list[Block]) -> dict:
     """Metrics, curves and figures of the whole run. It reads every iteration's stage JSON and eval table;
     as DVC deps it lists them for open iterations only and, per sealed block, the block's log digest (the md5
     of each of those files, rewritten whenever the block runs), so its dependency count does not grow with the
     run."""
-    entry = run_stage_entry(cfg, _record("summary"), manifests)  # its record's parts, then the run's
+    entry = run_stage_entry(cfg, _record("summary"))  # its record's parts, then the run's
     # The stage JSONs: outputs of their stages (see iteration_stages).
     per_iter = [f"{_iter_dir(i)}/{name}.json" for i in open_iters for name in STAGE_LOGS]
     evals = [f"{_iter_dir(i)}/eval.parquet" for i in open_iters]
@@ -255,17 +246,16 @@ BLOCK_HEADER = ("# A sealed block of iterations, written by `tpgrpo run` (tpgrpo
                 "# lies beside it. Paths are the project root's (wdir).\n")
 
 
-def block_dvcfile_text(cfg: Config, block: Block, outs: list[str] | None = None, manifests: bool = True) -> str:
+def block_dvcfile_text(cfg: Config, block: Block, outs: list[str] | None = None) -> str:
     """The pipeline file of a sealed block: its one stage (:func:`block_stage`), run from the project root."""
-    stage = {"wdir": "../../..", **block_stage(cfg, block, outs, manifests)}
+    stage = {"wdir": "../../..", **block_stage(cfg, block, outs)}
     return BLOCK_HEADER + yaml.dump({"stages": {block.name: stage}}, Dumper=_NoAliasDumper, sort_keys=False,
                                     default_flow_style=False, width=120)
 
 
 def write_block_dvcfile(cfg: Config, root: Path, block: Block, outs: list[str] | None = None) -> bool:
     """Write ``data/seals/NNNN-MMMM/dvc.yaml`` if its content changed; returns whether it did."""
-    manifests = not uses_code_files(read_lock(root))  # an older project keeps its layout
-    text = block_dvcfile_text(cfg, block, outs, manifests)
+    text = block_dvcfile_text(cfg, block, outs)
     path = block.dvcfile(root)
     if path.is_file() and path.read_text() == text:
         return False
