@@ -125,16 +125,45 @@ def _provenance_refusal(runs: list[dict], existing: list[dict], accept: str) -> 
 def add_to_archive(root: Path, dest: Path, accept: str = "") -> dict:
     """Add the runs of ``root`` to the archive ``dest`` (replaced through a temporary copy): more training seeds
     of the archived comparison, trained later. Refused with one line where ``dest`` is no archive, already has
-    one of the runs, a run is unfinished, a run's params differ from its variant's archived runs in more than the seed and the
-    iteration count, or (unless ``accept`` gives a reason, recorded) any run differs from the archived ones in
-    machine or numeric code, or has no record of them. ``root``'s command lines are appended to commands.txt and its code snapshot kept as
-    ``code/SNAPSHOT-<k>.json`` (k = 2, 3, ...); ``ARCHIVE.json`` lists the addition under ``added``."""
+    one of the runs, a run is unfinished, a run's params differ from its variant's archived runs in more than
+    the seed and the iteration count, or (unless ``accept`` gives a reason, recorded) any run differs from the
+    archived ones in machine or numeric code, or has no record of them. ``root``'s command lines are appended
+    to commands.txt and its code snapshot kept as ``code/SNAPSHOT-<k>.json`` (k = 2, 3, ...); ``ARCHIVE.json``
+    lists the addition under ``added``."""
     from tpgrpo.io.artifacts import atomic_path
 
     from tpgrpo.comparison import compact
-    from tpgrpo.comparison.store import EVALS_TABLE, RUNS_TABLE, is_compact
 
     root, dest = Path(root), Path(dest)
+    runs = _addable_runs(root, dest, accept)
+    record = json.loads((dest / MARKER).read_text())
+    files, held = compact.result_files(root), compact.held_files(dest)
+    new_runs, new_evals = compact.tables_of(root)
+    with atomic_path(dest) as tmp:
+        shutil.copytree(dest, tmp)
+        _append_tables(tmp, dest, new_runs, new_evals)
+        _append_commands(tmp, root)
+        snapshot = _keep_snapshot(tmp, root, record)
+        for rel in ("load_cost.json",):  # measured on the added root where the archive has none
+            if (root / rel).is_file() and not (tmp / rel).is_file():
+                shutil.copy2(root / rel, tmp / rel)
+        added = {"source": str(root), "time": time.strftime("%Y-%m-%d %H:%M:%S"), "runs": len(runs),
+                 "files": len(files), "bytes": sum((root / rel).stat().st_size for rel in files),
+                 "snapshot": str(snapshot.relative_to(tmp)), **({"accepted": accept} if accept else {})}
+        record["added"] = [*record.get("added", []), added]
+        (tmp / MARKER).write_text(json.dumps(record, indent=2, sort_keys=True) + "\n")
+        compact.check_same(root, tmp, files)
+        if compact.held_files(tmp) != sorted([*held, *files]):
+            raise PipelineError(f"{dest}: would hold other result files than it and {root}: nothing added")
+    store.forget()
+    return added
+
+
+def _addable_runs(root: Path, dest: Path, accept: str) -> list[dict]:
+    """``root``'s runs, after the checks :func:`add_to_archive` makes before it writes anything (each refusal
+    one line)."""
+    from tpgrpo.comparison.store import is_compact
+
     if not is_archive(dest):
         raise PipelineError(f"--to {dest}: not an archive ({MARKER} missing): archive a root there first")
     if not is_compact(dest):
@@ -154,36 +183,37 @@ def add_to_archive(root: Path, dest: Path, accept: str = "") -> dict:
     why = _provenance_refusal(runs, existing, accept)
     if why:
         raise PipelineError(f"{why}: nothing added")
-    record = json.loads((dest / MARKER).read_text())
-    files, held = compact.result_files(root), compact.held_files(dest)
-    new_runs, new_evals = compact.tables_of(root)
-    with atomic_path(dest) as tmp:
-        shutil.copytree(dest, tmp)
-        old_runs, old_evals = (pd.read_parquet(dest / name) for name in (RUNS_TABLE, EVALS_TABLE))
-        compact.write_tables(tmp, pd.concat([old_runs, new_runs], ignore_index=True).sort_values(
-            ["variant", "seed", "iteration"], kind="stable", ignore_index=True),
-            pd.concat([old_evals, new_evals], ignore_index=True))
-        lines = (tmp / "commands.txt").read_text().splitlines() if (tmp / "commands.txt").is_file() else []
-        lines += [x for x in (root / "commands.txt").read_text().splitlines() if x not in lines] \
-            if (root / "commands.txt").is_file() else []
-        (tmp / "commands.txt").write_text("\n".join(lines) + "\n")
-        snapshot = tmp / "code" / f"SNAPSHOT-{len(record.get('added', [])) + 2}.json"
-        if (root / "code" / "SNAPSHOT.json").is_file():
-            snapshot.parent.mkdir(exist_ok=True)
-            copy_snapshot(root, snapshot)
-        for rel in ("load_cost.json",):  # measured on the added root where the archive has none
-            if (root / rel).is_file() and not (tmp / rel).is_file():
-                shutil.copy2(root / rel, tmp / rel)
-        added = {"source": str(root), "time": time.strftime("%Y-%m-%d %H:%M:%S"), "runs": len(runs),
-                 "files": len(files), "bytes": sum((root / rel).stat().st_size for rel in files),
-                 "snapshot": str(snapshot.relative_to(tmp)), **({"accepted": accept} if accept else {})}
-        record["added"] = [*record.get("added", []), added]
-        (tmp / MARKER).write_text(json.dumps(record, indent=2, sort_keys=True) + "\n")
-        compact.check_same(root, tmp, files)
-        if compact.held_files(tmp) != sorted([*held, *files]):
-            raise PipelineError(f"{dest}: would hold other result files than it and {root}: nothing added")
-    store.forget()
-    return added
+    return runs
+
+
+def _append_tables(tmp: Path, dest: Path, new_runs: pd.DataFrame, new_evals: pd.DataFrame) -> None:
+    """Write into ``tmp`` the archive ``dest``'s run and eval tables with the new rows appended (the runs'
+    rows sorted by variant, seed and iteration)."""
+    from tpgrpo.comparison import compact
+    from tpgrpo.comparison.store import EVALS_TABLE, RUNS_TABLE
+
+    old_runs, old_evals = (pd.read_parquet(dest / name) for name in (RUNS_TABLE, EVALS_TABLE))
+    compact.write_tables(tmp, pd.concat([old_runs, new_runs], ignore_index=True).sort_values(
+        ["variant", "seed", "iteration"], kind="stable", ignore_index=True),
+        pd.concat([old_evals, new_evals], ignore_index=True))
+
+
+def _append_commands(tmp: Path, root: Path) -> None:
+    """Append to ``tmp``'s commands.txt the command lines of ``root``'s that it does not have yet."""
+    lines = (tmp / "commands.txt").read_text().splitlines() if (tmp / "commands.txt").is_file() else []
+    lines += [x for x in (root / "commands.txt").read_text().splitlines() if x not in lines] \
+        if (root / "commands.txt").is_file() else []
+    (tmp / "commands.txt").write_text("\n".join(lines) + "\n")
+
+
+def _keep_snapshot(tmp: Path, root: Path, record: dict) -> Path:
+    """Copy ``root``'s code snapshot (if any) to ``tmp``'s next ``code/SNAPSHOT-<k>.json``; returns that path
+    (recorded even where ``root`` had no snapshot)."""
+    snapshot = tmp / "code" / f"SNAPSHOT-{len(record.get('added', [])) + 2}.json"
+    if (root / "code" / "SNAPSHOT.json").is_file():
+        snapshot.parent.mkdir(exist_ok=True)
+        copy_snapshot(root, snapshot)
+    return snapshot
 
 
 def archived_iterations(folder: Path) -> int:

@@ -141,9 +141,8 @@ def pretrain(out_dir, *, seed: int = 0, minutes: float | None = None, steps: int
     Args:
         out_dir: model folder to write (replaced as a whole at each save).
         seed: seeds the initial weights, the data order and the noise.
-        minutes / steps: wall-clock budget (minutes) and/or optimizer steps; training stops at
-            whichever comes first; at least one is required. The lr schedule follows the fraction
-            of the budget used.
+        minutes / steps: wall-clock budget (minutes) and/or optimizer steps; training stops at whichever comes
+            first; at least one is required. The lr schedule follows the fraction of the budget used.
         batch_size: images per optimizer step.
         lr, warmup, weight_decay: AdamW peak lr, warmup as a fraction of the budget, weight decay.
         tasks: task names whose ``<task>_train`` prompts are rendered (ignored if ``data`` given).
@@ -151,8 +150,8 @@ def pretrain(out_dir, *, seed: int = 0, minutes: float | None = None, steps: int
         config: a ``TinyConfig`` (default: the measured ~3.5M-parameter model).
         ema_decay: EMA decay of the saved weights (0 saves the live weights).
         dropout: probability of replacing a prompt by "" (for classifier-free guidance).
-        save_every_minutes: write the resumable checkpoint every so many minutes (None: only at a
-            piece's end). The model folder is written once, when the run completes.
+        save_every_minutes: write the resumable checkpoint every so many minutes (None: only at a piece's end).
+            The model folder is written once, when the run completes.
         data: optional data source (see ``DataFn``) replacing the rendered task prompts.
         num_threads: ``torch.set_num_threads`` if given.
         device: torch device to train on (e.g. ``cuda``); the same seed gives the same draws everywhere.
@@ -168,24 +167,15 @@ def pretrain(out_dir, *, seed: int = 0, minutes: float | None = None, steps: int
             md5) is recorded as ``hparams.init_from``.
     Returns: the ``pretrain.json`` dict (steps, minutes, seed, final_loss, config, ...).
     """
-    import torch
-
     from tpgrpo.models.pretrain_checkpoint import default_checkpoint_path, load_checkpoint
 
     if minutes is None and steps is None:
         raise ValueError("pretrain needs a budget: give minutes and/or steps")
-    if num_threads:
-        torch.set_num_threads(num_threads)
-    torch.manual_seed(seed)
     hparams = {"batch_size": batch_size, "lr": lr, "warmup": warmup, "weight_decay": weight_decay,
                "tasks": list(tasks), "ema_decay": ema_decay, "dropout": dropout,
                "t_sampling": "logit_normal(0,1)", "grad_clip": 1.0, "custom_data": data is not None}
-    backend, start = _starting_model(config, seed, device, init_from)
-    config = backend.config
-    if start is not None:
-        hparams["init_from"] = start
-    run = _Run(backend, Path(out_dir), seed, hparams, steps, minutes)
-    draw = data or task_data(tasks, image_size=config.image_size)
+    run = _new_run(Path(out_dir), seed, hparams, steps, minutes, config, device, init_from, num_threads)
+    draw = data or task_data(tasks, image_size=run.backend.config.image_size)
     rng = np.random.default_rng(seed)
     ckpt = Path(checkpoint) if checkpoint else default_checkpoint_path(Path(out_dir))
     if ckpt.exists():
@@ -194,6 +184,30 @@ def pretrain(out_dir, *, seed: int = 0, minutes: float | None = None, steps: int
     if not _train_until_done(run, draw, rng, ckpt, batch_size, log_every, save_every_minutes, piece_minutes,
                              stop_at_step):
         return run.info(complete=False)
+    return _finish(run, ckpt, out_dir)
+
+
+def _new_run(out_dir: Path, seed: int, hparams: dict, steps, minutes, config, device: str, init_from, num_threads):
+    """The run at step 0, torch's threads and seed set first. Its model: fresh weights from ``seed`` (``config``,
+    default the shipped size), or the saved model ``init_from`` (:func:`_start_from`, recorded in ``hparams``)."""
+    import torch
+
+    from tpgrpo.models.tiny import TinyBackend, TinyConfig, build_tiny
+
+    if num_threads:
+        torch.set_num_threads(num_threads)
+    torch.manual_seed(seed)
+    if init_from is not None:
+        backend, hparams["init_from"] = _start_from(Path(init_from), config, device)
+    else:
+        config = config or TinyConfig()
+        built = build_tiny(config, seed=seed)  # initialised on the CPU: the same weights on any device
+        backend = TinyBackend(built.transformer, built.text_encoder, built.tokenizer, config, device=device)
+    return _Run(backend, out_dir, seed, hparams, steps, minutes)
+
+
+def _finish(run, ckpt: Path, out_dir) -> dict:
+    """Log the last window, save the model folder and delete the checkpoint; returns the ``pretrain.json`` dict."""
     if run.window:
         run.log()
     info = run.save(complete=True)
@@ -201,18 +215,6 @@ def pretrain(out_dir, *, seed: int = 0, minutes: float | None = None, steps: int
     print(f"pretrain: saved {out_dir} after {info['steps']} steps, {info['minutes']} min, "
           f"final loss {info['final_loss']}", flush=True)
     return info
-
-
-def _starting_model(config, seed: int, device: str, init_from: Path | None):
-    """The model step 0 trains: fresh weights from ``seed`` (``config``, default the shipped size), or the saved
-    model ``init_from`` (:func:`_start_from`); and the record of that start (None for fresh weights)."""
-    from tpgrpo.models.tiny import TinyBackend, TinyConfig, build_tiny
-
-    if init_from is not None:
-        return _start_from(Path(init_from), config, device)
-    config = config or TinyConfig()
-    built = build_tiny(config, seed=seed)  # initialised on the CPU: the same weights on any device
-    return TinyBackend(built.transformer, built.text_encoder, built.tokenizer, config, device=device), None
 
 
 def _start_from(folder: Path, config, device: str):
