@@ -231,9 +231,13 @@ def test_a_code_change_reruns_the_stages_of_its_kind_only(tmp_path, tiny_model_d
     assert {"code", "eval-0001", "baseline"} <= rerun <= {"code", "summary", "baseline"} | {
         n for n in rerun if n.startswith("eval-")}, rerun
 
-    # a run folder made before code md5s (manifests of byte md5s), then one made before the manifests (code files
-    # as stage dependencies): DVC sees it up to date; tpgrpo refuses it in one line until `tpgrpo migrate`, once,
-    # after which DVC still sees it up to date and `tpgrpo run` re-runs nothing
+    _older_layouts_are_migrated(root, own, run)
+
+
+def _older_layouts_are_migrated(root: Path, own: dict, run) -> None:
+    """A run folder made before code md5s (manifests of byte md5s), then one made before the manifests (code
+    files as stage dependencies): DVC sees it up to date; tpgrpo refuses it in one line until `tpgrpo migrate`,
+    once, after which DVC still sees it up to date and `tpgrpo run` re-runs nothing."""
     for make_older in (_to_byte_manifests, _to_code_files):
         make_older(root)
         run("dvc", "commit", "--force")

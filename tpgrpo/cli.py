@@ -65,7 +65,7 @@ def dvc_yaml_command(params: ParamsOpt = Path("params.yaml")) -> None:
 def _hold_rendering(stack: ExitStack, root: Path) -> None:
     """Hold the project's run lock on ``stack`` (:func:`tpgrpo.pipeline.dvc_integration.dvclock.rendering`): a second
     ``tpgrpo run`` or ``tpgrpo dvc-yaml``, or one beside a running DVC command, stops with one line before it
-    writes anything (issue 46). A DVC project outside a git repository stops with one line first."""
+    writes anything. A DVC project outside a git repository stops with one line first."""
     from tpgrpo.errors import PipelineError
     from tpgrpo.pipeline.dvc_integration.dvclock import rendering
     from tpgrpo.pipeline.rendering.project_checks import require_scm

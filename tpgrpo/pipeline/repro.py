@@ -82,7 +82,7 @@ def _repro(root: Path, cfg: Config, upto: int, env: dict[str, str], note: Callab
     except BaseException:  # a stage failed, an output was not stored, Ctrl-C: what DVC recorded is checked now
         _check_notes(root, note, "")
         raise
-    if full and sealed:  # vouch only for the blocks whose files did not move while DVC checked them (issue 46)
+    if full and sealed:  # vouch only for the blocks whose files did not move while DVC checked them
         vouch(root, sealed, stamps)
     return drop_disagreeing(root)
 

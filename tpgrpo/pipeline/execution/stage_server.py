@@ -54,7 +54,7 @@ PRELOAD = ("tpgrpo.pipeline.execution.stage_runner", "torch", "numpy", "pandas",
            "diffusers:SD3Transformer2DModel", "diffusers:FlowMatchEulerDiscreteScheduler",
            "diffusers.loaders:SD3LoraLoaderMixin", "transformers:CLIPTextModel",
            "transformers:PreTrainedTokenizerFast", "tpgrpo.models.tiny", "tpgrpo.tasks.rewards", "dvc.utils.serialize",
-           # what every stage command imported after the fork (issue 47: 0.17 s a stage, measured): typer's argument
+           # what every stage command imported after the fork (0.17 s a stage, measured): typer's argument
            # adapters (pydantic), DVC's YAML parser, pyarrow's dataset reader, the runner's status and lock modules
            "typer._adapters", "ruamel.yaml", "pyarrow.dataset", "tpgrpo.pipeline.status",
            "tpgrpo.pipeline.dvc_integration.params_read", "tpgrpo.pipeline.long_runs.blocks",
@@ -150,10 +150,8 @@ def _stop_listening(listener: socket.socket, path: str) -> None:
         os.unlink(path)
 
 
-def _accept(listener: socket.socket, own: dict, code: CodeState, set_by_imports: dict[str, str],
-            children: dict[int, socket.socket | None]) -> bool:
-    """Take one request: refuse it, or fork its child. Returns False once the code changed (stop serving)."""
-    conn, _ = listener.accept()
+def _receive(conn: socket.socket) -> tuple[dict, list[int]] | None:
+    """A request and the descriptors it sent; None (a line printed, both closed) when it is not one."""
     fds: list[int] = []
     try:
         message, fds, _, _ = socket.recv_fds(conn, MAX_MESSAGE, 3)
@@ -165,16 +163,31 @@ def _accept(listener: socket.socket, own: dict, code: CodeState, set_by_imports:
         for fd in fds:  # the descriptors it sent came with it: without this each bad request leaked them
             os.close(fd)
         conn.close()
-        return True
+        return None
+    return request, fds
+
+
+def _refusal_now(conn: socket.socket, request: dict, own: dict, fds: list[int], code: CodeState) -> tuple[str, str]:
+    """``(what changed for good, why the request is refused)``; empty strings where it is served."""
     changed = code.changed()
     if changed:
-        reason = f"code changed since the server started ({changed}): its imports are stale"
-    elif cuda_initialised():  # for good: stop serving, as after a code change
-        changed, reason = "CUDA", "CUDA was initialised in the server: a stage forked now could not use the GPU"
-    elif select.select([conn], [], [], 0)[0]:  # it sends nothing after its request: readable means it left
-        reason = "its caller left before the reply (it stopped waiting and runs the stage itself)"
-    else:
-        reason = _refusal(request, own, fds)
+        return changed, f"code changed since the server started ({changed}): its imports are stale"
+    if cuda_initialised():  # for good: stop serving, as after a code change
+        return "CUDA", "CUDA was initialised in the server: a stage forked now could not use the GPU"
+    if select.select([conn], [], [], 0)[0]:  # it sends nothing after its request: readable means it left
+        return "", "its caller left before the reply (it stopped waiting and runs the stage itself)"
+    return "", _refusal(request, own, fds) or ""
+
+
+def _accept(listener: socket.socket, own: dict, code: CodeState, set_by_imports: dict[str, str],
+            children: dict[int, socket.socket | None]) -> bool:
+    """Take one request: refuse it, or fork its child. Returns False once the code changed (stop serving)."""
+    conn, _ = listener.accept()
+    received = _receive(conn)
+    if received is None:
+        return True
+    request, fds = received
+    changed, reason = _refusal_now(conn, request, own, fds, code)
     if reason:
         print(f"refused {request.get('argv')}: {reason}", flush=True)
         send(conn, {"refused": reason})
