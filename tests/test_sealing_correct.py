@@ -21,8 +21,8 @@ import yaml
 from conftest import make_tiny_project
 
 from tpgrpo.config import load_config
-from tpgrpo.pipeline.long_runs.blocks import (Block, object_path, read_as_dvc, read_lock, read_seal, write_lock,
-                                              write_yaml)
+from tpgrpo.pipeline.long_runs.blocks import (Block, object_path, read_as_dvc, read_lock, read_seal, write_block_entry,
+                                              write_lock, write_yaml)
 from tpgrpo.pipeline.dvc_integration.dvclock import RWLOCK
 from tpgrpo.pipeline.rendering.dvcfile import write_dvc_yaml
 from tpgrpo.pipeline.long_runs.sealing import seal_finished, stage_names, stale_stages, unseal_changed
@@ -316,7 +316,8 @@ def _hand_sealed(root: Path) -> Path:
     outs = block_out_paths(cfg, BLOCK)
     write_yaml(BLOCK.entries_path(root), {"update-0002": {"cmd": "x", "outs": []}})
     write_yaml(BLOCK.seal_path(root), {"first": 1, "last": 2, "outs": outs})
-    write_lock(root, {"schema": "2.0", "stages": {BLOCK.name: {"cmd": "x", "outs": [{"path": p} for p in outs]}}})
+    write_lock(root, {"schema": "2.0", "stages": {}})
+    write_block_entry(root, BLOCK, {"cmd": "x", "outs": [{"path": p} for p in outs]})
     for path in outs:
         (root / path).parent.mkdir(parents=True, exist_ok=True)
         (root / path).write_text("x")
