@@ -238,6 +238,8 @@ def _older_layouts_are_migrated(root: Path, own: dict, run) -> None:
     """A run folder made before code md5s (manifests of byte md5s), then one made before the manifests (code
     files as stage dependencies): DVC sees it up to date; tpgrpo refuses it in one line until `tpgrpo migrate`,
     once, after which DVC still sees it up to date and `tpgrpo run` re-runs nothing."""
+    from test_dvc_pipeline import ran
+
     for make_older in (_to_byte_manifests, _to_code_files):
         make_older(root)
         run("dvc", "commit", "--force")
