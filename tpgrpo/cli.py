@@ -82,10 +82,12 @@ def _render_dvc_yaml(params: Path) -> None:
     from tpgrpo.errors import PipelineError
     from tpgrpo.pipeline.rendering.dvcfile import write_dvc_yaml
     from tpgrpo.pipeline.migrate import refuse_older_layout
+    from tpgrpo.pipeline import long_run
 
     try:
         cfg = load_config(params)
         refuse_older_layout(Path(params).resolve().parent)
+        long_run.sweep(Path(params).resolve().parent, typer.echo)  # an interrupted unsealing's leftovers first
         changed = write_dvc_yaml(cfg, Path(params).resolve().parent)
     except (ConfigError, PipelineError) as exc:
         _fail(str(exc))

@@ -30,7 +30,7 @@ def prepare(root: Path, cfg: Config, raw: dict, note: Callable[[str], None]) -> 
     refuse (PipelineError, one line, nothing written) a block whose records cannot be unsealed. Returns the
     blocks pending. ``raw``: params.yaml as DVC reads it. First removes what an interrupted unsealing left
     (:func:`tpgrpo.pipeline.long_runs.blocks.sweep_unsealed`, a ``note`` line each)."""
-    _sweep(root, note)
+    sweep(root, note)
     if not active(root, cfg):
         return set()
     from tpgrpo.pipeline.long_runs.sealing import check_records, stale_seals, unseal_changed
@@ -41,7 +41,9 @@ def prepare(root: Path, cfg: Config, raw: dict, note: Callable[[str], None]) -> 
     return set(stale)
 
 
-def _sweep(root: Path, note: Callable[[str], None] | None = None) -> None:
+def sweep(root: Path, note: Callable[[str], None] | None = None) -> None:
+    """Remove what an interrupted unsealing left (a block's pipeline file without its seal would list its
+    outputs twice once rendered); a ``note`` line each. Before any render."""
     from tpgrpo.pipeline.long_runs.blocks import sweep_unsealed
 
     for path in sweep_unsealed(root):

@@ -77,12 +77,23 @@ def _records(root: Path) -> list[tuple[Path, dict, dict]]:
     return found
 
 
+def _root_lock_uses_code_files(root: Path) -> bool:
+    """:func:`uses_code_files` on the root lock, parsed only when its text names a code file: every run and
+    every code stage asks, and parsing a lock costs a second a MB. The root lock suffices: an older project
+    always has stages there (the baseline, the held-out prompts' embeddings), listing their code files too."""
+    path = root / "dvc.lock"
+    if not path.is_file():
+        return False
+    text = path.read_text()
+    return any(f"path: {folder}" in text for folder in CODE_FOLDERS) and uses_code_files(read_lock(root)["stages"])
+
+
 def older_layouts(root: Path) -> list[str]:
     """What makes ``root`` a project of an older layout, a few words each (empty: today's layout)."""
     found = []
     if unmigrated_blocks(root):
         found.append("sealed blocks recorded in the root dvc.lock")
-    if any(uses_code_files(entries) for _, _, entries in _records(root)):
+    if _root_lock_uses_code_files(root):
         found.append("code files as stage dependencies")
     kinds = _byte_manifests(root)
     if kinds:

@@ -102,7 +102,6 @@ def retain(root: Path, cfg: Config, gc: bool = True, note: Callable[[str], None]
     throughout (:func:`dvc_lock_held`). Returns the dropped paths."""
     from tpgrpo.pipeline.rendering.dvcfile import write_block_dvcfile
 
-
     with dvc_lock_held(root) as repo:
         # before anything changes: a git that cannot list the other commits' records stops retain here (one line)
         committed = committed_oids(root) if gc and _own_cache(repo) else set()
