@@ -34,6 +34,10 @@ def test_base_report_writes_tables_and_grid(tiny_project):
     assert row["num_steps"] == cfg.eval.num_steps and row["guidance_scale"] == cfg.eval.guidance_scale
     assert 0 <= row["strict_accuracy"] <= row["reward_mean"] + 1e-12
     assert "At eval's settings" in table
+    clauses = row["clauses"]  # every image counted once per kind, and once in "all"
+    assert sum(v["n"] for k, v in clauses.items() if k != "all") == clauses["all"]["n"] == row["n"]
+    assert abs(clauses["all"]["strict"] - row["strict_accuracy"]) < 1e-12
+    assert "| all | " in table and "on the asked side" in table
 
 
 def test_the_report_covers_the_tasks_the_base_was_pretrained_on(tmp_path):

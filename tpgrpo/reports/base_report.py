@@ -18,6 +18,7 @@ import numpy as np
 import torch
 
 from tpgrpo.config import Config
+from tpgrpo.tasks.clauses import clause_markdown
 
 TASK_REWARDS = {"compositional": ("geneval", "geneval_soft"), "text": ("ocr",)}
 
@@ -36,14 +37,19 @@ def eval_settings_row(backend, cfg: Config, prompts_dir: Path) -> dict:
     """Held-out reward and strict accuracy exactly as the baseline eval stage samples and scores them."""
     from tpgrpo.policy.generate import evaluate_prompts
     from tpgrpo.stage_common import resolve
+    from tpgrpo.tasks.clauses import clause_table
     from tpgrpo.tasks.prompts import load_prompts
 
     metas = load_prompts(resolve(prompts_dir.parent.parent, cfg.task.eval_prompts))[:cfg.eval.num_prompts]
     out = evaluate_prompts(backend, metas, cfg.task.eval_reward, num_steps=cfg.eval.num_steps,
                            seed=cfg.eval.seed, guidance_scale=cfg.eval.guidance_scale,
                            shift=cfg.sampling.shift, batch_size=cfg.rollout.batch_size,
-                           samples_per_prompt=cfg.eval.samples_per_prompt)
-    return {"prompts": len(metas), "samples_per_prompt": cfg.eval.samples_per_prompt, **out}
+                           samples_per_prompt=cfg.eval.samples_per_prompt, return_images=True)
+    images = out.pop("images")
+    row = {"prompts": len(metas), "samples_per_prompt": cfg.eval.samples_per_prompt, **out}
+    if all(m.get("task") == "compositional" for m in metas):  # which clause the wrong images break
+        row["clauses"] = clause_table(images, [m for m in metas for _ in range(cfg.eval.samples_per_prompt)])
+    return row
 
 
 def ode_table(backend, cfg: Config, prompts_dir: Path, steps=(10, 40),
@@ -121,6 +127,9 @@ def markdown(ode_rows: list[dict], inc_rows: list[dict], source: str, eval_row: 
                   f"seeds, {eval_row['num_steps']} ODE steps, guidance {eval_row['guidance_scale']}): "
                   f"`{eval_row['reward_name']}` {eval_row['reward_mean']:.3f}, strict accuracy "
                   f"**{eval_row['strict_accuracy']:.3f}** (by kind: {kinds}).", ""]
+        if "clauses" in eval_row:
+            lines += ["The share of those images breaking each clause (`tpgrpo.tasks.clauses`):", "",
+                      clause_markdown(eval_row["clauses"])]
     lines += [f"Base model `{source}`, held-out prompts, ODE sampling, one seed per prompt:", "",
              "| task | reward | steps | prompts | mean reward | strict accuracy |", "|---|---|---|---|---|---|"]
     lines += [f"| {r['task']} | {r['reward']} | {r['steps']} | {r['prompts']} | {r['mean_reward']:.3f} | "
