@@ -10,7 +10,8 @@ minibatch of (sample, noise level, noise) items:
 - ``raft``: flow-matching loss weighted by max(A, 0) (fine-tuning on the group's better samples);
 - ``correct``: flow-matching loss on the samples the eval's rules call right (self-training on successes);
 - ``nft``: DiffusionNFT's loss, the old policy = the adapter at the iteration's start (the sampler).
-Prints one JSON line per iteration (training reward and strict) and per eval (held-out, eval's settings).
+Prints one JSON line per iteration (training reward, strict, and the share of left/right samples drawn on the
+asked side: `tpgrpo.tasks.clauses.side_sign`) and per eval (held-out, eval's settings).
 
     python -m bench.studies.quick_rl --method nft --iters 30 --lr 1e-3 --steps 8 --threads 1
 """
@@ -112,7 +113,8 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--beta", type=float, default=1.0)
     p.add_argument("--t-min", type=float, default=0.0)
     p.add_argument("--t-max", type=float, default=1.0)
-    p.add_argument("--reward", default="geneval_soft", help="geneval or geneval_soft (strict: geneval's)")
+    p.add_argument("--reward", default="geneval_soft",
+                   help="geneval, geneval_soft, or names joined by + (their mean; strict: geneval's)")
     p.add_argument("--train-guidance", type=float, default=4.5, help="guidance of the trained velocity")
     p.add_argument("--guidance", type=float, default=4.5, help="guidance of the rollout's sampler")
     p.add_argument("--sample-steps", type=int, default=10)
@@ -124,6 +126,28 @@ def parse_args() -> argparse.Namespace:
     return p.parse_args()
 
 
+def side_rate(images, metas: list[dict]) -> float | None:
+    """Of the left/right samples drawn with a clear offset, the fraction on the asked side (0.5 = chance)."""
+    from tpgrpo.tasks.clauses import side_sign
+    from tpgrpo.tasks.detect import detect
+
+    signs = [side_sign(detect(img), m) for img, m in zip(images, metas) if m["kind"] == "position"]
+    signs = [s for s in signs if s]
+    return round(float(np.mean([s > 0 for s in signs])), 4) if signs else None
+
+
+def mean_reward(parts):
+    """The mean of several rewards' scores (strict: the first's, every geneval reward's is the same)."""
+    from types import SimpleNamespace
+
+    def score(images, metas):
+        scored = [part(images, metas) for part in parts]
+        reward = np.mean([np.asarray(s.reward, dtype=np.float64) for s in scored], axis=0)
+        return SimpleNamespace(reward=reward, strict=scored[0].strict)
+
+    return score
+
+
 def iteration(backend, args, train: list[dict], reward, rng, gen) -> dict:
     """One iteration: sample, score (the reward's strict is geneval's), advantages, ``args.steps`` updates."""
     from tpgrpo.policy.lora import lora_state_dict
@@ -133,13 +157,14 @@ def iteration(backend, args, train: list[dict], reward, rng, gen) -> dict:
     seeds = rng.integers(0, 2**31 - 1, len(metas)).tolist()
     embeds = backend.encode_prompts([m["prompt"] for m in metas])
     x0 = sample_latents(backend, embeds, seeds, args.sample_steps, args.guidance)
-    scored = reward(backend.decode(x0), metas)
+    images = backend.decode(x0)
+    scored = reward(images, metas)
     r = np.asarray(scored.reward, dtype=np.float64)
     strict = np.asarray(scored.strict, dtype=bool)
     adv = strict.astype(np.float64) if args.method == "correct" else group_advantages(r, args.group)
     loss = train_steps(backend, args, x0, adv, embeds, lora_state_dict(backend), gen)
     return {"train_reward": round(float(r.mean()), 4), "train_strict": round(float(strict.mean()), 4),
-            "loss": round(loss, 5)}
+            "train_side": side_rate(images, metas), "loss": round(loss, 5)}
 
 
 def main() -> None:
@@ -161,7 +186,8 @@ def main() -> None:
     if args.only:
         train = [m for m in train if m["id"] in args.only.split(",")]
     evals = read_metas(ROOT / "data/prompts/compositional_eval.jsonl")
-    reward = get_reward(args.reward)
+    parts = [get_reward(name) for name in args.reward.split("+")]
+    reward = parts[0] if len(parts) == 1 else mean_reward(parts)
     rng, gen = np.random.default_rng(args.seed), torch.Generator().manual_seed(args.seed)
     start = time.time()
     print(json.dumps({"args": {k: v for k, v in vars(args).items() if k not in ("params", "optimizer")}}), flush=True)
