@@ -190,3 +190,31 @@ def test_a_second_phase_refuses_another_configuration(tmp_path):
     with pytest.raises(ValueError, match="--init-from .*first: its configuration differs"):
         pretrain(tmp_path / "second", seed=3, steps=2, batch_size=8, config=other, data=_standin_data,
                  save_every_minutes=None, init_from=tmp_path / "first")
+
+
+def test_noise_mean_weights_the_high_noise_levels_and_is_recorded(tmp_path, monkeypatch):
+    import tpgrpo.models.pretrain as pretrain_module
+
+    seen = []
+    real = pretrain_module.flow_loss
+
+    def spy(backend, x0, prompts, generator, dropout=0.0, noise_mean=0.0):
+        state = generator.get_state()  # replay the draws flow_loss makes: dropout, noise, then the levels
+        torch.rand(x0.shape[0], generator=generator)
+        torch.randn(x0.shape, generator=generator)
+        seen.append(torch.sigmoid(torch.randn(x0.shape[0], generator=generator) + noise_mean))
+        generator.set_state(state)
+        return real(backend, x0, prompts, generator, dropout, noise_mean)
+
+    monkeypatch.setattr(pretrain_module, "flow_loss", spy)
+    plain = _run(tmp_path / "plain", steps=8)
+    levels_plain = torch.cat(seen)
+    seen.clear()
+    high = _run(tmp_path / "high", steps=8, noise_mean=1.5)
+    levels_high = torch.cat(seen)
+    assert plain["hparams"]["t_sampling"] == "logit_normal(0,1)" and plain["hparams"]["noise_mean"] == 0.0
+    assert high["hparams"]["t_sampling"] == "logit_normal(1.5,1)" and high["hparams"]["noise_mean"] == 1.5
+    assert levels_plain.median() < 0.6 < 0.7 < levels_high.median()  # sigmoid(0) = 0.5, sigmoid(1.5) = 0.82
+    _run(tmp_path / "piece", steps=8, piece_minutes=1e-9)  # a checkpoint at mean 0 does not resume at 1.5
+    with pytest.raises(ValueError, match=r"checkpoint of another run \(hparams"):
+        _run(tmp_path / "piece", steps=8, noise_mean=1.5)

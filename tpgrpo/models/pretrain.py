@@ -2,8 +2,8 @@
 
 Each step draws a batch of TRAIN prompts of the chosen tasks (task first, uniformly, then a prompt),
 renders a fresh clean image for each (``tpgrpo.tasks.render.render_prompt``, random placement) and
-fits ``v(x_s, s, prompt) ~ noise - x0`` at ``x_s = (1 - s) x0 + s noise``, ``s ~ logit-normal(0, 1)``
-(SD3's choice: most weight at mid noise). 10% of prompts become "" so classifier-free guidance has
+fits ``v(x_s, s, prompt) ~ noise - x0`` at ``x_s = (1 - s) x0 + s noise``, ``s ~ logit-normal(m, 1)``
+(SD3: m = 0, most weight at mid noise; ``noise_mean``). 10% of prompts become "" so classifier-free guidance has
 an unconditional model. The text encoder trains jointly. Everything random comes from ``seed``
 (numpy for data, a torch Generator for noise), so a run with ``steps`` is reproducible bit for bit;
 a ``minutes`` budget makes the step count (and so the lr schedule) depend on the machine's speed.
@@ -66,11 +66,12 @@ def lr_at(progress: float, lr: float, warmup: float, min_ratio: float = 0.1) -> 
     return lr * (min_ratio + (1.0 - min_ratio) * 0.5 * (1.0 + math.cos(math.pi * frac)))
 
 
-def flow_loss(backend, x0, prompts: list[str], generator, dropout: float = 0.0):
+def flow_loss(backend, x0, prompts: list[str], generator, dropout: float = 0.0, noise_mean: float = 0.0):
     """Rectified-flow MSE ``mean |v(x_s, s) - (noise - x0)|^2`` for a batch, with gradient.
 
     ``x0`` is ``(B, C, H, W)`` in [-1, 1] on the backend's device; noise, ``s`` and the dropout draw come
     from ``generator`` (a CPU ``torch.Generator``) in that fixed order and are moved to ``x0``'s device.
+    ``s = sigmoid(N(noise_mean, 1))``: a positive mean weights the high noise levels, where layouts form.
     """
     import torch
 
@@ -78,7 +79,7 @@ def flow_loss(backend, x0, prompts: list[str], generator, dropout: float = 0.0):
     drop = torch.rand(batch, generator=generator) < dropout
     prompts = ["" if d else p for p, d in zip(prompts, drop.tolist())]
     noise = torch.randn(x0.shape, generator=generator).to(x0.device)
-    s = torch.sigmoid(torch.randn(batch, generator=generator)).to(x0.device)
+    s = torch.sigmoid(torch.randn(batch, generator=generator) + noise_mean).to(x0.device)
     s4 = s.view(-1, 1, 1, 1)
     x_s = (1.0 - s4) * x0 + s4 * noise
     hidden, pooled = backend.encode_text(prompts)
@@ -135,7 +136,7 @@ def pretrain(out_dir, *, seed: int = 0, minutes: float | None = None, steps: int
              save_every_minutes: float | None = 10.0, data: DataFn | None = None,
              num_threads: int | None = None, device: str = "cpu", checkpoint: Path | None = None,
              piece_minutes: float | None = None, stop_at_step: int | None = None,
-             change_budget: bool = False, init_from: Path | None = None) -> dict:
+             change_budget: bool = False, init_from: Path | None = None, noise_mean: float = 0.0) -> dict:
     """Train a tiny model from scratch and save it (EMA weights) atomically to ``out_dir``.
 
     Args:
@@ -165,15 +166,17 @@ def pretrain(out_dir, *, seed: int = 0, minutes: float | None = None, steps: int
         init_from: a saved tiny model folder to start from (a second phase with its own schedule) instead of
             fresh weights; its configuration is the run's, and what it was (its ``pretrain.json`` and weights'
             md5) is recorded as ``hparams.init_from``.
+        noise_mean: the noise levels are ``sigmoid(N(noise_mean, 1))`` (0: logit-normal(0, 1), SD3's; 1.5 taught
+            the shipped base left from right, which 0 had not).
     Returns: the ``pretrain.json`` dict (steps, minutes, seed, final_loss, config, ...).
     """
     from tpgrpo.models.pretrain_checkpoint import default_checkpoint_path, load_checkpoint
 
     if minutes is None and steps is None:
         raise ValueError("pretrain needs a budget: give minutes and/or steps")
-    hparams = {"batch_size": batch_size, "lr": lr, "warmup": warmup, "weight_decay": weight_decay,
-               "tasks": list(tasks), "ema_decay": ema_decay, "dropout": dropout,
-               "t_sampling": "logit_normal(0,1)", "grad_clip": 1.0, "custom_data": data is not None}
+    hparams = {"batch_size": batch_size, "lr": lr, "warmup": warmup, "weight_decay": weight_decay, "tasks": list(tasks),
+               "ema_decay": ema_decay, "dropout": dropout, "t_sampling": f"logit_normal({noise_mean:g},1)",
+               "noise_mean": noise_mean, "grad_clip": 1.0, "custom_data": data is not None}
     run = _new_run(Path(out_dir), seed, hparams, steps, minutes, config, device, init_from, num_threads)
     draw = data or task_data(tasks, image_size=run.backend.config.image_size)
     rng = np.random.default_rng(seed)
@@ -200,8 +203,7 @@ def _new_run(out_dir: Path, seed: int, hparams: dict, steps, minutes, config, de
     if init_from is not None:
         backend, hparams["init_from"] = _start_from(Path(init_from), config, device)
     else:
-        config = config or TinyConfig()
-        built = build_tiny(config, seed=seed)  # initialised on the CPU: the same weights on any device
+        built = build_tiny(config := config or TinyConfig(), seed=seed)  # on the CPU: the same weights anywhere
         backend = TinyBackend(built.transformer, built.text_encoder, built.tokenizer, config, device=device)
     return _Run(backend, out_dir, seed, hparams, steps, minutes)
 
@@ -212,8 +214,7 @@ def _finish(run, ckpt: Path, out_dir) -> dict:
         run.log()
     info = run.save(complete=True)
     ckpt.unlink(missing_ok=True)
-    print(f"pretrain: saved {out_dir} after {info['steps']} steps, {info['minutes']} min, "
-          f"final loss {info['final_loss']}", flush=True)
+    print(f"pretrain: saved {out_dir} after {info['steps']} steps, loss {info['final_loss']}", flush=True)
     return info
 
 
@@ -302,7 +303,7 @@ class _Run:
         for m in self.backend.modules():
             m.train()
         x0 = self.backend.encode_images(images)
-        loss = flow_loss(self.backend, x0, prompts, self.gen, self.hparams["dropout"])
+        loss = flow_loss(self.backend, x0, prompts, self.gen, self.hparams["dropout"], self.hparams["noise_mean"])
         self.opt.zero_grad(set_to_none=True)
         loss.backward()
         torch.nn.utils.clip_grad_norm_(self.params, self.hparams["grad_clip"])  # early steps spike
@@ -371,6 +372,8 @@ def pretrain_command(
     init_from: Annotated[Optional[Path], typer.Option(help="start from this saved tiny model's weights (a second "
                                                       "phase; recorded) instead of fresh ones")] = None,
     lr: Annotated[float, typer.Option(help="AdamW peak learning rate")] = 1e-3,
+    noise_mean: Annotated[float, typer.Option(help="mean of the logit-normal noise levels; > 0 weights the high "
+                                              "ones, where layouts (left/right) form")] = 0.0,
 ) -> None:
     """Pretrain the embedded tiny text-to-image model on rendered task images (resumable)."""
     if minutes is None and steps is None:
@@ -378,7 +381,7 @@ def pretrain_command(
     pretrain(out_dir, seed=seed, minutes=minutes, steps=steps, batch_size=batch_size, device=device,
              tasks=tuple(t.strip() for t in tasks.split(",") if t.strip()), piece_minutes=piece_minutes,
              num_threads=threads, stop_at_step=stop_at_step, change_budget=change_budget, init_from=init_from,
-             lr=lr)
+             lr=lr, noise_mean=noise_mean)
 
 
 def _cpu_model() -> str:
