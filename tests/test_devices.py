@@ -375,7 +375,8 @@ def test_pretraining_step_runs_on_the_backend_device(tmp_path):
 
     rng = np.random.default_rng(0)
     images = rng.integers(0, 256, size=(4, 16, 16, 3), dtype=np.uint8)
-    hparams = {"lr": 1e-3, "warmup": 0.0, "weight_decay": 0.0, "ema_decay": 0.9, "dropout": 0.5, "grad_clip": 1.0}
+    hparams = {"lr": 1e-3, "warmup": 0.0, "weight_decay": 0.0, "ema_decay": 0.9, "dropout": 0.5, "grad_clip": 1.0,
+               "noise_mean": 0.0}
     ref = _Run(_tiny(), tmp_path / "a", 0, hparams, 2, None)
     with fake_cuda():
         run = _Run(FakeCudaBackend(_tiny()), tmp_path / "b", 0, hparams, 2, None)
