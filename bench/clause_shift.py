@@ -16,19 +16,10 @@ from pathlib import Path
 
 def policy_clauses(cfg, root: Path, iteration: int) -> dict:
     """The clause table of policy ``iteration`` (0: the base) on the held-out prompts at eval's settings."""
-    from tpgrpo.policy.generate import evaluate_prompts
     from tpgrpo.policy.loading import policy_to_score
-    from tpgrpo.stage_common import resolve
-    from tpgrpo.tasks.clauses import clause_table
-    from tpgrpo.tasks.prompts import load_prompts
+    from tpgrpo.reports.base_report import eval_settings_row
 
-    metas = load_prompts(resolve(root, cfg.task.eval_prompts))[:cfg.eval.num_prompts]
-    backend = policy_to_score(cfg, root, iteration)[0]
-    out = evaluate_prompts(backend, metas, cfg.task.eval_reward, num_steps=cfg.eval.num_steps,
-                           seed=cfg.eval.seed, guidance_scale=cfg.eval.guidance_scale, shift=cfg.sampling.shift,
-                           batch_size=cfg.rollout.batch_size, samples_per_prompt=cfg.eval.samples_per_prompt,
-                           return_images=True)
-    return clause_table(out["images"], [m for m in metas for _ in range(cfg.eval.samples_per_prompt)])
+    return eval_settings_row(policy_to_score(cfg, root, iteration)[0], cfg, root / "data" / "prompts")["clauses"]
 
 
 def main() -> None:

@@ -128,12 +128,10 @@ def parse_args() -> argparse.Namespace:
 
 def side_rate(images, metas: list[dict]) -> float | None:
     """Of the left/right samples drawn with a clear offset, the fraction on the asked side (0.5 = chance)."""
-    from tpgrpo.tasks.clauses import side_sign
-    from tpgrpo.tasks.detect import detect
+    from tpgrpo.tasks.clauses import clause_table
 
-    signs = [side_sign(detect(img), m) for img, m in zip(images, metas) if m["kind"] == "position"]
-    signs = [s for s in signs if s]
-    return round(float(np.mean([s > 0 for s in signs])), 4) if signs else None
+    side = clause_table(images, metas).get("position", {}).get("side_right")
+    return None if side is None else round(side, 4)
 
 
 def mean_reward(parts):

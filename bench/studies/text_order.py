@@ -10,9 +10,10 @@ objects minus two green ones, for scale.
     python -m bench.studies.text_order --encoder clip --steps 1500 --threads 1          # from scratch
     python -m bench.studies.text_order --init data/base --kinds all --steps 2000        # continue the base
 
-Training: batches of 64 training prompts of ``--kinds`` rendered on the fly, noise levels
-``sigmoid(N(--noise-mean, 1))`` (layouts form at high noise), 10% empty prompts, AdamW (5% warm-up, cosine
-to a tenth), the transformer and the text encoder trained together; the measure every 500 steps.
+Training: pretraining's ``flow_loss`` and ``lr_at`` on batches of 64 training prompts of ``--kinds`` rendered
+on the fly, noise levels ``sigmoid(N(--noise-mean, 1))`` (layouts form at high noise), 10% empty prompts,
+AdamW (5% warm-up, cosine to a tenth), the transformer and the text encoder trained together; the measure
+every 500 steps, no EMA.
 """
 
 from __future__ import annotations
@@ -49,6 +50,7 @@ def build(args):
         out = text(input_ids=ids)
         return out.last_hidden_state, out.pooler_output
 
+    b.encode_text = encode  # what pretraining's flow_loss encodes with
     return b, encode, list(b.transformer.parameters()) + list(text.parameters())
 
 
@@ -91,6 +93,7 @@ def main() -> None:
 
     import torch
 
+    from tpgrpo.models.pretrain import flow_loss, lr_at
     from tpgrpo.tasks.prompts import build_prompt_sets
     from tpgrpo.tasks.render import render_prompt
 
@@ -103,16 +106,11 @@ def main() -> None:
     rng, gen = np.random.default_rng(args.seed), torch.Generator().manual_seed(args.seed)
     start = time.time()
     for step in range(1, args.steps + 1):
-        warm = min(1.0, step / (0.05 * args.steps))
         for g in opt.param_groups:
-            g["lr"] = args.lr * warm * (0.1 + 0.45 * (1 + np.cos(np.pi * step / args.steps)))
+            g["lr"] = lr_at(step / args.steps, args.lr, 0.05)
         metas = [pool[int(rng.integers(len(pool)))] for _ in range(64)]
         x0 = b.encode_images(np.stack([render_prompt(m, rng) for m in metas]))
-        drop = (torch.rand(64, generator=gen) < 0.1).tolist()
-        noise = torch.randn(x0.shape, generator=gen)
-        s = torch.sigmoid(torch.randn(64, generator=gen) + args.noise_mean).view(-1, 1, 1, 1)
-        h, pooled = encode(["" if d else m["prompt"] for m, d in zip(metas, drop)])
-        loss = ((b.predict((1 - s) * x0 + s * noise, s.view(-1), h, pooled) - (noise - x0)) ** 2).mean()
+        loss = flow_loss(b, x0, [m["prompt"] for m in metas], gen, dropout=0.1, noise_mean=args.noise_mean)
         opt.zero_grad()
         loss.backward()
         torch.nn.utils.clip_grad_norm_(params, 1.0)

@@ -28,11 +28,11 @@ from tpgrpo.tasks.detect import Detection, detect
 CLAUSES = ("missing", "colour", "shape", "side", "extra", "junk")
 
 
-def failed_clauses(det: Detection, meta: dict) -> tuple[str, ...]:
-    """The clauses (in ``CLAUSES`` order) that one image's detection breaks for a compositional meta."""
+def read_clauses(det: Detection, meta: dict) -> tuple[tuple[str, ...], int]:
+    """One image against a compositional meta, with one `geneval` matching: the clauses it breaks (in
+    ``CLAUSES`` order) and its side sign (see :func:`side_sign`)."""
     slots = geneval._slots(meta)
-    assigned = geneval.match(det.objects, slots)
-    found = [det.objects[k] if k is not None else None for k in assigned]
+    found = [det.objects[k] if k is not None else None for k in geneval.match(det.objects, slots)]
     broken = set()
     for obj, (colour, shape) in zip(found, slots):
         if obj is None:
@@ -42,28 +42,26 @@ def failed_clauses(det: Detection, meta: dict) -> tuple[str, ...]:
             broken.add("colour")
         if obj.shape != shape:
             broken.add("shape")
-    if meta["relation"] is not None:
-        align = geneval._alignment(meta, found[0], found[1])
-        if align is not None and align <= geneval.ALIGN_STRICT:
-            broken.add("side")
-    if len(det.objects) > sum(k is not None for k in assigned):
+    align = None if meta["relation"] is None else geneval._alignment(meta, found[0], found[1])
+    if align is not None and align <= geneval.ALIGN_STRICT:
+        broken.add("side")
+    if len(det.objects) > sum(obj is not None for obj in found):
         broken.add("extra")
     if det.junk:
         broken.add("junk")
-    return tuple(c for c in CLAUSES if c in broken)
+    sign = 0 if align is None or abs(align) <= geneval.ALIGN_STRICT else (1 if align > 0 else -1)
+    return tuple(c for c in CLAUSES if c in broken), sign
+
+
+def failed_clauses(det: Detection, meta: dict) -> tuple[str, ...]:
+    """The clauses (in ``CLAUSES`` order) that one image's detection breaks for a compositional meta."""
+    return read_clauses(det, meta)[0]
 
 
 def side_sign(det: Detection, meta: dict) -> int:
     """For a left/right prompt: +1 when both objects were found with a clear horizontal offset on the asked
     side, -1 when clearly on the other side, 0 otherwise (an object missing, or |alignment| <= 0.5)."""
-    if meta["relation"] is None:
-        return 0
-    assigned = geneval.match(det.objects, geneval._slots(meta))
-    found = [det.objects[k] if k is not None else None for k in assigned]
-    align = geneval._alignment(meta, found[0], found[1])
-    if align is None or abs(align) <= geneval.ALIGN_STRICT:
-        return 0
-    return 1 if align > 0 else -1
+    return read_clauses(det, meta)[1]
 
 
 def clause_table(images: np.ndarray, metas: Sequence[dict]) -> dict:
@@ -75,8 +73,7 @@ def clause_table(images: np.ndarray, metas: Sequence[dict]) -> dict:
     """
     rows = []
     for image, meta in zip(images, metas):
-        det = detect(image)
-        rows.append((str(meta.get("kind", "")), failed_clauses(det, meta), side_sign(det, meta)))
+        rows.append((str(meta.get("kind", "")), *read_clauses(detect(image), meta)))
     table = {}
     for kind in sorted({k for k, _, _ in rows}) + ["all"]:
         picked = [(broken, sign) for k, broken, sign in rows if kind in (k, "all")]
